@@ -1,0 +1,106 @@
+"""The offline default model: preparation, resolution of names and paths, and a real generation."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lit_trainer import models
+from lit_trainer.models import DEFAULT_MODEL, MARKER, ModelError, resolve_model
+
+
+def _lit(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "lit_trainer.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=300)
+
+
+@pytest.mark.slow
+def test_prepared_model_is_a_complete_hf_folder(prepared_model: Path):
+    names = {p.name for p in prepared_model.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json", MARKER} <= names
+    assert resolve_model(DEFAULT_MODEL) == prepared_model
+
+
+@pytest.mark.slow
+def test_second_prepare_is_a_no_op(prepared_model: Path):
+    before = {p.name: p.stat().st_mtime_ns for p in prepared_model.iterdir()}
+    again = models.prepare_default_model()
+    assert again.created is False
+    assert again.path == prepared_model
+    assert {p.name: p.stat().st_mtime_ns for p in prepared_model.iterdir()} == before
+
+
+@pytest.mark.slow
+def test_second_prepare_through_the_cli_says_so(prepared_model: Path):
+    out = _lit("model", "prepare")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(prepared_model)
+    assert "already prepared" in out.stderr
+
+
+@pytest.mark.slow
+def test_prepared_model_answers_a_simple_question(prepared_model: Path):
+    reply = models.greedy_reply(prepared_model, "What is the capital of France?", max_new_tokens=24)
+    assert "paris" in reply.lower(), reply
+
+
+@pytest.mark.slow
+def test_prepared_model_loads_as_fp32_llama_with_tied_embeddings(prepared_model: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(prepared_model)
+    assert model.config.model_type == "llama"
+    assert model.config.tie_word_embeddings
+    assert model.dtype == torch.float32
+    assert 134_000_000 < sum(p.numel() for p in model.parameters()) < 135_000_000
+
+
+def test_bad_model_path_gives_one_line_error_naming_the_path(tmp_path: Path):
+    bad = tmp_path / "no-such-model"
+    out = _lit("model", "check", str(bad))
+    assert out.returncode == 1
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("lit: error:") and str(bad) in lines[0]
+
+
+def test_folder_without_config_is_rejected_with_its_path(tmp_path: Path):
+    with pytest.raises(ModelError, match="no config.json") as info:
+        resolve_model(tmp_path)
+    assert str(tmp_path) in str(info.value)
+
+
+def test_any_hf_causal_lm_folder_is_accepted(tmp_path: Path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "tiny")
+    assert resolve_model(str(tmp_path / "tiny")) == tmp_path / "tiny"
+
+
+def test_unprepared_default_names_the_prepare_command(tmp_path: Path):
+    with pytest.raises(ModelError, match="lit model prepare"):
+        resolve_model(DEFAULT_MODEL, cache=tmp_path)
+
+
+def test_interrupted_preparation_is_not_taken_for_a_model(tmp_path: Path):
+    # A folder that has the files but not the marker (the process died mid-save) is not a prepared model.
+    folder = models.default_model_dir(tmp_path)
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    assert not models.is_prepared(folder)
+    with pytest.raises(ModelError, match="not prepared"):
+        resolve_model(DEFAULT_MODEL, cache=tmp_path)
+
+
+def test_cache_dir_follows_lit_cache_dir(monkeypatch, tmp_path: Path):
+    monkeypatch.setenv("LIT_CACHE_DIR", str(tmp_path / "c"))
+    assert models.default_model_dir() == tmp_path / "c" / "models" / models.SMOLLM2_FOLDER
+    monkeypatch.delenv("LIT_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert models.cache_dir() == tmp_path / "x" / "lit"
