@@ -17,7 +17,7 @@ case "$job" in
   *) echo "usage: bash run.sh train|test [extra arguments]" >&2; exit 2 ;;
 esac
 
-say() { printf '\033[1m[lit]\033[0m %s\n' "$*"; }
+if [[ -t 1 ]]; then say() { printf '\033[1m[lit]\033[0m %s\n' "$*"; }; else say() { printf '[lit] %s\n' "$*"; }; fi
 die() { printf '[lit] error: %s\n' "$*" >&2; exit 1; }
 
 venv="${LIT_VENV:-.venv}"
