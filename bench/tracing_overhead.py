@@ -1,0 +1,142 @@
+"""Client-side time that lit adds to one LLM call, per framework.
+
+Each framework's call goes to a mock HTTP transport (httpx.MockTransport) answering like vLLM with token ids, so
+only client-side work is timed. For each case the same calls run untraced (baseline) and traced inside a
+@lit.trace rollout, alternating rounds so that machine noise hits both alike; the figure is the median per-call
+time of each, their difference (added ms per call) and ratio. Spans go over a real ZeroMQ socket to a collector
+that acknowledges them, as in production.
+
+    .venv/bin/python bench/tracing_overhead.py [--calls 300] [--rounds 7]
+
+Target: <= 0.15 ms added per plain openai call with lit's own patch (frameworks=[]).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "sdk"))
+import lit_sdk as lit  # noqa: E402
+from ack_server import AckServer  # noqa: E402  (the collector of issue #4 will replace it)
+
+MODEL_INFO = {"vision": False, "function_calling": True, "json_output": False, "family": "unknown",
+              "structured_output": False}
+BODY = json.dumps({
+    "id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "policy",
+    "prompt_token_ids": list(range(100, 160)),
+    "choices": [{
+        "index": 0, "finish_reason": "stop", "token_ids": list(range(500, 520)),
+        "message": {"role": "assistant", "content": "The answer is 5."},
+        "logprobs": {"content": [{"token": "t", "logprob": -0.5, "bytes": [], "top_logprobs": []}] * 20},
+    }],
+    "usage": {"prompt_tokens": 60, "completion_tokens": 20, "total_tokens": 80},
+}).encode()
+BASE_URL = "http://engine.invalid/v1"
+MESSAGES = [{"role": "user", "content": "What is 2+3?"}]
+
+
+def respond(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(200, content=BODY, headers={"content-type": "application/json"})
+
+
+def make_cases() -> dict[str, Callable[[int], None]]:
+    from openai import AsyncOpenAI, OpenAI
+
+    sync_http = httpx.Client(transport=httpx.MockTransport(respond))
+    async_http = httpx.AsyncClient(transport=httpx.MockTransport(respond))
+    client = OpenAI(base_url=BASE_URL, api_key="x", http_client=sync_http)
+
+    def plain(n: int) -> None:
+        for _ in range(n):
+            client.chat.completions.create(model="policy", messages=MESSAGES)
+
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(base_url=BASE_URL, api_key="x", model="policy", http_client=sync_http)
+
+    def langchain(n: int) -> None:
+        for _ in range(n):
+            chat.invoke("What is 2+3?")
+
+    from autogen_core.models import UserMessage
+    from autogen_ext.models.openai import OpenAIChatCompletionClient
+
+    autogen_client = OpenAIChatCompletionClient(model="policy", base_url=BASE_URL, api_key="x",
+                                                model_info=MODEL_INFO, http_client=async_http)
+
+    def autogen(n: int) -> None:
+        async def run() -> None:
+            for _ in range(n):
+                await autogen_client.create([UserMessage(content="What is 2+3?", source="user")])
+        asyncio.run(run())
+
+    import agents
+    from agents import Agent, OpenAIChatCompletionsModel, Runner
+
+    agents.set_trace_processors([])  # nothing leaves the machine
+    model = OpenAIChatCompletionsModel(model="policy",
+                                       openai_client=AsyncOpenAI(base_url=BASE_URL, api_key="x", http_client=async_http))
+    agent = Agent(name="calculator", instructions="Answer.", model=model)
+
+    def agents_sdk(n: int) -> None:
+        async def run() -> None:
+            for _ in range(n):
+                await Runner.run(agent, "What is 2+3?")
+        asyncio.run(run())
+
+    return {"openai (plain)": plain, "LangChain ChatOpenAI": langchain, "AutoGen model client": autogen,
+            "OpenAI Agents SDK Runner": agents_sdk}
+
+
+def per_call_ms(fn: Callable[[int], None], calls: int, traced: bool) -> float:
+    rollout = lit.trace(name="bench")(fn) if traced else fn
+    t0 = time.perf_counter()
+    rollout(calls)
+    return (time.perf_counter() - t0) * 1000 / calls
+
+
+def measure(cases, calls: int, rounds: int, frameworks: list[str], endpoint: str, spool: str) -> dict:
+    results = {}
+    for name, fn in cases.items():
+        fn(20)  # warm up imports and pools
+        base, traced = [], []
+        for _ in range(rounds):
+            base.append(per_call_ms(fn, calls, traced=False))
+            lit.instrument(endpoint=endpoint, frameworks=frameworks, llm_base_urls=[BASE_URL], spool_dir=spool)
+            traced.append(per_call_ms(fn, calls, traced=True))
+            counts = lit.flush(timeout=30)
+            lit.uninstrument()
+            assert counts.pending == 0, counts
+        results[name] = (statistics.median(base), statistics.median(traced))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    cases = make_cases()
+    with AckServer() as server, tempfile.TemporaryDirectory() as spool:
+        for label, frameworks in (("lit patch only (frameworks=[])", []),
+                                  ("lit + openinference instrumentors (default)", None)):
+            results = measure(cases, args.calls, args.rounds, frameworks, server.endpoint, spool)
+            print(f"\n{label}: {args.calls} calls x {args.rounds} rounds, median ms per call")
+            print(f"| {'call':28} | {'untraced':>9} | {'traced':>9} | {'added ms':>9} | {'ratio':>6} |")
+            print(f"|{'-' * 30}|{'-' * 11}|{'-' * 11}|{'-' * 11}|{'-' * 8}|")
+            for name, (base, traced) in results.items():
+                print(f"| {name:28} | {base:9.3f} | {traced:9.3f} | {traced - base:9.3f} | {traced / base:6.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Which rollout the running code belongs to: a context variable, so it follows threads started with a copied
+context and asyncio tasks. Also the SDK's live state (tracer, processor, settings) once ``instrument()`` ran.
+
+Knows nothing of sockets or frameworks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lit_sdk.instrument import Instrumentation
+
+
+@dataclass(frozen=True, slots=True)
+class Rollout:
+    rollout_id: str
+    task_id: str = ""
+    attempt: int = 1
+    weight_version: str | None = None
+    """The policy weight version the trainer served this rollout with, when it says so."""
+    agent: str | None = None
+    """The agent name for LLM calls that no framework names (``@lit.trace(agent=...)``)."""
+
+
+_rollout: contextvars.ContextVar[Rollout | None] = contextvars.ContextVar("lit_rollout", default=None)
+_assigned: contextvars.ContextVar[Rollout | None] = contextvars.ContextVar("lit_assigned", default=None)
+_active: Instrumentation | None = None
+
+
+def current_rollout() -> Rollout | None:
+    return _rollout.get()
+
+
+def active() -> Instrumentation | None:
+    """The live instrumentation, or None before ``lit.instrument()`` / after ``lit.uninstrument()``."""
+    return _active
+
+
+def set_active(instrumentation: Instrumentation | None) -> None:
+    global _active
+    _active = instrumentation
+
+
+@contextlib.contextmanager
+def assign(rollout_id: str, task_id: str = "", attempt: int = 1, weight_version: str | None = None) -> Iterator[None]:
+    """Run the next ``@lit.trace`` function as this rollout (the trainer's workers use it; users need not)."""
+    token = _assigned.set(Rollout(rollout_id, task_id, attempt, weight_version))
+    try:
+        yield
+    finally:
+        _assigned.reset(token)
+
+
+def begin_rollout(agent: str | None) -> tuple[Rollout, contextvars.Token]:
+    """The rollout a new root span stands for: the assigned one, or a fresh id when run outside the trainer."""
+    base = _assigned.get() or Rollout(rollout_id=uuid.uuid4().hex)
+    rollout = replace(base, agent=agent)
+    return rollout, _rollout.set(rollout)
+
+
+def enter_agent(agent: str) -> contextvars.Token:
+    """Inside a rollout, make ``agent`` the default agent name (nested ``@lit.trace(agent=...)``)."""
+    return _rollout.set(replace(_rollout.get(), agent=agent))  # type: ignore[arg-type]
+
+
+def leave(token: contextvars.Token) -> None:
+    _rollout.reset(token)

@@ -1,0 +1,71 @@
+"""The SDK's settings: keyword arguments of ``lit.instrument(...)``, each with a ``LIT_*`` environment fallback,
+resolved once into a frozen ``SdkSettings``. Knows nothing of OpenTelemetry or sockets.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+FRAMEWORKS = ("langchain", "autogen", "openai_agents", "openai")
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:7373"
+
+
+@dataclass(frozen=True)
+class SdkSettings:
+    endpoint: str
+    """Where the trainer's collector listens (ZeroMQ endpoint). ``LIT_ENDPOINT``."""
+    frameworks: tuple[str, ...]
+    """Which openinference instrumentors to turn on when their framework is installed. ``LIT_FRAMEWORKS``
+    (comma-separated; ``none`` for none)."""
+    llm_base_urls: tuple[str, ...]
+    """Base URLs of lit-managed engines (the trainer's vLLM): calls to them record token ids. ``*`` means every
+    endpoint (only for engines that accept vLLM's ``return_token_ids``). ``LIT_LLM_BASE_URLS``."""
+    spool_dir: Path
+    """Where spans wait on disk while the trainer is away. ``LIT_SPOOL_DIR``."""
+    service_name: str
+    """The OpenTelemetry service name of this agent process. ``LIT_SERVICE_NAME``."""
+    flush_timeout_s: float
+    """How long exit waits for delivery before keeping the rest in the spool. ``LIT_FLUSH_TIMEOUT``."""
+
+
+def resolve(
+    endpoint: str | None = None,
+    frameworks: list[str] | tuple[str, ...] | None = None,
+    llm_base_urls: list[str] | tuple[str, ...] | str | None = None,
+    spool_dir: str | os.PathLike[str] | None = None,
+    service_name: str | None = None,
+    flush_timeout_s: float | None = None,
+) -> SdkSettings:
+    """Arguments first, then ``LIT_*`` environment variables, then defaults. Bad values raise ValueError."""
+    env = os.environ
+    endpoint = endpoint or env.get("LIT_ENDPOINT") or DEFAULT_ENDPOINT
+    if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ValueError(f"lit endpoint must be a ZeroMQ address like {DEFAULT_ENDPOINT}, got {endpoint!r}")
+    if frameworks is None:
+        raw = env.get("LIT_FRAMEWORKS")
+        frameworks = FRAMEWORKS if raw is None else tuple(_split(raw.replace("none", "")))
+    unknown = sorted(set(frameworks) - set(FRAMEWORKS))
+    if unknown:
+        raise ValueError(f"unknown frameworks {unknown}; choose from {list(FRAMEWORKS)}")
+    if llm_base_urls is None:
+        llm_base_urls = env.get("LIT_LLM_BASE_URLS", "")
+    urls = tuple(_split(llm_base_urls) if isinstance(llm_base_urls, str) else llm_base_urls)
+    if flush_timeout_s is None:
+        flush_timeout_s = float(env.get("LIT_FLUSH_TIMEOUT", "5"))
+    if flush_timeout_s < 0:
+        raise ValueError(f"flush_timeout_s must be >= 0, got {flush_timeout_s}")
+    default_spool = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lit" / "spool"
+    return SdkSettings(
+        endpoint=endpoint,
+        frameworks=tuple(frameworks),
+        llm_base_urls=urls,
+        spool_dir=Path(spool_dir or env.get("LIT_SPOOL_DIR") or default_spool).expanduser(),
+        service_name=service_name or env.get("LIT_SERVICE_NAME") or "lit-agent",
+        flush_timeout_s=flush_timeout_s,
+    )
+
+
+def _split(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]

@@ -1,0 +1,145 @@
+"""``lit.instrument()``: one line that makes an agent process send its rollouts to the trainer.
+
+It builds an OpenTelemetry TracerProvider of lit's own (the global provider is left alone), whose span processor
+hands finished spans to the ZeroMQ sender; patches the ``openai`` client to record engine token ids; and turns on
+the openinference instrumentors of the frameworks that are installed (missing ones are skipped quietly).
+Calling it twice with the same settings does nothing; with other settings it reconfigures. ``uninstrument()``
+restores every patched function and delivers (or spools) what is left.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import importlib.util
+import logging
+import threading
+from typing import Any
+
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+
+from lit_sdk import _agents, _context, config
+from lit_sdk._processor import LitSpanProcessor
+from lit_sdk.export import DeliveryCounts, SpanSender
+from lit_sdk.openai_patch import OpenAIPatch
+
+log = logging.getLogger("lit")
+_lock = threading.Lock()
+
+# name -> (package that must be importable, instrumentor "module:Class", extra instrument() kwargs)
+_INSTRUMENTORS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "langchain": ("langchain_core", "openinference.instrumentation.langchain:LangChainInstrumentor", {}),
+    "autogen": (
+        "autogen_agentchat",
+        "openinference.instrumentation.autogen_agentchat:AutogenAgentChatInstrumentor",
+        {},
+    ),
+    "openai_agents": (
+        "agents",
+        "openinference.instrumentation.openai_agents:OpenAIAgentsInstrumentor",
+        # Additive: keep the processors the user registered with the Agents SDK.
+        {"exclusive_processor": False},
+    ),
+    "openai": ("openai", "openinference.instrumentation.openai:OpenAIInstrumentor", {}),
+}
+
+
+class Instrumentation:
+    """Everything ``instrument()`` turned on, so that ``uninstrument()`` can turn it off again."""
+
+    def __init__(self, settings: config.SdkSettings):
+        self.settings = settings
+        self.provider = TracerProvider(resource=Resource.create({"service.name": settings.service_name}))
+        self.sender = SpanSender(settings.endpoint, spool_dir=settings.spool_dir)
+        self.processor = LitSpanProcessor(self.sender.submit)
+        self.provider.add_span_processor(self.processor)
+        self.tracer = self.provider.get_tracer("lit_sdk")
+        self.openai_patch = OpenAIPatch(settings.llm_base_urls, self.processor, self.tracer)
+        self.instrumentors: list[Any] = []
+
+    def start(self) -> None:
+        self.openai_patch.apply()
+        for name in self.settings.frameworks:
+            package, target, kwargs = _INSTRUMENTORS[name]
+            if importlib.util.find_spec(package) is None:
+                log.debug("lit: %s is not installed; not instrumented", package)
+                continue
+            module_name, class_name = target.split(":")
+            try:
+                instrumentor = getattr(importlib.import_module(module_name), class_name)()
+            except ImportError:
+                log.debug("lit: the openinference instrumentor for %s is not installed", name)
+                continue
+            instrumentor.instrument(tracer_provider=self.provider, **kwargs)
+            self.instrumentors.append(instrumentor)
+            if name == "openai_agents":
+                _agents.track_agents_sdk()
+        atexit.register(self.close)
+
+    def close(self) -> DeliveryCounts:
+        atexit.unregister(self.close)
+        for instrumentor in reversed(self.instrumentors):
+            try:
+                instrumentor.uninstrument()
+            except Exception:
+                log.exception("lit: could not turn off %s", type(instrumentor).__name__)
+        self.instrumentors.clear()
+        self.openai_patch.remove()
+        self.provider.shutdown()
+        return self.sender.shutdown(timeout=self.settings.flush_timeout_s)
+
+
+def instrument(
+    endpoint: str | None = None,
+    frameworks: list[str] | tuple[str, ...] | None = None,
+    llm_base_urls: list[str] | tuple[str, ...] | str | None = None,
+    spool_dir: Any = None,
+    service_name: str | None = None,
+    flush_timeout_s: float | None = None,
+) -> Instrumentation:
+    """Trace this process's agents and send their spans to the trainer. Idempotent.
+
+    endpoint: the trainer's collector (``LIT_ENDPOINT``, default ``tcp://127.0.0.1:7373``).
+    frameworks: openinference instrumentors to turn on if installed (``LIT_FRAMEWORKS``; default all of
+        langchain, autogen, openai_agents, openai).
+    llm_base_urls: base URLs of the lit-managed engine(s) whose calls record token ids (``LIT_LLM_BASE_URLS``).
+    spool_dir: where spans wait on disk while the trainer is away (``LIT_SPOOL_DIR``).
+    service_name: this process's OpenTelemetry service name (``LIT_SERVICE_NAME``).
+    flush_timeout_s: how long exit waits for delivery before spooling the rest (``LIT_FLUSH_TIMEOUT``, 5 s).
+    """
+    settings = config.resolve(endpoint, frameworks, llm_base_urls, spool_dir, service_name, flush_timeout_s)
+    with _lock:
+        current = _context.active()
+        if current is not None:
+            if current.settings == settings:
+                return current
+            current.close()
+            _context.set_active(None)
+        instrumentation = Instrumentation(settings)
+        try:
+            instrumentation.start()
+        except Exception:
+            instrumentation.close()
+            raise
+        _context.set_active(instrumentation)
+        return instrumentation
+
+
+def uninstrument() -> DeliveryCounts | None:
+    """Undo ``instrument()``: original functions back, pending spans delivered or spooled. None if not on."""
+    with _lock:
+        current = _context.active()
+        if current is None:
+            return None
+        _context.set_active(None)
+        return current.close()
+
+
+def flush(timeout: float | None = None) -> DeliveryCounts | None:
+    """Wait until every span ended so far is acknowledged by the trainer (or ``timeout`` passes); the counts."""
+    current = _context.active()
+    if current is None:
+        return None
+    current.provider.force_flush()
+    return current.sender.flush(timeout)

@@ -1,0 +1,215 @@
+"""A wrapt patch of the ``openai`` client: the one place every framework's LLM calls pass through.
+
+For calls to a lit-managed engine (a base URL given to ``lit.instrument(llm_base_urls=...)``), it asks the engine
+for token ids (``return_token_ids``) and logprobs, and records on a ``lit.llm`` span what RL needs: the engine's
+prompt token ids, response token ids, response logprobs, response id, model, weight version and agent name.
+Chat and text completions, sync and async. Streaming calls to a managed engine raise a clear error (lit would
+otherwise record no or wrong ids); calls to other endpoints pass through untouched and unrecorded.
+
+The user's call is never changed beyond the two request fields, its exceptions pass through unchanged, and a
+failure of lit's own recording is logged and swallowed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any
+
+import wrapt
+from opentelemetry import trace as otel_trace
+
+from lit_sdk import _agents, _context, semconv
+
+log = logging.getLogger("lit")
+
+_TARGETS = (
+    ("openai.resources.chat.completions.completions", "Completions", "chat"),
+    ("openai.resources.chat.completions.completions", "AsyncCompletions", "chat"),
+    ("openai.resources.completions", "Completions", "completion"),
+    ("openai.resources.completions", "AsyncCompletions", "completion"),
+)
+
+
+class LitStreamingError(ValueError):
+    """A streamed call to a lit-managed engine: lit cannot record its token ids."""
+
+
+class OpenAIPatch:
+    """Holds the patch's state: which base URLs are managed, and which functions were replaced."""
+
+    def __init__(self, llm_base_urls: tuple[str, ...], processor: Any, tracer: Any):
+        self.llm_base_urls = tuple(u.rstrip("/") for u in llm_base_urls)
+        self.processor = processor
+        self.tracer = tracer
+        self.originals: list[tuple[type, Any]] = []
+
+    def apply(self) -> bool:
+        """Patch the openai client if it is importable; False when it is not installed."""
+        try:
+            importlib.import_module("openai")
+        except ImportError:
+            log.debug("lit: openai is not installed; its client is not patched")
+            return False
+        for module_name, class_name, api in _TARGETS:
+            cls = getattr(importlib.import_module(module_name), class_name)
+            original = cls.__dict__["create"]
+            is_async = class_name.startswith("Async")
+            wrapper = self._async_wrapper(api) if is_async else self._sync_wrapper(api)
+            wrapt.wrap_function_wrapper(cls, "create", wrapper)
+            self.originals.append((cls, original))
+        return True
+
+    def remove(self) -> None:
+        for cls, original in reversed(self.originals):
+            setattr(cls, "create", original)
+        self.originals.clear()
+
+    def _sync_wrapper(self, api: str):
+        def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+            call = self._begin(instance, kwargs, api)
+            if call is None:
+                return wrapped(*args, **kwargs)
+            try:
+                result = wrapped(*args, **call.kwargs)
+            except BaseException as exc:
+                call.fail(exc)
+                raise
+            call.finish(result)
+            return result
+
+        return wrapper
+
+    def _async_wrapper(self, api: str):
+        async def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+            call = self._begin(instance, kwargs, api)
+            if call is None:
+                return await wrapped(*args, **kwargs)
+            try:
+                result = await wrapped(*args, **call.kwargs)
+            except BaseException as exc:
+                call.fail(exc)
+                raise
+            call.finish(result)
+            return result
+
+        return wrapper
+
+    def _begin(self, instance: Any, kwargs: dict, api: str) -> _Call | None:
+        # Only calls inside a rollout to a managed engine are recorded; everything else passes through as is.
+        if _context.current_rollout() is None or not self._is_managed(instance):
+            return None
+        if kwargs.get("stream") is True:
+            raise LitStreamingError(
+                "lit records the engine's token ids only for non-streamed calls; turn streaming off for the "
+                "agent being trained (e.g. stream=False, ChatOpenAI(streaming=False), AutoGen "
+                "model_client_stream=False, Runner.run instead of Runner.run_streamed)"
+            )
+        try:
+            return _Call(self, api, kwargs)
+        except Exception:  # telemetry never breaks the user's call
+            log.exception("lit: could not start recording an LLM call")
+            return None
+
+    def _is_managed(self, instance: Any) -> bool:
+        if not self.llm_base_urls:
+            return False
+        try:
+            base = str(instance._client.base_url).rstrip("/")
+        except AttributeError:
+            return False
+        return "*" in self.llm_base_urls or base in self.llm_base_urls
+
+
+class _Call:
+    """One recorded LLM call: the request fields lit adds, and the span that records the answer."""
+
+    __slots__ = ("api", "kwargs", "span", "token")
+
+    def __init__(self, patch: OpenAIPatch, api: str, kwargs: dict):
+        self.api = api
+        self.kwargs = _with_token_ids(kwargs, api)
+        parent = otel_trace.get_current_span()
+        attrs: dict[str, Any] = {
+            semconv.LLM_API: api,
+            semconv.AGENT_NAME: _agents.resolve_agent(patch.processor, parent),
+        }
+        rollout = _context.current_rollout()
+        if rollout is not None and rollout.weight_version is not None:
+            attrs[semconv.LLM_WEIGHT_VERSION] = rollout.weight_version
+        self.span = patch.tracer.start_span(semconv.LLM_SPAN, attributes=attrs, kind=otel_trace.SpanKind.CLIENT)
+        self.token = otel_trace.use_span(self.span, end_on_exit=False)
+        self.token.__enter__()
+
+    def finish(self, result: Any) -> None:
+        try:
+            record_response(self.span, _parsed(result), self.api)
+            self.span.set_status(otel_trace.Status(otel_trace.StatusCode.OK))
+        except Exception:
+            log.exception("lit: could not record an LLM response")
+        finally:
+            self._close()
+
+    def fail(self, exc: BaseException) -> None:
+        try:
+            self.span.record_exception(exc)
+            self.span.set_status(otel_trace.Status(otel_trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        self.token.__exit__(None, None, None)
+        self.span.end()
+
+
+def _with_token_ids(kwargs: dict, api: str) -> dict:
+    """The request with ``return_token_ids`` (vLLM) and response logprobs asked for; the caller's dict is kept."""
+    out = dict(kwargs)
+    extra = out.get("extra_body")
+    out["extra_body"] = {**(extra if isinstance(extra, dict) else {}), "return_token_ids": True}
+    if api == "chat":
+        if not out.get("logprobs"):
+            out["logprobs"] = True
+    elif not isinstance(out.get("logprobs"), int) or isinstance(out.get("logprobs"), bool):
+        out["logprobs"] = 0  # completions: 0 = the sampled token's logprob only
+    return out
+
+
+def _parsed(result: Any) -> Any:
+    # ``with_raw_response.create`` returns a raw response wrapper; its parse() is cached, so calling it is free.
+    if hasattr(result, "parse") and hasattr(result, "http_response"):
+        return result.parse()
+    return result
+
+
+def record_response(span: Any, response: Any, api: str) -> None:
+    """Copy the engine's ids and logprobs of choice 0 onto the span, only when they are consistent."""
+    choices = getattr(response, "choices", None) or []
+    span.set_attribute(semconv.LLM_CHOICES, len(choices))
+    if getattr(response, "model", None):
+        span.set_attribute(semconv.LLM_MODEL, response.model)
+    if getattr(response, "id", None):
+        span.set_attribute(semconv.LLM_RESPONSE_ID, response.id)
+    if not choices:
+        span.set_attribute(semconv.LLM_TOKEN_IDS_MISSING, True)
+        return
+    choice = choices[0]
+    if getattr(choice, "finish_reason", None):
+        span.set_attribute(semconv.LLM_FINISH_REASON, str(choice.finish_reason))
+    if api == "chat":
+        prompt_ids = getattr(response, "prompt_token_ids", None)
+        logprobs = getattr(choice, "logprobs", None)
+        content = getattr(logprobs, "content", None) if logprobs is not None else None
+        response_logprobs = [t.logprob for t in content] if content else None
+    else:
+        prompt_ids = getattr(choice, "prompt_token_ids", None)
+        logprobs = getattr(choice, "logprobs", None)
+        response_logprobs = getattr(logprobs, "token_logprobs", None) if logprobs is not None else None
+    response_ids = getattr(choice, "token_ids", None)
+    if not isinstance(prompt_ids, list) or not isinstance(response_ids, list):
+        span.set_attribute(semconv.LLM_TOKEN_IDS_MISSING, True)
+        return
+    span.set_attribute(semconv.LLM_PROMPT_TOKEN_IDS, prompt_ids)
+    span.set_attribute(semconv.LLM_RESPONSE_TOKEN_IDS, response_ids)
+    if response_logprobs is not None and len(response_logprobs) == len(response_ids):
+        span.set_attribute(semconv.LLM_RESPONSE_LOGPROBS, [float(x) for x in response_logprobs])

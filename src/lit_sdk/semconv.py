@@ -1,0 +1,67 @@
+"""Every span attribute key and span name that lit writes or reads: the one place a ``lit.*`` string may appear.
+
+The SDK writes them, the trainer reads them; neither spells a key out anywhere else. Attributes of other
+conventions (openinference's ``graph.node.id`` and ``agent.name``) are named here too when lit reads them.
+"""
+
+# Span names lit creates.
+ROLLOUT_SPAN = "lit.rollout"
+"""The root span of one rollout, opened by ``@lit.trace``."""
+LLM_SPAN = "lit.llm"
+"""One call to the LLM engine (chat or text completion) with the engine's token ids."""
+REWARD_SPAN = "lit.reward"
+"""A reward given with ``lit.reward(value, name=...)``, placed in the tree where it was given."""
+
+# Attributes every span of a rollout carries (stamped by lit's span processor).
+ROLLOUT_ID = "lit.rollout.id"
+"""The rollout this span belongs to (a string; assigned by the trainer, or made up when run outside it)."""
+TASK_ID = "lit.task.id"
+"""The task the rollout works on (a string; empty when run outside the trainer)."""
+ATTEMPT = "lit.rollout.attempt"
+"""Which attempt at the rollout this is, starting at 1."""
+
+# Rollout root span.
+ROLLOUT_NAME = "lit.rollout.name"
+"""The traced function's name (or ``@lit.trace(name=...)``)."""
+ROLLOUT_INPUT = "lit.rollout.input"
+"""The traced function's arguments as JSON (truncated to a bounded length)."""
+ROLLOUT_OUTPUT = "lit.rollout.output"
+"""The traced function's return value as JSON (truncated to a bounded length)."""
+ROLLOUT_RETURN_REWARD = "lit.rollout.return_reward"
+"""The traced function's numeric return value: the rollout's final reward. Absent when it returned no number."""
+
+# LLM-call span.
+AGENT_NAME = "lit.agent.name"
+"""Which agent made this LLM call (LangGraph node, AutoGen agent, Agents SDK agent, or ``@lit.trace(agent=)``)."""
+LLM_API = "lit.llm.api"
+"""``chat`` or ``completion``: which OpenAI API the call used."""
+LLM_MODEL = "lit.llm.model"
+"""The model name the engine answered with."""
+LLM_RESPONSE_ID = "lit.llm.response_id"
+"""The engine's response id."""
+LLM_WEIGHT_VERSION = "lit.llm.weight_version"
+"""The policy weight version that served the call, when the engine reports one (else absent)."""
+LLM_PROMPT_TOKEN_IDS = "lit.llm.prompt_token_ids"
+"""The engine's token ids of the whole prompt, as it tokenised it (chat template applied)."""
+LLM_RESPONSE_TOKEN_IDS = "lit.llm.response_token_ids"
+"""The engine's sampled token ids of the response (choice 0)."""
+LLM_RESPONSE_LOGPROBS = "lit.llm.response_logprobs"
+"""The engine's logprob of each sampled response token (same length as the response token ids)."""
+LLM_FINISH_REASON = "lit.llm.finish_reason"
+"""Why the engine stopped: ``stop``, ``length``, ``tool_calls``..."""
+LLM_CHOICES = "lit.llm.choices"
+"""How many choices the engine returned; only choice 0's ids are recorded."""
+LLM_TOKEN_IDS_MISSING = "lit.llm.token_ids_missing"
+"""True when the engine did not return token ids (not a lit-managed engine, or an old vLLM)."""
+
+# Reward span.
+REWARD_VALUE = "lit.reward.value"
+"""The reward, a float."""
+REWARD_NAME = "lit.reward.name"
+"""The reward's name (``lit.reward(x, name=...)``); empty when unnamed."""
+
+# Keys of other conventions that lit reads to find agent names.
+OI_GRAPH_NODE_ID = "graph.node.id"
+"""openinference: the agent/node a span belongs to (AutoGen-AgentChat sets it when the span starts)."""
+OI_AGENT_NAME = "agent.name"
+"""openinference: the agent's name."""

@@ -1,0 +1,172 @@
+"""``@lit.trace`` marks an agent function as one rollout; ``lit.reward`` attaches rewards inside it.
+
+The decorated function runs exactly as before: its return value and exceptions pass through unchanged. Around it
+lit opens the rollout's root span (a new trace, whatever span was current), records the input and output as JSON,
+and takes a numeric return value as the rollout's final reward. Nested ``@lit.trace`` functions inside a rollout
+open a child span that names their agent instead of a new rollout.
+
+Knows nothing of sockets or frameworks; spans go to whatever tracer ``instrument()`` set up.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import logging
+import math
+import numbers
+from collections.abc import Callable
+from typing import Any, TypeVar, overload
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace as otel_trace
+
+from lit_sdk import _context, semconv
+
+F = TypeVar("F", bound=Callable[..., Any])
+log = logging.getLogger("lit")
+MAX_JSON_CHARS = 16_384
+"""Input and output are recorded as JSON up to this many characters (then cut, with a marker)."""
+_warned: set[str] = set()
+
+
+@overload
+def trace(fn: F) -> F: ...
+@overload
+def trace(*, name: str | None = None, agent: str | None = None) -> Callable[[F], F]: ...
+
+
+def trace(fn: Callable[..., Any] | None = None, *, name: str | None = None, agent: str | None = None) -> Any:
+    """Mark ``fn`` (sync or async) as a rollout: ``@lit.trace`` or ``@lit.trace(name=..., agent=...)``."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        span_name = name or fn.__name__
+        if inspect.iscoroutinefunction(fn):
+
+            @functools.wraps(fn)
+            async def run_async(*args: Any, **kwargs: Any) -> Any:
+                scope = _Scope(span_name, agent, args, kwargs)
+                try:
+                    result = await fn(*args, **kwargs)
+                except BaseException as exc:
+                    scope.fail(exc)
+                    raise
+                scope.succeed(result)
+                return result
+
+            return run_async
+
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            scope = _Scope(span_name, agent, args, kwargs)
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:
+                scope.fail(exc)
+                raise
+            scope.succeed(result)
+            return result
+
+        return run
+
+    return decorate(fn) if fn is not None else decorate
+
+
+def reward(value: float, name: str | None = None) -> None:
+    """Give a reward at this point of the rollout (intermediate or final; several named rewards are fine).
+
+    ``value`` must be a finite real number: anything else raises TypeError/ValueError, since a reward that is
+    silently lost would train the wrong thing. Outside a rollout (or before ``lit.instrument()``) it is ignored
+    with a warning.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"lit.reward() takes a real number, got {type(value).__name__}")
+    if not math.isfinite(float(value)):
+        raise ValueError(f"lit.reward() takes a finite number, got {value}")
+    state = _context.active()
+    if state is None or _context.current_rollout() is None:
+        _warn_once("reward", "lit.reward() called outside a @lit.trace rollout or before lit.instrument(): ignored")
+        return
+    attrs = {semconv.REWARD_VALUE: float(value), semconv.REWARD_NAME: name or ""}
+    state.tracer.start_span(semconv.REWARD_SPAN, attributes=attrs).end()
+
+
+class _Scope:
+    """One traced call: its span and context tokens. Our own failures are logged, never raised."""
+
+    __slots__ = ("span", "tokens", "is_root")
+
+    def __init__(self, span_name: str, agent: str | None, args: tuple, kwargs: dict):
+        self.span: Any = None
+        self.tokens: list[Any] = []
+        state = _context.active()
+        if state is None:
+            _warn_once("trace", "a @lit.trace function ran before lit.instrument(): the rollout is not recorded")
+            return
+        try:
+            self.is_root = _context.current_rollout() is None
+            if self.is_root:
+                rollout, token = _context.begin_rollout(agent or span_name)
+                attrs = {
+                    semconv.ROLLOUT_NAME: span_name,
+                    semconv.ROLLOUT_INPUT: to_json({"args": args, "kwargs": kwargs}),
+                }
+                # An empty context makes the rollout a new trace even when the caller is inside a span.
+                self.span = state.tracer.start_span(
+                    semconv.ROLLOUT_SPAN, context=otel_context.Context(), attributes=attrs
+                )
+            else:
+                token = _context.enter_agent(agent) if agent else None
+                attrs = {semconv.AGENT_NAME: agent} if agent else {}
+                self.span = state.tracer.start_span(span_name, attributes=attrs)
+            self.tokens = [token, otel_context.attach(otel_trace.set_span_in_context(self.span))]
+        except Exception:  # telemetry never breaks the user's call
+            log.exception("lit: could not open the rollout span")
+
+    def succeed(self, result: Any) -> None:
+        if self.span is None:
+            return
+        try:
+            if self.is_root:
+                self.span.set_attribute(semconv.ROLLOUT_OUTPUT, to_json(result))
+                if isinstance(result, numbers.Real) and not isinstance(result, bool) and math.isfinite(result):
+                    self.span.set_attribute(semconv.ROLLOUT_RETURN_REWARD, float(result))
+            self.span.set_status(otel_trace.Status(otel_trace.StatusCode.OK))
+        finally:
+            self._close()
+
+    def fail(self, exc: BaseException) -> None:
+        if self.span is None:
+            return
+        try:
+            self.span.record_exception(exc)
+            self.span.set_status(otel_trace.Status(otel_trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        try:
+            rollout_token, otel_token = self.tokens
+            otel_context.detach(otel_token)
+            if rollout_token is not None:
+                _context.leave(rollout_token)
+            self.span.end()
+        except Exception:
+            log.exception("lit: could not close the rollout span")
+
+
+def to_json(value: Any) -> str:
+    try:
+        text = json.dumps(value, default=repr, ensure_ascii=False)
+    except Exception:  # circular structures and the like
+        text = json.dumps(repr(value))
+    if len(text) > MAX_JSON_CHARS:
+        text = text[:MAX_JSON_CHARS] + "...[cut]"
+    return text
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message)

@@ -1,0 +1,144 @@
+"""A local OpenAI-compatible HTTP server on 127.0.0.1 that answers like vLLM with ``return_token_ids``.
+
+It stands in for the vLLM engine in SDK tests (a real HTTP server, real sockets; only the model is scripted):
+when the request offers tools and no tool result has come back yet, it calls the first tool with
+``tool_args``; otherwise it answers ``final_text``. Every response carries vLLM's fields: ``prompt_token_ids``
+(chat: top level; completions: per choice), ``choices[].token_ids`` and per-token logprobs. Each call gets
+distinct ids, and the server keeps every request and response so that tests can compare exact ids.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+class FakeLLM:
+    def __init__(self, tool_args: dict[str, Any] | None = None, final_text: str = "The answer is 5."):
+        self.tool_args = tool_args or {}
+        self.final_text = final_text
+        self.requests: list[dict[str, Any]] = []
+        self.responses: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        handler = type("Handler", (_Handler,), {"llm": self})
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}/v1"
+
+    def __enter__(self) -> FakeLLM:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def answer(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            n = len(self.responses)
+            self.requests.append(body)
+            response = _chat(self, body, n) if path.endswith("/chat/completions") else _completion(self, body, n)
+            self.responses.append(response)
+            return response
+
+
+def _ids(n: int, length: int, base: int) -> list[int]:
+    return [base + 1000 * n + i for i in range(length)]
+
+
+def _chat(llm: FakeLLM, body: dict[str, Any], n: int) -> dict[str, Any]:
+    messages = body.get("messages", [])
+    tools = body.get("tools") or []
+    last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
+    tool_done = any(m.get("role") == "tool" for m in messages[last_user + 1 :])
+    message: dict[str, Any] = {"role": "assistant", "content": None}
+    if tools and not tool_done:
+        name = tools[0]["function"]["name"]
+        call = {"id": f"call_{n}", "type": "function", "function": {"name": name, "arguments": json.dumps(llm.tool_args)}}
+        message["tool_calls"] = [call]
+        finish, n_out = "tool_calls", 7
+    else:
+        message["content"] = llm.final_text
+        finish, n_out = "stop", 5
+    response_ids = _ids(n, n_out, 50_000)
+    logprobs = [-0.125 * (i + 1) for i in range(n_out)]
+    return {
+        "id": f"chatcmpl-{n}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": body.get("model", "fake"),
+        "prompt_token_ids": _ids(n, 3 + len(messages), 10_000),
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "finish_reason": finish,
+                "token_ids": response_ids,
+                "logprobs": {
+                    "content": [
+                        {"token": f"t{t}", "logprob": lp, "bytes": [], "top_logprobs": []}
+                        for t, lp in zip(response_ids, logprobs)
+                    ]
+                },
+            }
+        ],
+        "usage": {"prompt_tokens": 3 + len(messages), "completion_tokens": n_out, "total_tokens": 8 + len(messages)},
+    }
+
+
+def _completion(llm: FakeLLM, body: dict[str, Any], n: int) -> dict[str, Any]:
+    response_ids = _ids(n, 4, 50_000)
+    return {
+        "id": f"cmpl-{n}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": body.get("model", "fake"),
+        "choices": [
+            {
+                "index": 0,
+                "text": llm.final_text,
+                "finish_reason": "stop",
+                "prompt_token_ids": _ids(n, 6, 10_000),
+                "token_ids": response_ids,
+                "logprobs": {
+                    "tokens": [f"t{t}" for t in response_ids],
+                    "token_logprobs": [-0.5] * len(response_ids),
+                    "text_offset": list(range(len(response_ids))),
+                    "top_logprobs": None,
+                },
+            }
+        ],
+        "usage": {"prompt_tokens": 6, "completion_tokens": 4, "total_tokens": 10},
+    }
+
+
+class _Handler(BaseHTTPRequestHandler):
+    llm: FakeLLM
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+        length = int(self.headers.get("content-length", 0))
+        body = json.loads(self.rfile.read(length) or b"{}")
+        if body.get("stream"):
+            self._send(400, {"error": {"message": "the fake engine does not stream"}})
+            return
+        self._send(200, self.llm.answer(self.path, body))
+
+    def do_GET(self) -> None:  # noqa: N802
+        self._send(200, {"object": "list", "data": [{"id": "fake", "object": "model"}]})
+
+    def _send(self, status: int, payload: dict[str, Any]) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: Any) -> None:
+        pass

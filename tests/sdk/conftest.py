@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from ack_server import AckServer
+from fake_llm import FakeLLM
+
+import lit_sdk as lit
+
+
+class Collector(AckServer):
+    def __enter__(self) -> Collector:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def spans(self) -> list[dict]:
+        with self._lock:
+            return list(self._spans.values())
+
+
+@dataclass
+class Tracing:
+    """A test's view of one instrumented process: the engine it calls and the spans that reached the trainer."""
+
+    llm: FakeLLM
+    server: Collector
+
+    def delivered(self) -> list[dict]:
+        counts = lit.flush(timeout=10)
+        assert counts is not None and counts.pending == 0 and counts.dropped == 0, counts
+        return self.server.spans()
+
+
+@pytest.fixture
+def tracing(tmp_path):
+    with FakeLLM(tool_args={"a": 2, "b": 3}) as llm, Collector() as server:
+        lit.instrument(endpoint=server.endpoint, llm_base_urls=[llm.base_url], spool_dir=tmp_path / "spool")
+        try:
+            yield Tracing(llm, server)
+        finally:
+            lit.uninstrument()
+
+
+@pytest.fixture(autouse=True)
+def _agents_sdk_stays_on_this_machine():
+    # The Agents SDK uploads traces to OpenAI by default; nothing may leave this machine in tests.
+    import agents
+
+    agents.set_trace_processors([])

@@ -1,0 +1,100 @@
+"""instrument()/uninstrument(): one patch however often it is called, and every original function back after."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+
+import lit_sdk as lit
+from lit_sdk import _context
+from lit_sdk.openai_patch import _TARGETS
+
+PATCHED = [(getattr(importlib.import_module(m), c), "create") for m, c, _ in _TARGETS]
+FRAMEWORK_FUNCTIONS = [
+    ("autogen_agentchat.agents", "AssistantAgent", "on_messages_stream"),
+    ("autogen_agentchat.teams", "BaseGroupChat", "run_stream"),
+    ("openai", "OpenAI", "request"),
+]
+
+
+def key(cls: type, name: str) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}.{name}"
+
+
+def originals() -> dict[str, object]:
+    """What each patch target resolves to now (inherited ones included), without binding it."""
+    found = {key(cls, name): inspect.getattr_static(cls, name) for cls, name in PATCHED}
+    for module, cls_name, name in FRAMEWORK_FUNCTIONS:
+        cls = getattr(importlib.import_module(module), cls_name)
+        found[f"{cls_name}.{name}"] = inspect.getattr_static(cls, name)
+    return found
+
+
+@pytest.fixture
+def clean():
+    assert _context.active() is None, "an earlier test left lit instrumented"
+    yield
+    lit.uninstrument()
+
+
+def test_twice_leaves_one_patch_and_uninstrument_restores_identity(clean, tmp_path):
+    before = originals()
+    first = lit.instrument(endpoint="tcp://127.0.0.1:9", llm_base_urls="*", spool_dir=tmp_path)
+    patched = originals()
+    assert all(patched[k] is not before[k] for k in before), "every target is patched"
+    second = lit.instrument(endpoint="tcp://127.0.0.1:9", llm_base_urls="*", spool_dir=tmp_path)
+    assert second is first
+    again = originals()
+    assert all(again[k] is patched[k] for k in before), "a second call adds no second patch"
+    for cls, name in PATCHED:
+        assert cls.__dict__[name].__wrapped__ is before[key(cls, name)]
+    lit.uninstrument()
+    after = originals()
+    assert all(after[k] is before[k] for k in before), "uninstrument restores every original"
+    assert _context.active() is None
+    assert lit.uninstrument() is None  # a second uninstrument is harmless
+
+
+def test_other_settings_reconfigure_instead_of_stacking(clean, tmp_path):
+    before = originals()
+    lit.instrument(endpoint="tcp://127.0.0.1:9", spool_dir=tmp_path)
+    second = lit.instrument(endpoint="tcp://127.0.0.1:10", spool_dir=tmp_path)
+    assert second.settings.endpoint == "tcp://127.0.0.1:10"
+    for cls, name in PATCHED:
+        assert cls.__dict__[name].__wrapped__ is before[key(cls, name)]
+    lit.uninstrument()
+    assert originals() == before
+
+
+def test_frameworks_can_be_chosen(clean, tmp_path):
+    before = originals()
+    lit.instrument(endpoint="tcp://127.0.0.1:9", frameworks=["autogen"], spool_dir=tmp_path)
+    now = originals()
+    assert now["AssistantAgent.on_messages_stream"] is not before["AssistantAgent.on_messages_stream"]
+    assert now["OpenAI.request"] is before["OpenAI.request"]  # openinference's openai instrumentor stays off
+
+
+def test_bad_settings_are_clear_errors(clean, monkeypatch):
+    with pytest.raises(ValueError, match="ZeroMQ address"):
+        lit.instrument(endpoint="127.0.0.1:7373")
+    with pytest.raises(ValueError, match="unknown frameworks"):
+        lit.instrument(frameworks=["crewai"])
+    monkeypatch.setenv("LIT_FLUSH_TIMEOUT", "-1")
+    with pytest.raises(ValueError, match="flush_timeout_s"):
+        lit.instrument()
+    assert _context.active() is None
+
+
+def test_environment_fallbacks(clean, monkeypatch, tmp_path):
+    monkeypatch.setenv("LIT_ENDPOINT", "tcp://127.0.0.1:11")
+    monkeypatch.setenv("LIT_FRAMEWORKS", "langchain,openai")
+    monkeypatch.setenv("LIT_LLM_BASE_URLS", "http://a/v1, http://b/v1/")
+    monkeypatch.setenv("LIT_SPOOL_DIR", str(tmp_path))
+    monkeypatch.setenv("LIT_SERVICE_NAME", "calc-worker")
+    settings = lit.instrument().settings
+    assert settings.endpoint == "tcp://127.0.0.1:11"
+    assert settings.frameworks == ("langchain", "openai")
+    assert settings.llm_base_urls == ("http://a/v1", "http://b/v1/")
+    assert settings.spool_dir == tmp_path and settings.service_name == "calc-worker"
