@@ -25,9 +25,11 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "sdk"))
-import lit_sdk as lit  # noqa: E402
+TESTS = Path(__file__).resolve().parents[1] / "tests"
+sys.path[:0] = [str(TESTS / "sdk"), str(TESTS)]
 from ack_server import AckServer  # noqa: E402  (the collector of issue #4 will replace it)
+
+import lit_sdk as lit  # noqa: E402
 
 MODEL_INFO = {"vision": False, "function_calling": True, "json_output": False, "family": "unknown",
               "structured_output": False}
@@ -84,8 +86,8 @@ def make_cases() -> dict[str, Callable[[int], None]]:
     from agents import Agent, OpenAIChatCompletionsModel, Runner
 
     agents.set_trace_processors([])  # nothing leaves the machine
-    model = OpenAIChatCompletionsModel(model="policy",
-                                       openai_client=AsyncOpenAI(base_url=BASE_URL, api_key="x", http_client=async_http))
+    engine = AsyncOpenAI(base_url=BASE_URL, api_key="x", http_client=async_http)
+    model = OpenAIChatCompletionsModel(model="policy", openai_client=engine)
     agent = Agent(name="calculator", instructions="Answer.", model=model)
 
     def agents_sdk(n: int) -> None:

@@ -60,7 +60,8 @@ def _chat(llm: FakeLLM, body: dict[str, Any], n: int) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": None}
     if tools and not tool_done:
         name = tools[0]["function"]["name"]
-        call = {"id": f"call_{n}", "type": "function", "function": {"name": name, "arguments": json.dumps(llm.tool_args)}}
+        function = {"name": name, "arguments": json.dumps(llm.tool_args)}
+        call = {"id": f"call_{n}", "type": "function", "function": function}
         message["tool_calls"] = [call]
         finish, n_out = "tool_calls", 7
     else:
@@ -83,7 +84,7 @@ def _chat(llm: FakeLLM, body: dict[str, Any], n: int) -> dict[str, Any]:
                 "logprobs": {
                     "content": [
                         {"token": f"t{t}", "logprob": lp, "bytes": [], "top_logprobs": []}
-                        for t, lp in zip(response_ids, logprobs)
+                        for t, lp in zip(response_ids, logprobs, strict=True)
                     ]
                 },
             }
@@ -121,7 +122,7 @@ def _completion(llm: FakeLLM, body: dict[str, Any], n: int) -> dict[str, Any]:
 class _Handler(BaseHTTPRequestHandler):
     llm: FakeLLM
 
-    def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+    def do_POST(self) -> None:
         length = int(self.headers.get("content-length", 0))
         body = json.loads(self.rfile.read(length) or b"{}")
         if body.get("stream"):
@@ -129,7 +130,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         self._send(200, self.llm.answer(self.path, body))
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         self._send(200, {"object": "list", "data": [{"id": "fake", "object": "model"}]})
 
     def _send(self, status: int, payload: dict[str, Any]) -> None:

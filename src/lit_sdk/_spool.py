@@ -127,7 +127,7 @@ def scan(path: Path) -> tuple[list[Entry], int]:
 def _unpack(payload: bytes) -> tuple[str, int, bytes] | None:
     try:
         batch_id, n_spans, frame = msgpack.unpackb(payload, raw=False)
-    except Exception:  # noqa: BLE001 (msgpack raises several unrelated types for bad input)
+    except Exception:
         return None
     if not isinstance(batch_id, str) or not isinstance(n_spans, int) or not isinstance(frame, bytes):
         return None
@@ -169,7 +169,11 @@ class Spool:
                 os.rename(self.directory / name, path)
             except FileNotFoundError:
                 continue  # another adopter took it first
-            entries, torn = scan(path)
+            try:
+                entries, torn = scan(path)
+            except OSError as exc:
+                log.warning("lit: could not read the spool segment %s: %s", path, exc)
+                continue  # it stays, under our name; the next process tries again
             if torn:
                 log.warning("lit: ignored %d torn bytes at the end of the spool segment %s", torn, name)
             if not entries:
@@ -292,7 +296,7 @@ class Spool:
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self._next_path()
         # Unbuffered, so that a killed process leaves every record written (bar a torn last one) in the file.
-        self._writer = open(path, "ab", buffering=0)  # noqa: SIM115 (open until the segment is closed)
+        self._writer = open(path, "ab", buffering=0)
         segment = Segment(path, closed=False)
         self._segments.append(segment)
         return segment

@@ -9,6 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 FRAMEWORKS = ("langchain", "autogen", "openai_agents", "openai")
+DEFAULT_FRAMEWORKS = ("langchain", "autogen", "openai_agents")
+"""openinference's own openai instrumentor is opt-in: lit's patch of the openai client already records every
+call on a ``lit.llm`` span, and openinference's second span per call (with the message text, useful for debugging)
+costs about 1 ms per call (bench/tracing_overhead.py)."""
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:7373"
 
 
@@ -18,7 +22,8 @@ class SdkSettings:
     """Where the trainer's collector listens (ZeroMQ endpoint). ``LIT_ENDPOINT``."""
     frameworks: tuple[str, ...]
     """Which openinference instrumentors to turn on when their framework is installed. ``LIT_FRAMEWORKS``
-    (comma-separated; ``none`` for none)."""
+    (comma-separated; ``none`` for none). Default: langchain, autogen, openai_agents; add ``openai`` for
+    openinference's span of each openai call with its message text."""
     llm_base_urls: tuple[str, ...]
     """Base URLs of lit-managed engines (the trainer's vLLM): calls to them record token ids. ``*`` means every
     endpoint (only for engines that accept vLLM's ``return_token_ids``). ``LIT_LLM_BASE_URLS``."""
@@ -45,7 +50,7 @@ def resolve(
         raise ValueError(f"lit endpoint must be a ZeroMQ address like {DEFAULT_ENDPOINT}, got {endpoint!r}")
     if frameworks is None:
         raw = env.get("LIT_FRAMEWORKS")
-        frameworks = FRAMEWORKS if raw is None else tuple(_split(raw.replace("none", "")))
+        frameworks = DEFAULT_FRAMEWORKS if raw is None else tuple(_split(raw.replace("none", "")))
     unknown = sorted(set(frameworks) - set(FRAMEWORKS))
     if unknown:
         raise ValueError(f"unknown frameworks {unknown}; choose from {list(FRAMEWORKS)}")

@@ -231,7 +231,7 @@ class SpanSender:
             while not self._stop.is_set():
                 try:
                     self._turn(sock, poller)
-                except Exception:  # noqa: BLE001 (the thread must outlive any bug of ours: it holds the spans)
+                except Exception:
                     self._log_once("turn", logging.ERROR, "lit: the span sender hit an error; it goes on",
                                    exc_info=True)
                     time.sleep(_PROBE_S)
@@ -312,7 +312,7 @@ class SpanSender:
             batch_id = f"{self._token}-{self._batch_no}"
             try:
                 frame = protocol.encode_span_dicts(batch_id, self.sender_id, spans)
-            except Exception as exc:  # noqa: BLE001 (a span that is not wire data; msgpack raises many types)
+            except Exception as exc:
                 self._drop(k, f"a batch could not be encoded ({type(exc).__name__}: {exc})")
                 continue
             self._waiting.append(Batch(batch_id, frame, k, first_seq))

@@ -101,8 +101,9 @@ def instrument(
     """Trace this process's agents and send their spans to the trainer. Idempotent.
 
     endpoint: the trainer's collector (``LIT_ENDPOINT``, default ``tcp://127.0.0.1:7373``).
-    frameworks: openinference instrumentors to turn on if installed (``LIT_FRAMEWORKS``; default all of
-        langchain, autogen, openai_agents, openai).
+    frameworks: openinference instrumentors to turn on if installed (``LIT_FRAMEWORKS``; default langchain,
+        autogen, openai_agents; ``openai`` adds openinference's span with the message text of each openai call).
+        lit's own patch of the openai client, which records token ids, is always on.
     llm_base_urls: base URLs of the lit-managed engine(s) whose calls record token ids (``LIT_LLM_BASE_URLS``).
     spool_dir: where spans wait on disk while the trainer is away (``LIT_SPOOL_DIR``).
     service_name: this process's OpenTelemetry service name (``LIT_SERVICE_NAME``).

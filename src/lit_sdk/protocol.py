@@ -126,7 +126,8 @@ def decode_frame(data: bytes) -> Frame:
     if not isinstance(obj, dict):
         raise ProtocolError("shape", f"a frame is a map, got {type(obj).__name__}")
     if obj.get("v") != VERSION:
-        raise ProtocolError("version", f"protocol version {obj.get('v')!r} is not supported (this side speaks {VERSION})")
+        version = obj.get("v")
+        raise ProtocolError("version", f"protocol version {version!r} is not supported (this side speaks {VERSION})")
     kind = obj.get("t")
     batch = obj.get("batch")
     if not isinstance(batch, str):

