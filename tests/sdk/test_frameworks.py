@@ -7,6 +7,10 @@ exhaustive: every expected key is popped, then nothing may be left.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import re
+from pathlib import Path
 from typing import Any
 
 import lit_sdk as lit
@@ -70,6 +74,7 @@ def check_reward(span: dict, root: dict, value: float, name: str) -> None:
 def check_rollout(tracing, name: str, agent: str, n_calls: int) -> dict[str, Any]:
     """The common checks; returns the spans by name for the framework-specific tree checks."""
     spans = tracing.delivered()
+    record_golden(spans)
     assert len({s["trace_id"] for s in spans}) == 1, "a rollout is one trace"
     roots = [s for s in spans if s["name"] == sc.ROLLOUT_SPAN]
     assert len(roots) == 1
@@ -85,6 +90,15 @@ def check_rollout(tracing, name: str, agent: str, n_calls: int) -> dict[str, Any
     check_reward(rewards[0], root, 0.25, "format")
     by_id = {s["span_id"]: s for s in spans}
     return {"root": root, "llm": llm_spans, "by_id": by_id, "names": [s["name"] for s in spans]}
+
+
+def record_golden(spans: list[dict]) -> None:
+    """With LIT_RECORD_GOLDEN=DIR, keep the delivered spans as DIR/<test name>.json: the trainer's golden trees."""
+    folder = os.environ.get("LIT_RECORD_GOLDEN")
+    if folder:
+        test = re.sub(r"\W+", "_", os.environ["PYTEST_CURRENT_TEST"].split("::")[-1].split(" ")[0])
+        ordered = sorted(spans, key=lambda s: s["start_ns"])
+        Path(folder, f"{test.removeprefix('test_')}.json").write_text(json.dumps(ordered, indent=1))
 
 
 def ancestry(span: dict, by_id: dict[str, dict]) -> list[str]:

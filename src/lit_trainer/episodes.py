@@ -1,0 +1,226 @@
+"""Span tree → MDP episode: one rollout's spans become the ordered LLM calls (transitions) of the agents being
+trained, with their rewards.
+
+Each LLM call that carries the engine's token ids is one action (Agent Lightning's unified data interface): its
+state is the prompt token ids, its action the response token ids, and the behaviour policy's logprobs come with it.
+Rules, in order:
+- The tree is rebuilt from spans in any arrival order; duplicates (same span id) count once; a span whose parent
+  never arrived is kept as a child of the rollout's root (an orphan), so its LLM calls are not lost.
+- LLM calls are ordered by start time (ties: end time, then span id). Calls that failed (error status) or carry no
+  token ids are skipped and counted: a retried call therefore contributes only its successful attempt.
+- Only calls of the selected agents become transitions (all agents when none are selected).
+- Rewards: the traced function's numeric return is the final reward. Each ``lit.reward`` value is an intermediate
+  reward on the selected call it follows (the latest one that started before it); a reward before any call is
+  kept on the episode, on no call. The episode return is the final reward when there is one, else the sum of all
+  ``lit.reward`` values.
+- A rollout is unusable — reported, never turned into reward 0 — when its root span has not arrived, the rollout
+  failed (root error status), no selected call has token ids, or it has no reward at all.
+Runtime signals for automatic intermediate rewards are counted per call: errored tool spans and other errored
+spans that started after the call and before the next selected call.
+
+This module knows nothing of ZeroMQ, SQLite or torch: SpanRecords in, Episodes out.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+from collections.abc import Collection, Iterable
+from dataclasses import asdict, dataclass, field
+
+from lit_sdk import semconv as sc
+from lit_sdk.protocol import STATUS_ERROR, SpanRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """One LLM call as an MDP action."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float] | None
+    """The engine's logprob of each response token (None when it sent none: the trainer then has no behaviour
+    policy for this call)."""
+    reward: float | None
+    """The sum of the ``lit.reward`` values that follow this call; None when none does."""
+    agent: str
+    rollout_id: str
+    task_id: str
+    index: int
+    """Position among the episode's transitions, from 0."""
+    span_id: str
+    tool_errors: int = 0
+    """Tool spans with error status between this call and the next selected one."""
+    other_errors: int = 0
+    """Other spans with error status in the same interval (not counting skipped LLM calls)."""
+    finish_reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Episode:
+    rollout_id: str
+    task_id: str
+    attempt: int
+    transitions: list[Transition]
+    final_reward: float | None
+    """The traced function's numeric return value, if any."""
+    episode_return: float
+    rewards: list[tuple[str, float, int]] = field(default_factory=list)
+    """Every ``lit.reward`` as (name, value, index of the transition it follows or -1)."""
+    skipped_calls: int = 0
+    """LLM calls of selected agents left out: failed, or without token ids."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Episode:
+        transitions = [Transition(**t) for t in data["transitions"]]
+        rewards = [tuple(r) for r in data.get("rewards", [])]
+        return cls(**{**data, "transitions": transitions, "rewards": rewards})
+
+
+class Unusable(enum.Enum):
+    NO_ROOT = "the rollout's root span has not arrived (still running, or the agent died)"
+    FAILED = "the rollout failed (its root span has error status)"
+    NO_LLM_CALLS = "no LLM call of the selected agents carries token ids"
+    NO_REWARD = "the rollout gave no reward (no numeric return value and no lit.reward)"
+
+
+@dataclass(frozen=True, slots=True)
+class UnusableRollout:
+    rollout_id: str
+    reason: Unusable
+    detail: str = ""
+
+
+def build_episode(spans: Iterable[SpanRecord], agents: Collection[str] | None = None) -> Episode | UnusableRollout:
+    """Rebuild one rollout's episode from its spans (any order, duplicates allowed)."""
+    unique = _dedupe(spans)
+    roots = [s for s in unique.values() if s.name == sc.ROLLOUT_SPAN and s.parent_id is None]
+    rollout_id = roots[0].rollout_id if roots else next((s.rollout_id for s in unique.values()), None) or ""
+    if not roots:
+        return UnusableRollout(rollout_id, Unusable.NO_ROOT, f"{len(unique)} spans arrived without their root")
+    root = roots[0]
+    if root.status == STATUS_ERROR:
+        return UnusableRollout(rollout_id, Unusable.FAILED, root.status_message)
+    members = _descendants(root, unique)
+    timeline = sorted(members, key=lambda s: (s.start_ns, s.end_ns, s.span_id))
+    calls, skipped = _select_calls(timeline, agents)
+    if not calls:
+        return UnusableRollout(rollout_id, Unusable.NO_LLM_CALLS, f"{skipped} calls skipped, agents={agents}")
+    rewards = _rewards(timeline, calls)
+    final = root.attributes.get(sc.ROLLOUT_RETURN_REWARD)
+    final = float(final) if isinstance(final, (int, float)) and not isinstance(final, bool) else None
+    if final is None and not rewards:
+        return UnusableRollout(rollout_id, Unusable.NO_REWARD)
+    episode_return = final if final is not None else sum(value for _, value, _ in rewards)
+    task_id = str(root.attributes.get(sc.TASK_ID, ""))
+    attempt = int(root.attributes.get(sc.ATTEMPT, 1))
+    transitions = _transitions(calls, timeline, rewards, rollout_id, task_id)
+    return Episode(rollout_id, task_id, attempt, transitions, final, episode_return, rewards, skipped)
+
+
+def _dedupe(spans: Iterable[SpanRecord]) -> dict[str, SpanRecord]:
+    unique: dict[str, SpanRecord] = {}
+    for span in spans:
+        unique.setdefault(span.span_id, span)
+    return unique
+
+
+def _descendants(root: SpanRecord, unique: dict[str, SpanRecord]) -> list[SpanRecord]:
+    """The root's subtree, with orphans (parent never arrived) of the same rollout or trace hung under the root."""
+    children: dict[str | None, list[SpanRecord]] = {}
+    for span in unique.values():
+        parent = span.parent_id if span.parent_id in unique else (root.span_id if span is not root else None)
+        children.setdefault(parent, []).append(span)
+    members, stack = [], [root]
+    while stack:
+        span = stack.pop()
+        members.append(span)
+        stack.extend(children.get(span.span_id, ()))
+    return [s for s in members if s.rollout_id in (root.rollout_id, None) or s.trace_id == root.trace_id]
+
+
+def _is_llm_call(span: SpanRecord) -> bool:
+    return span.name == sc.LLM_SPAN
+
+
+def _select_calls(timeline: list[SpanRecord], agents: Collection[str] | None) -> tuple[list[SpanRecord], int]:
+    calls, skipped = [], 0
+    for span in timeline:
+        if not _is_llm_call(span):
+            continue
+        if agents is not None and span.attributes.get(sc.AGENT_NAME, "") not in agents:
+            continue
+        has_ids = isinstance(span.attributes.get(sc.LLM_PROMPT_TOKEN_IDS), list) and isinstance(
+            span.attributes.get(sc.LLM_RESPONSE_TOKEN_IDS), list
+        )
+        if span.status == STATUS_ERROR or not has_ids or not span.attributes[sc.LLM_RESPONSE_TOKEN_IDS]:
+            skipped += 1
+            continue
+        calls.append(span)
+    return calls, skipped
+
+
+def _preceding_call(start_ns: int, call_starts: list[int]) -> int:
+    """Index of the latest call that started at or before ``start_ns``; -1 when none did."""
+    return bisect.bisect_right(call_starts, start_ns) - 1
+
+
+def _rewards(timeline: list[SpanRecord], calls: list[SpanRecord]) -> list[tuple[str, float, int]]:
+    starts = [c.start_ns for c in calls]
+    rewards = []
+    for span in timeline:
+        if span.name == sc.REWARD_SPAN and isinstance(span.attributes.get(sc.REWARD_VALUE), (int, float)):
+            value = float(span.attributes[sc.REWARD_VALUE])
+            name = str(span.attributes.get(sc.REWARD_NAME, ""))
+            rewards.append((name, value, _preceding_call(span.start_ns, starts)))
+    return rewards
+
+
+def _transitions(
+    calls: list[SpanRecord],
+    timeline: list[SpanRecord],
+    rewards: list[tuple[str, float, int]],
+    rollout_id: str,
+    task_id: str,
+) -> list[Transition]:
+    per_call: dict[int, float] = {}
+    for _, value, index in rewards:
+        if index >= 0:
+            per_call[index] = per_call.get(index, 0.0) + value
+    starts = [c.start_ns for c in calls]
+    tool_errors, other_errors = [0] * len(calls), [0] * len(calls)
+    for span in timeline:
+        if span.status != STATUS_ERROR or _is_llm_call(span) or span.name == sc.ROLLOUT_SPAN:
+            continue
+        index = _preceding_call(span.start_ns, starts)
+        if index >= 0:
+            if span.attributes.get(sc.OI_SPAN_KIND) == "TOOL":
+                tool_errors[index] += 1
+            else:
+                other_errors[index] += 1
+    transitions = []
+    for i, call in enumerate(calls):
+        attrs = call.attributes
+        logprobs = attrs.get(sc.LLM_RESPONSE_LOGPROBS)
+        if not isinstance(logprobs, list) or len(logprobs) != len(attrs[sc.LLM_RESPONSE_TOKEN_IDS]):
+            logprobs = None
+        transitions.append(
+            Transition(
+                prompt_ids=list(attrs[sc.LLM_PROMPT_TOKEN_IDS]),
+                response_ids=list(attrs[sc.LLM_RESPONSE_TOKEN_IDS]),
+                logprobs=[float(x) for x in logprobs] if logprobs is not None else None,
+                reward=per_call.get(i),
+                agent=str(attrs.get(sc.AGENT_NAME, "")),
+                rollout_id=rollout_id,
+                task_id=task_id,
+                index=i,
+                span_id=call.span_id,
+                tool_errors=tool_errors[i],
+                other_errors=other_errors[i],
+                finish_reason=str(attrs.get(sc.LLM_FINISH_REASON, "")),
+            )
+        )
+    return transitions

@@ -1,0 +1,211 @@
+"""Span trees → episodes: golden trees recorded from the real frameworks, and hand-built trees for the hard cases.
+
+The golden files in tests/trainer/golden/ come from tests/sdk/test_frameworks.py; regenerate them with
+``LIT_RECORD_GOLDEN=tests/trainer/golden python -m pytest tests/sdk/test_frameworks.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from lit_sdk import semconv as sc
+from lit_sdk.protocol import STATUS_ERROR, STATUS_OK, SpanRecord
+from lit_trainer.episodes import Episode, Unusable, UnusableRollout, build_episode
+
+GOLDEN = Path(__file__).parent / "golden"
+TRACE = "ab" * 16
+RID = "rollout-1"
+
+
+def load(name: str) -> list[SpanRecord]:
+    return [SpanRecord(**span) for span in json.loads((GOLDEN / name).read_text())]
+
+
+@pytest.mark.parametrize(
+    ("name", "agent"),
+    [
+        ("langchain_create_agent.json", "calc"),
+        ("autogen_assistant_agent.json", "calculator"),
+        ("openai_agents_sdk_agent.json", "calculator"),
+    ],
+)
+def test_golden_trees_from_real_frameworks(name, agent):
+    spans = load(name)
+    llm = sorted((s for s in spans if s.name == sc.LLM_SPAN), key=lambda s: s.start_ns)
+    episode = build_episode(spans)
+    assert isinstance(episode, Episode)
+    assert [t.prompt_ids for t in episode.transitions] == [s.attributes[sc.LLM_PROMPT_TOKEN_IDS] for s in llm]
+    assert [t.response_ids for t in episode.transitions] == [s.attributes[sc.LLM_RESPONSE_TOKEN_IDS] for s in llm]
+    assert [t.logprobs for t in episode.transitions] == [s.attributes[sc.LLM_RESPONSE_LOGPROBS] for s in llm]
+    assert [t.agent for t in episode.transitions] == [agent, agent]
+    assert [t.index for t in episode.transitions] == [0, 1]
+    assert [t.finish_reason for t in episode.transitions] == ["tool_calls", "stop"]
+    # lit.reward(0.25, name="format") came after the agent's last call; the function returned 1.0.
+    assert [t.reward for t in episode.transitions] == [None, 0.25]
+    assert episode.rewards == [("format", 0.25, 1)]
+    assert episode.final_reward == 1.0 and episode.episode_return == 1.0
+    assert episode.rollout_id == llm[0].rollout_id and all(t.rollout_id == episode.rollout_id for t in episode.transitions)
+    assert episode.skipped_calls == 0
+
+    shuffled = spans + random.Random(7).sample(spans, len(spans) // 2)  # duplicates, any order
+    random.Random(3).shuffle(shuffled)
+    assert build_episode(shuffled) == episode
+
+
+def test_golden_tree_round_trips_through_a_dict():
+    episode = build_episode(load("autogen_assistant_agent.json"))
+    assert Episode.from_dict(json.loads(json.dumps(episode.to_dict()))) == episode
+
+
+class Tree:
+    """Hand-built span trees; times are in ticks, ids are made up."""
+
+    def __init__(self) -> None:
+        self.spans: list[SpanRecord] = []
+
+    def add(self, name, parent=None, start=0, end=None, status=STATUS_OK, **attrs) -> str:
+        span_id = format(len(self.spans) + 1, "016x")
+        self.spans.append(
+            SpanRecord(TRACE, span_id, parent, name, start, end if end is not None else start + 1, status, "",
+                       RID, {sc.ROLLOUT_ID: RID, sc.TASK_ID: "t1", sc.ATTEMPT: 1, **attrs})
+        )
+        return span_id
+
+    def root(self, reward=1.0, status=STATUS_OK) -> str:
+        attrs = {sc.ROLLOUT_RETURN_REWARD: reward} if reward is not None else {}
+        return self.add(sc.ROLLOUT_SPAN, start=0, end=1000, status=status, **attrs)
+
+    def llm(self, parent, start, agent="solver", ids=(1, 2), status=STATUS_OK, token_ids=True) -> str:
+        attrs = {sc.AGENT_NAME: agent}
+        if token_ids:
+            attrs |= {sc.LLM_PROMPT_TOKEN_IDS: [start, start + 1], sc.LLM_RESPONSE_TOKEN_IDS: list(ids),
+                      sc.LLM_RESPONSE_LOGPROBS: [-0.5] * len(ids)}
+        return self.add(sc.LLM_SPAN, parent, start, start + 5, status, **attrs)
+
+    def reward(self, parent, start, value, name="") -> str:
+        return self.add(sc.REWARD_SPAN, parent, start, start, **{sc.REWARD_VALUE: value, sc.REWARD_NAME: name})
+
+
+def test_nested_agents_are_ordered_by_time():
+    t = Tree()
+    root = t.root()
+    team = t.add("team", root, 1, 900)
+    a = t.add("planner.on_messages", team, 2, 100, **{sc.OI_GRAPH_NODE_ID: "planner"})
+    b = t.add("solver.on_messages", team, 101, 800)
+    t.llm(b, 150, agent="solver")
+    t.llm(a, 10, agent="planner")
+    t.llm(b, 300, agent="solver")
+    episode = build_episode(t.spans)
+    assert [(tr.agent, tr.prompt_ids[0]) for tr in episode.transitions] == [
+        ("planner", 10), ("solver", 150), ("solver", 300)
+    ]
+
+
+def test_two_agents_only_one_trained():
+    t = Tree()
+    root = t.root(reward=None)
+    t.llm(root, 10, agent="solver")
+    t.llm(root, 20, agent="critic")
+    t.reward(root, 30, 0.5, "critic-said")  # follows the critic's call, so it lands on the solver's
+    t.llm(root, 40, agent="solver")
+    t.reward(root, 50, 1.0, "correct")
+    episode = build_episode(t.spans, agents={"solver"})
+    assert [tr.prompt_ids[0] for tr in episode.transitions] == [10, 40]
+    assert [tr.reward for tr in episode.transitions] == [0.5, 1.0]
+    assert episode.final_reward is None and episode.episode_return == 1.5
+    only_critic = build_episode(t.spans, agents={"critic"})
+    assert [tr.agent for tr in only_critic.transitions] == ["critic"]
+    nobody = build_episode(t.spans, agents={"planner"})
+    assert isinstance(nobody, UnusableRollout) and nobody.reason is Unusable.NO_LLM_CALLS
+
+
+def test_parallel_tool_calls_and_tool_errors_are_counted_on_the_call_before():
+    t = Tree()
+    root = t.root()
+    t.llm(root, 10)
+    t.add("add", root, 20, 40, **{sc.OI_SPAN_KIND: "TOOL"})
+    t.add("divide", root, 21, 30, STATUS_ERROR, **{sc.OI_SPAN_KIND: "TOOL"})
+    t.add("parse", root, 22, 23, STATUS_ERROR)
+    t.llm(root, 50)
+    episode = build_episode(t.spans)
+    assert [(tr.tool_errors, tr.other_errors) for tr in episode.transitions] == [(1, 1), (0, 0)]
+
+
+def test_retried_llm_call_keeps_only_the_successful_attempt():
+    t = Tree()
+    root = t.root()
+    t.llm(root, 10, status=STATUS_ERROR, token_ids=False)  # the engine timed out; the client retried
+    t.llm(root, 20, ids=(7, 8, 9))
+    episode = build_episode(t.spans)
+    assert [tr.response_ids for tr in episode.transitions] == [[7, 8, 9]]
+    assert episode.skipped_calls == 1
+
+
+def test_missing_parent_keeps_the_orphan_under_the_root():
+    t = Tree()
+    root = t.root()
+    lost_parent = "f" * 16  # never arrives
+    t.llm(root, 10)
+    t.add(sc.LLM_SPAN, lost_parent, 20, 25, **{sc.AGENT_NAME: "solver", sc.LLM_PROMPT_TOKEN_IDS: [20],
+                                                sc.LLM_RESPONSE_TOKEN_IDS: [3], sc.LLM_RESPONSE_LOGPROBS: [-1.0]})
+    episode = build_episode(t.spans)
+    assert [tr.prompt_ids for tr in episode.transitions] == [[10, 11], [20]]
+
+
+def test_spans_arriving_after_the_root_give_the_same_episode():
+    t = Tree()
+    root = t.root()
+    t.llm(root, 10)
+    t.reward(root, 12, 0.1)
+    t.llm(root, 20)
+    in_order = build_episode(t.spans)
+    root_first = build_episode([t.spans[0]] + t.spans[1:][::-1])
+    root_last = build_episode(t.spans[1:] + [t.spans[0]])
+    assert in_order == root_first == root_last
+    assert [tr.reward for tr in in_order.transitions] == [0.1, None]
+
+
+def test_unusable_rollouts_are_reported_not_zeroed():
+    t = Tree()
+    root = t.root()
+    t.llm(root, 10)
+    no_root = build_episode(t.spans[1:])
+    assert isinstance(no_root, UnusableRollout) and no_root.reason is Unusable.NO_ROOT and no_root.rollout_id == RID
+
+    failed = Tree()
+    failed_root = failed.root(status=STATUS_ERROR)
+    failed.llm(failed_root, 10)
+    assert build_episode(failed.spans).reason is Unusable.FAILED
+
+    no_calls = Tree()
+    no_calls.root()
+    assert build_episode(no_calls.spans).reason is Unusable.NO_LLM_CALLS
+
+    no_reward = Tree()
+    no_reward.llm(no_reward.root(reward=None), 10)
+    result = build_episode(no_reward.spans)
+    assert isinstance(result, UnusableRollout) and result.reason is Unusable.NO_REWARD
+
+
+def test_reward_before_any_call_counts_in_the_return_but_on_no_call():
+    t = Tree()
+    root = t.root(reward=None)
+    t.reward(root, 5, 0.25, "setup")
+    t.llm(root, 10)
+    episode = build_episode(t.spans)
+    assert episode.rewards == [("setup", 0.25, -1)]
+    assert episode.transitions[0].reward is None and episode.episode_return == 0.25
+
+
+def test_inconsistent_logprobs_are_dropped_not_misaligned():
+    t = Tree()
+    root = t.root()
+    call = t.llm(root, 10, ids=(1, 2, 3))
+    span = next(s for s in t.spans if s.span_id == call)
+    span.attributes[sc.LLM_RESPONSE_LOGPROBS] = [-0.1]
+    (transition,) = build_episode(t.spans).transitions
+    assert transition.response_ids == [1, 2, 3] and transition.logprobs is None
