@@ -20,6 +20,7 @@ import wrapt
 from opentelemetry import trace as otel_trace
 
 from lit_sdk import _agents, _context, semconv
+from lit_sdk.trace import mark_failed
 
 log = logging.getLogger("lit")
 
@@ -152,8 +153,7 @@ class _Call:
 
     def fail(self, exc: BaseException) -> None:
         try:
-            self.span.record_exception(exc)
-            self.span.set_status(otel_trace.Status(otel_trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            mark_failed(self.span, exc)
         finally:
             self._close()
 

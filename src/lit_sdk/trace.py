@@ -140,8 +140,7 @@ class _Scope:
         if self.span is None:
             return
         try:
-            self.span.record_exception(exc)
-            self.span.set_status(otel_trace.Status(otel_trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            mark_failed(self.span, exc)
         finally:
             self._close()
 
@@ -154,6 +153,13 @@ class _Scope:
             self.span.end()
         except Exception:
             log.exception("lit: could not close the rollout span")
+
+
+def mark_failed(span: Any, exc: BaseException) -> None:
+    """Record the user's exception on a span and give the span error status (the exception itself is re-raised
+    by the caller, unchanged)."""
+    span.record_exception(exc)
+    span.set_status(otel_trace.Status(otel_trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
 
 
 def to_json(value: Any) -> str:
