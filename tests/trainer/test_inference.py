@@ -1,0 +1,290 @@
+"""The vLLM server lit starts: configuration checks, clear errors with fake interpreters, and (marked ``vllm``)
+the real server: token ids and logprobs, a tool call round trip, and no orphan process when its parent dies.
+
+The orphan tests come first in this file so that they run before the session server starts (never two at once).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from lit_trainer._served_model import TOOL_TEMPLATE, chat_template_for, untied_view
+from lit_trainer.config import InferenceConfig, WeightSyncConfig
+from lit_trainer.inference import (
+    InferenceServer,
+    PortBusyError,
+    ServerDiedError,
+    StartupTimeoutError,
+    VLLMNotInstalledError,
+    build_command,
+    build_env,
+    cpu_list,
+    pick_port,
+)
+
+HARNESS = textwrap.dedent(
+    """
+    import json, signal, sys, time
+    from lit_trainer.config import InferenceConfig
+    from lit_trainer.inference import InferenceServer
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if started in the background
+    with InferenceServer(InferenceConfig(model=sys.argv[1], log_dir=sys.argv[2])) as server:
+        print(json.dumps({"pid": server.process.pid}), flush=True)
+        time.sleep(3600)
+    """
+)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGINT"])
+def test_server_dies_with_its_parent(how: str, prepared_model: Path, tmp_path: Path, live_group_members):
+    """SIGKILL: the trainer crashes (no atexit runs; the kernel's parent-death signal must do it). SIGINT: Ctrl-C."""
+    harness = subprocess.Popen(
+        [sys.executable, "-c", HARNESS, str(prepared_model), str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        line = harness.stdout.readline()
+        assert line, f"the harness exited ({harness.wait()}) before the server was up; logs in {tmp_path}"
+        pgid = json.loads(line)["pid"]
+        assert len(live_group_members(pgid)) >= 2, "expected the API server and its engine-core children"
+        os.kill(harness.pid, getattr(signal, how))
+        harness.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while live_group_members(pgid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert live_group_members(pgid) == [], f"orphans after {how} of the parent: {live_group_members(pgid)}"
+    finally:
+        harness.kill()
+
+
+def test_non_loopback_host_needs_an_api_key():
+    with pytest.raises(ValueError, match="InferenceConfig.api_key"):
+        InferenceConfig(host="0.0.0.0")
+    assert InferenceConfig(host="0.0.0.0", api_key="k").api_key == "k"
+    assert InferenceConfig(host="::1").api_key is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"port": 70000}, "InferenceConfig.port"),
+        ({"device": "tpu"}, "InferenceConfig.device"),
+        ({"max_model_len": 0}, "InferenceConfig.max_model_len"),
+        ({"cpu_kv_cache_gb": 0}, "InferenceConfig.cpu_kv_cache_gb"),
+        ({"gpu_memory_utilization": 1.5}, "InferenceConfig.gpu_memory_utilization"),
+        ({"device": "cpu", "weight_transfer_backend": "nccl"}, "InferenceConfig.weight_transfer_backend"),
+        ({"startup_timeout_s": 0}, "InferenceConfig.startup_timeout_s"),
+    ],
+)
+def test_inference_config_names_the_bad_field(kwargs: dict, field: str):
+    with pytest.raises(ValueError, match=field):
+        InferenceConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"mode": "delta"}, "WeightSyncConfig.mode"),
+        ({"transport": "rdma"}, "WeightSyncConfig.transport"),
+        ({"in_flight": "drop"}, "WeightSyncConfig.in_flight"),
+        ({"mode": "lora", "transport": "nccl"}, "WeightSyncConfig.mode"),
+        ({"logprob_tolerance": 0}, "WeightSyncConfig.logprob_tolerance"),
+    ],
+)
+def test_weight_sync_config_names_the_bad_field(kwargs: dict, field: str):
+    with pytest.raises(ValueError, match=field):
+        WeightSyncConfig(**kwargs)
+
+
+def test_busy_port_is_refused_with_the_setting_to_change():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(PortBusyError, match="InferenceConfig.port"):
+            pick_port(InferenceConfig(port=port))
+    assert pick_port(InferenceConfig(port=0)) > 0
+
+
+def test_api_key_goes_through_the_environment_only(tmp_path: Path):
+    config = InferenceConfig(host="0.0.0.0", api_key="secret-key", device="cpu")
+    cmd = build_command(config, _fake_model(tmp_path), 8000, "python")
+    assert "secret-key" not in " ".join(cmd)
+    assert build_env(config, base={})["VLLM_API_KEY"] == "secret-key"
+    # A key in the trainer's own environment must not leak into a server that was configured without one.
+    assert "VLLM_API_KEY" not in build_env(InferenceConfig(device="cpu"), base={"VLLM_API_KEY": "stray"})
+
+
+def test_cpu_environment_binds_threads_and_enables_weight_sync():
+    env = build_env(InferenceConfig(device="cpu", cpu_threads_bind="0-3", cpu_kv_cache_gb=3), base={})
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env
+    assert build_env(InferenceConfig(device="cpu", enable_lora=True), base={})["VLLM_ALLOW_RUNTIME_LORA_UPDATING"]
+    assert "VLLM_CPU_KVCACHE_SPACE" not in build_env(InferenceConfig(device="cuda"), base={})
+
+
+def test_cpu_list_compresses_ranges():
+    assert cpu_list({0, 1}) == "0-1"
+    assert cpu_list({0, 1, 2, 5, 7, 8}) == "0-2,5,7-8"
+    assert cpu_list({3}) == "3"
+
+
+def test_tool_template_only_for_models_without_one(tmp_path: Path):
+    plain = _fake_model(tmp_path / "plain", template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    tooled = _fake_model(tmp_path / "tooled", template="{% if tools %}{{ tools | tojson }}{% endif %}")
+    assert chat_template_for(InferenceConfig(), plain) == TOOL_TEMPLATE
+    assert chat_template_for(InferenceConfig(), tooled) is None
+    assert chat_template_for(InferenceConfig(chat_template="model"), plain) is None
+    cmd = build_command(InferenceConfig(device="cpu"), plain, 8000, "python")
+    assert cmd[cmd.index("--chat-template") + 1] == str(TOOL_TEMPLATE)
+    assert cmd[cmd.index("--tool-call-parser") + 1] == "hermes"
+    assert "--enable-auto-tool-choice" in cmd
+    assert "--enable-auto-tool-choice" not in build_command(InferenceConfig(tool_call_parser=""), plain, 1, "p")
+
+
+def test_tied_model_is_served_untied_with_its_own_head(tmp_path: Path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    model = _fake_model(tmp_path / "tied")
+    (model / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    embed = torch.randn(8, 4)
+    save_file(
+        {"model.embed_tokens.weight": embed, "model.norm.weight": torch.ones(4)},
+        str(model / "model.safetensors"),
+    )
+    view = untied_view(model, tmp_path / "views")
+    assert (view / "config.json").resolve() == (model / "config.json").resolve()
+    torch.testing.assert_close(load_file(str(view / "lm_head.safetensors"))["lm_head.weight"], embed)
+    assert untied_view(model, tmp_path / "views") == view  # made once
+    cmd = build_command(InferenceConfig(device="cpu"), model, 8000, "python", view)
+    assert cmd[cmd.index("--model") + 1] == str(view)
+    assert json.loads(cmd[cmd.index("--hf-overrides") + 1]) == {"tie_word_embeddings": False}
+    (model / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
+    assert untied_view(model, tmp_path / "other-views") is None
+
+
+def test_missing_vllm_names_the_extra(tmp_path: Path):
+    # The same interpreter without site-packages: it runs, but cannot import vllm.
+    python = _script(tmp_path / "python-without-vllm", f'exec {sys.executable} -S "$@"')
+    config = InferenceConfig(model=str(_fake_model(tmp_path / "m")), python=str(python), log_dir=str(tmp_path))
+    with pytest.raises(VLLMNotInstalledError, match=r"lit-rl\[vllm\]"):
+        InferenceServer(config).start()
+
+
+def test_server_that_runs_out_of_memory_says_so_with_its_log(tmp_path: Path):
+    python = _fake_server(tmp_path, 'echo "loading..."; echo "torch.OutOfMemoryError: out of memory" >&2; exit 1')
+    config = InferenceConfig(model=str(_fake_model(tmp_path / "m")), python=str(python), log_dir=str(tmp_path))
+    with pytest.raises(ServerDiedError, match="cpu_kv_cache_gb") as info:
+        InferenceServer(config).start()
+    assert "OutOfMemoryError" in str(info.value)  # the tail of the log is in the message
+
+
+def test_startup_timeout_names_the_setting_and_kills_the_server(tmp_path: Path):
+    python = _fake_server(tmp_path, "exec sleep 600")
+    config = InferenceConfig(
+        model=str(_fake_model(tmp_path / "m")),
+        python=str(python),
+        log_dir=str(tmp_path),
+        startup_timeout_s=1.0,
+    )
+    server = InferenceServer(config)
+    with pytest.raises(StartupTimeoutError, match="InferenceConfig.startup_timeout_s"):
+        server.start()
+    assert server.process is None
+    assert "sleep 600" not in subprocess.run(["ps", "-eo", "args"], check=True, capture_output=True, text=True).stdout
+
+
+@pytest.mark.vllm
+def test_completion_returns_token_ids_and_logprobs(vllm_server: InferenceServer):
+    body = {"model": vllm_server.model_name, "prompt": "The capital of France is", "max_tokens": 8,
+            "temperature": 0, "logprobs": 0, "return_token_ids": True}  # fmt: skip
+    choice = requests.post(f"{vllm_server.openai_url}/completions", json=body, timeout=120).json()["choices"][0]
+    assert len(choice["prompt_token_ids"]) == 5
+    assert len(choice["token_ids"]) == 8
+    logprobs = choice["logprobs"]["token_logprobs"]
+    assert len(logprobs) == 8 and all(lp <= 0 for lp in logprobs)
+    assert "Paris" in choice["text"]
+
+
+@pytest.mark.vllm
+def test_chat_returns_token_ids_and_logprobs(vllm_server: InferenceServer):
+    body = {"model": vllm_server.model_name, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 6,
+            "temperature": 0, "logprobs": True, "return_token_ids": True}  # fmt: skip
+    answer = requests.post(f"{vllm_server.openai_url}/chat/completions", json=body, timeout=120).json()
+    choice = answer["choices"][0]
+    assert answer["prompt_token_ids"][:1] == [1]  # <|im_start|>
+    assert len(choice["token_ids"]) == len(choice["logprobs"]["content"]) > 0
+
+
+ADD_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two numbers",
+        "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}},
+    },
+}
+
+
+@pytest.mark.vllm
+def test_tool_call_round_trips(vllm_server: InferenceServer):
+    """The template tells the model to answer <tool_call>{...}</tool_call>; the hermes parser turns that into
+    ``tool_calls``; the call and its result render back into the next prompt. The 135M model rarely calls tools
+    on its own, so its output is constrained to the call (``auto`` tool choice, parser path)."""
+    url = f"{vllm_server.openai_url}/chat/completions"
+    messages = [{"role": "user", "content": "What is 2 + 3? Use the add tool."}]
+    forced = r'<tool_call>\n\{"name": "add", "arguments": \{"a": 2, "b": 3\}\}\n</tool_call>'
+    body = {"model": vllm_server.model_name, "messages": messages, "tools": [ADD_TOOL], "tool_choice": "auto",
+            "temperature": 0, "max_tokens": 60, "structured_outputs": {"regex": forced}}  # fmt: skip
+    choice = requests.post(url, json=body, timeout=120).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "add"
+    assert json.loads(call["function"]["arguments"]) == {"a": 2, "b": 3}
+
+    messages += [choice["message"], {"role": "tool", "tool_call_id": call["id"], "content": "5"}]
+    body = {"model": vllm_server.model_name, "messages": messages, "tools": [ADD_TOOL], "max_tokens": 8,
+            "temperature": 0, "return_token_ids": True}  # fmt: skip
+    answer = requests.post(url, json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    tokenize = {"model": vllm_server.model_name, "tokens": answer.json()["prompt_token_ids"]}
+    prompt = requests.post(f"{vllm_server.base_url}/detokenize", json=tokenize, timeout=60).json()["prompt"]
+    assert '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>' in prompt
+    assert "<tool_response>\n5\n</tool_response>" in prompt
+    assert '"name": "add"' in prompt.split("<|im_end|>")[0]  # the tool is listed in the system turn
+
+
+def _fake_model(folder: Path, template: str | None = None) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text("{}")
+    if template is not None:
+        (folder / "chat_template.jinja").write_text(template)
+    return folder
+
+
+def _script(path: Path, body: str) -> Path:
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(0o755)
+    return path
+
+
+def _fake_server(tmp_path: Path, server_body: str) -> Path:
+    """A 'python' that answers lit's import probe like the real one, and runs ``server_body`` as the server."""
+    return _script(tmp_path / "fake-python", f'if [ "$1" = "-c" ]; then exec {sys.executable} "$@"; fi\n{server_body}')
