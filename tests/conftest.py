@@ -1,3 +1,9 @@
+"""Fixtures shared by all test folders: the prepared default model and ONE vLLM server for the whole session
+(start-up takes about a minute on 2 cores)."""
+
+import os
+from pathlib import Path
+
 import pytest
 
 
@@ -7,3 +13,37 @@ def prepared_model():
     from lit_trainer.models import prepare_default_model
 
     return prepare_default_model().path
+
+
+def live_group_members(pgid: int) -> list[int]:
+    """Pids of the processes (zombies excluded) still in process group ``pgid``."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        state, group = fields[0], int(fields[2])
+        if group == pgid and state != "Z":
+            alive.append(int(stat.parent.name))
+    return alive
+
+
+@pytest.fixture(name="live_group_members")
+def live_group_members_fixture():
+    """``live_group_members(pgid)``: the pids still alive in a process group."""
+    return live_group_members
+
+
+@pytest.fixture(scope="session")
+def vllm_server(prepared_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A running lit-managed vLLM server on the default model; gone (whole process group) after the session."""
+    from lit_trainer.config import InferenceConfig
+    from lit_trainer.inference import InferenceServer
+
+    config = InferenceConfig(model=str(prepared_model), log_dir=str(tmp_path_factory.mktemp("vllm-logs")))
+    with InferenceServer(config) as server:
+        pgid = server.process.pid
+        yield server
+    assert live_group_members(pgid) == [], f"vLLM processes survived the fixture: {live_group_members(pgid)}"
+    assert os.path.exists(server.log_path)

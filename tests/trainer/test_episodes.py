@@ -48,7 +48,8 @@ def test_golden_trees_from_real_frameworks(name, agent):
     assert [t.reward for t in episode.transitions] == [None, 0.25]
     assert episode.rewards == [("format", 0.25, 1)]
     assert episode.final_reward == 1.0 and episode.episode_return == 1.0
-    assert episode.rollout_id == llm[0].rollout_id and all(t.rollout_id == episode.rollout_id for t in episode.transitions)
+    assert episode.rollout_id == llm[0].rollout_id
+    assert all(t.rollout_id == episode.rollout_id for t in episode.transitions)
     assert episode.skipped_calls == 0
 
     shuffled = spans + random.Random(7).sample(spans, len(spans) // 2)  # duplicates, any order
