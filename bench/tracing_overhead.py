@@ -33,22 +33,30 @@ import lit_sdk as lit  # noqa: E402
 
 MODEL_INFO = {"vision": False, "function_calling": True, "json_output": False, "family": "unknown",
               "structured_output": False}
-BODY = json.dumps({
+def body(prompt_tokens: int) -> bytes:
+    return json.dumps({
     "id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "policy",
-    "prompt_token_ids": list(range(100, 160)),
+    "prompt_token_ids": list(range(100, 100 + prompt_tokens)),
     "choices": [{
         "index": 0, "finish_reason": "stop", "token_ids": list(range(500, 520)),
         "message": {"role": "assistant", "content": "The answer is 5."},
         "logprobs": {"content": [{"token": "t", "logprob": -0.5, "bytes": [], "top_logprobs": []}] * 20},
     }],
-    "usage": {"prompt_tokens": 60, "completion_tokens": 20, "total_tokens": 80},
-}).encode()
+    "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 20, "total_tokens": prompt_tokens + 20},
+    }).encode()
+
+
+BODY, LONG_BODY = body(60), body(2000)
 BASE_URL = "http://engine.invalid/v1"
 MESSAGES = [{"role": "user", "content": "What is 2+3?"}]
 
 
 def respond(request: httpx.Request) -> httpx.Response:
     return httpx.Response(200, content=BODY, headers={"content-type": "application/json"})
+
+
+def respond_long(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(200, content=LONG_BODY, headers={"content-type": "application/json"})
 
 
 def make_cases() -> dict[str, Callable[[int], None]]:
@@ -61,6 +69,13 @@ def make_cases() -> dict[str, Callable[[int], None]]:
     def plain(n: int) -> None:
         for _ in range(n):
             client.chat.completions.create(model="policy", messages=MESSAGES)
+
+    long_client = OpenAI(base_url=BASE_URL, api_key="x",
+                         http_client=httpx.Client(transport=httpx.MockTransport(respond_long)))
+
+    def plain_long(n: int) -> None:
+        for _ in range(n):
+            long_client.chat.completions.create(model="policy", messages=MESSAGES)
 
     from langchain_openai import ChatOpenAI
 
@@ -96,8 +111,13 @@ def make_cases() -> dict[str, Callable[[int], None]]:
                 await Runner.run(agent, "What is 2+3?")
         asyncio.run(run())
 
-    return {"openai (plain)": plain, "LangChain ChatOpenAI": langchain, "AutoGen model client": autogen,
-            "OpenAI Agents SDK Runner": agents_sdk}
+    return {
+        "openai (plain)": plain,
+        "openai, 2000-token prompt": plain_long,
+        "LangChain ChatOpenAI": langchain,
+        "AutoGen model client": autogen,
+        "OpenAI Agents SDK Runner": agents_sdk,
+    }
 
 
 def per_call_ms(fn: Callable[[int], None], calls: int, traced: bool) -> float:
@@ -112,14 +132,16 @@ def measure(cases, calls: int, rounds: int, frameworks: list[str], endpoint: str
     for name, fn in cases.items():
         fn(20)  # warm up imports and pools
         base, traced = [], []
-        for _ in range(rounds):
+        for _ in range(rounds):  # alternating, so that a noisy moment hits both sides of one pair
             base.append(per_call_ms(fn, calls, traced=False))
             lit.instrument(endpoint=endpoint, frameworks=frameworks, llm_base_urls=[BASE_URL], spool_dir=spool)
             traced.append(per_call_ms(fn, calls, traced=True))
             counts = lit.flush(timeout=30)
             lit.uninstrument()
             assert counts.pending == 0, counts
-        results[name] = (statistics.median(base), statistics.median(traced))
+        added = sorted(t - b for b, t in zip(base, traced, strict=True))
+        quartiles = statistics.quantiles(added, n=4) if len(added) > 1 else [added[0]] * 3
+        results[name] = (statistics.median(base), statistics.median(traced), quartiles)
     return results
 
 
@@ -133,11 +155,14 @@ def main() -> None:
         for label, frameworks in (("lit patch only (frameworks=[])", []),
                                   ("lit + openinference instrumentors (default)", None)):
             results = measure(cases, args.calls, args.rounds, frameworks, server.endpoint, spool)
-            print(f"\n{label}: {args.calls} calls x {args.rounds} rounds, median ms per call")
-            print(f"| {'call':28} | {'untraced':>9} | {'traced':>9} | {'added ms':>9} | {'ratio':>6} |")
-            print(f"|{'-' * 30}|{'-' * 11}|{'-' * 11}|{'-' * 11}|{'-' * 8}|")
-            for name, (base, traced) in results.items():
-                print(f"| {name:28} | {base:9.3f} | {traced:9.3f} | {traced - base:9.3f} | {traced / base:6.2f} |")
+            print(f"\n{label}: {args.calls} calls x {args.rounds} rounds, ms per call")
+            print("(added = median of the per-round differences traced - untraced; IQR = their middle half)")
+            head = ("call", "untraced", "traced", "added ms", "IQR of added", "ratio")
+            print("| {:28} | {:>9} | {:>9} | {:>9} | {:>15} | {:>6} |".format(*head))
+            print(f"|{'-' * 30}|{'-' * 11}|{'-' * 11}|{'-' * 11}|{'-' * 17}|{'-' * 8}|")
+            for name, (base, traced, (q1, q2, q3)) in results.items():
+                iqr = f"{q1:.3f}..{q3:.3f}"
+                print(f"| {name:28} | {base:9.3f} | {traced:9.3f} | {q2:9.3f} | {iqr:>15} | {traced / base:6.2f} |")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,14 @@ class LitSpanProcessor(SpanProcessor):
         self._lock = threading.Lock()
         self._trace_rollout: OrderedDict[int, _context.Rollout] = OrderedDict()
         self._live: dict[int, Span] = {}
+        self._bulk: dict[int, dict[str, Any]] = {}
+
+    def attach_bulk(self, span: Span, attributes: dict[str, Any]) -> None:
+        """Add large list attributes (token ids, logprobs) to ``span``'s wire record, bypassing OpenTelemetry's
+        per-element attribute validation: lit made these lists itself, and validating thousands of token ids per
+        call is most of lit's own cost per LLM call. Other span processors do not see them."""
+        with self._lock:
+            self._bulk[span.get_span_context().span_id] = attributes
 
     def on_start(self, span: Span, parent_context: Any = None) -> None:
         ctx = span.get_span_context()
@@ -46,8 +54,12 @@ class LitSpanProcessor(SpanProcessor):
         with self._lock:
             self._live.pop(ctx.span_id, None)
             rollout = self._trace_rollout.get(ctx.trace_id)
+            bulk = self._bulk.pop(ctx.span_id, None)
         try:
-            self._submit(to_wire(span, rollout))
+            record = to_wire(span, rollout)
+            if bulk:
+                record["attributes"].update(bulk)
+            self._submit(record)
         except Exception:  # telemetry never breaks the user's call
             log.exception("lit: could not export a span")
 
@@ -71,6 +83,7 @@ class LitSpanProcessor(SpanProcessor):
     def shutdown(self) -> None:
         with self._lock:
             self._live.clear()
+            self._bulk.clear()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return True

@@ -125,10 +125,11 @@ class OpenAIPatch:
 class _Call:
     """One recorded LLM call: the request fields lit adds, and the span that records the answer."""
 
-    __slots__ = ("api", "kwargs", "span", "token")
+    __slots__ = ("api", "kwargs", "processor", "span", "token")
 
     def __init__(self, patch: OpenAIPatch, api: str, kwargs: dict):
         self.api = api
+        self.processor = patch.processor
         self.kwargs = _with_token_ids(kwargs, api)
         parent = otel_trace.get_current_span()
         attrs: dict[str, Any] = {
@@ -144,7 +145,9 @@ class _Call:
 
     def finish(self, result: Any) -> None:
         try:
-            record_response(self.span, _parsed(result), self.api)
+            bulk = record_response(self.span, _parsed(result), self.api)
+            if bulk:
+                self.processor.attach_bulk(self.span, bulk)
             self.span.set_status(otel_trace.Status(otel_trace.StatusCode.OK))
         except Exception:
             log.exception("lit: could not record an LLM response")
@@ -182,8 +185,9 @@ def _parsed(result: Any) -> Any:
     return result
 
 
-def record_response(span: Any, response: Any, api: str) -> None:
-    """Copy the engine's ids and logprobs of choice 0 onto the span, only when they are consistent."""
+def record_response(span: Any, response: Any, api: str) -> dict[str, list]:
+    """Set the call's scalar attributes on the span and return the engine's ids and logprobs of choice 0 (only
+    when they are consistent) for the span processor to add to the record."""
     choices = getattr(response, "choices", None) or []
     span.set_attribute(semconv.LLM_CHOICES, len(choices))
     if getattr(response, "model", None):
@@ -192,7 +196,7 @@ def record_response(span: Any, response: Any, api: str) -> None:
         span.set_attribute(semconv.LLM_RESPONSE_ID, response.id)
     if not choices:
         span.set_attribute(semconv.LLM_TOKEN_IDS_MISSING, True)
-        return
+        return {}
     choice = choices[0]
     if getattr(choice, "finish_reason", None):
         span.set_attribute(semconv.LLM_FINISH_REASON, str(choice.finish_reason))
@@ -208,8 +212,8 @@ def record_response(span: Any, response: Any, api: str) -> None:
     response_ids = getattr(choice, "token_ids", None)
     if not isinstance(prompt_ids, list) or not isinstance(response_ids, list):
         span.set_attribute(semconv.LLM_TOKEN_IDS_MISSING, True)
-        return
-    span.set_attribute(semconv.LLM_PROMPT_TOKEN_IDS, prompt_ids)
-    span.set_attribute(semconv.LLM_RESPONSE_TOKEN_IDS, response_ids)
+        return {}
+    bulk = {semconv.LLM_PROMPT_TOKEN_IDS: prompt_ids, semconv.LLM_RESPONSE_TOKEN_IDS: response_ids}
     if response_logprobs is not None and len(response_logprobs) == len(response_ids):
-        span.set_attribute(semconv.LLM_RESPONSE_LOGPROBS, [float(x) for x in response_logprobs])
+        bulk[semconv.LLM_RESPONSE_LOGPROBS] = [float(x) for x in response_logprobs]
+    return bulk
