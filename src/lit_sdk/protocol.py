@@ -157,7 +157,32 @@ def _hex_id(value: Any, digits: int, what: str, index: int) -> str:
     return value
 
 
+_STATUSES = (STATUS_UNSET, STATUS_OK, STATUS_ERROR)
+
+
 def _span_from_wire(obj: Any, index: int) -> SpanRecord:
+    """The fast path: every check of ``_span_from_wire_checked`` in one expression (the collector runs this for
+    each of ~100k spans a second); when any fails, the checked path finds which and says so."""
+    if isinstance(obj, dict) and len(obj) >= 11:
+        get = obj.get
+        trace_id, span_id, parent = get("trace_id"), get("span_id"), get("parent_id", 0)
+        name, start, end, status = get("name"), get("start_ns"), get("end_ns"), get("status")
+        message, rollout, attributes, events = get("status_message"), get("rollout_id", 0), get("attributes"), \
+            get("events")
+        if (
+            type(trace_id) is str and len(trace_id) == 32 and _HEX.issuperset(trace_id)
+            and type(span_id) is str and len(span_id) == 16 and _HEX.issuperset(span_id)
+            and (parent is None or (type(parent) is str and len(parent) == 16 and _HEX.issuperset(parent)))
+            and type(name) is str and isinstance(start, int) and isinstance(end, int) and status in _STATUSES
+            and type(message) is str and (rollout is None or type(rollout) is str)
+            and type(attributes) is dict and type(events) is list
+        ):
+            return SpanRecord(trace_id, span_id, parent, name, start, end, status, message, rollout, attributes,
+                              events)
+    return _span_from_wire_checked(obj, index)
+
+
+def _span_from_wire_checked(obj: Any, index: int) -> SpanRecord:
     if not isinstance(obj, dict):
         raise ProtocolError("span", f"span {index} is not a map")
     try:

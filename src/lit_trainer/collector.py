@@ -1,0 +1,226 @@
+"""The trainer's end of span delivery: a ZeroMQ ROUTER that takes ``spans`` frames, stores them, then acknowledges.
+
+One background thread owns the socket. Each turn it drains the frames that are waiting (up to ``max_frames`` and
+``max_spans``), decodes and validates each with ``protocol.decode_frame``, writes the spans of all the good ones in
+ONE store transaction, and only after the commit answers each frame with an ``ack`` carrying its own stored and
+duplicate counts; then it calls ``on_root_span(rollout_id)`` for each rollout root span stored for the first time.
+An acknowledged span is therefore on disk, and a frame whose transaction failed is never acknowledged (its sender
+sends it again).
+
+Bad input is data, not a crash: a frame that fails to decode or validate, has an unknown protocol version, or is
+not a ``spans`` frame is rejected — answered with a ``nack`` when its ``batch`` id can be read, counted by
+``ProtocolError.kind``, logged once per kind — and the collector goes on. Anything else that goes wrong in the
+thread (the store fails, ``on_root_span`` raises) stops it; ``check()`` and ``stop()`` re-raise it in the caller.
+
+This module knows nothing of SQLite (only the ``Store`` interface), of episodes or of training.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgpack
+import zmq
+
+from lit_sdk import protocol
+from lit_trainer.store import Store
+
+log = logging.getLogger("lit")
+
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:7373"
+_POLL_MS = 50
+"""How often the idle thread looks at its stop flag."""
+_JOIN_S = 30.0
+"""How long ``stop()`` waits for the thread to finish its turn (a commit in progress) before giving up."""
+
+
+class CollectorError(RuntimeError):
+    """The collector cannot bind, or its thread stopped on an error."""
+
+
+@dataclass(frozen=True, slots=True)
+class CollectorCounts:
+    frames: int
+    """Spans frames accepted and acknowledged (a resent frame counts again)."""
+    spans_stored: int
+    duplicates: int
+    """Spans received that were already stored (a resend whose ack was lost)."""
+    rejected: dict[str, int]
+    """Frames refused, by ``ProtocolError.kind`` (``decode``, ``shape``, ``version``, ``type``, ``span``,
+    ``too_large``)."""
+    commits: int
+    """Store transactions; ``frames / commits`` is how many frames one transaction carried on average."""
+
+
+class Collector:
+    """Receives spans at ``endpoint`` into ``store`` (see the module docstring). Use ``with`` or start/stop.
+
+    endpoint: where to bind; ``tcp://127.0.0.1:0`` (or ``:*``) picks a free port, read back from ``.endpoint``.
+        Agents find it through their ``LIT_ENDPOINT`` / ``lit.instrument(endpoint=...)``.
+    on_root_span: called in the collector thread with the rollout id of each rollout root span, once, after the
+        commit that stored it (so every span the agent sent before its root is readable from the store by then).
+    max_frames, max_spans: bounds on one transaction: frames drained per turn and spans in them (checked after
+        each frame, so one large frame still goes in whole). A few thousand spans per transaction make the fsync
+        negligible while the decoded spans stay few: holding tens of thousands at once made decoding 2-3x slower
+        per span (fresh memory and garbage-collector passes over them).
+    """
+
+    def __init__(self, store: Store, endpoint: str = DEFAULT_ENDPOINT,
+                 on_root_span: Callable[[str], None] | None = None, *, max_frames: int = 1024,
+                 max_spans: int = 4096):
+        if max_frames <= 0 or max_spans <= 0:
+            raise ValueError(f"Collector: max_frames and max_spans must be positive, got {max_frames}, {max_spans}")
+        self.store = store
+        self.requested_endpoint = endpoint
+        self.on_root_span = on_root_span
+        self._max_frames, self._max_spans = max_frames, max_spans
+        self._endpoint: str | None = None
+        self._lock = threading.Lock()
+        self._tally = {"frames": 0, "spans_stored": 0, "duplicates": 0, "commits": 0}
+        self._rejected: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint actually bound (with the port chosen when port 0 or ``*`` was asked)."""
+        if self._endpoint is None:
+            raise CollectorError("the collector is not started: its endpoint is not bound yet")
+        return self._endpoint
+
+    @property
+    def counts(self) -> CollectorCounts:
+        with self._lock:
+            return CollectorCounts(**self._tally, rejected=dict(self._rejected))
+
+    def start(self) -> Collector:
+        """Bind (in the caller's thread, so that a busy port raises here) and start the thread."""
+        if self._thread is not None:
+            raise CollectorError("the collector is already started")
+        sock = zmq.Context.instance().socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.bind(self.requested_endpoint)
+        except zmq.ZMQError as exc:
+            sock.close()
+            busy = " (the address is already in use: another trainer is running?)" if exc.errno == errno.EADDRINUSE \
+                else ""
+            raise CollectorError(
+                f"the collector cannot bind {self.requested_endpoint}{busy}: {exc}. Choose another endpoint with "
+                "Collector(endpoint=...) and point the agents at it (LIT_ENDPOINT or lit.instrument(endpoint=...))"
+            ) from None
+        self._endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._stop.clear()
+        self._error = None
+        self._thread = threading.Thread(target=self._run, args=(sock,), name="lit-collector", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Finish the current turn, close the socket, and re-raise an error the thread stopped on. Idempotent."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._stop.set()
+            thread.join(_JOIN_S)
+            if thread.is_alive():
+                raise CollectorError(f"the collector thread did not stop within {_JOIN_S:.0f} s")
+        self.check()
+
+    def check(self) -> None:
+        """Re-raise, in the caller's thread, the exception that stopped the collector thread (if one did)."""
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def __enter__(self) -> Collector:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def _run(self, sock: zmq.Socket) -> None:
+        try:
+            while not self._stop.is_set():
+                if sock.poll(_POLL_MS):
+                    self._turn(sock)
+        except BaseException as exc:  # carried to the caller's thread by check()/stop()
+            log.error("lit: the collector stopped on an error: %s: %s", type(exc).__name__, exc)
+            self._error = exc
+        finally:
+            sock.close(linger=0)
+
+    def _turn(self, sock: zmq.Socket) -> None:
+        """Drain waiting frames into one transaction, acknowledge them after the commit, then report roots."""
+        good: list[tuple[list[bytes], protocol.SpansFrame]] = []
+        n_spans = 0
+        for _ in range(self._max_frames):
+            try:
+                parts = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                break
+            envelope, data = parts[:-1], parts[-1]
+            frame = self._accept(sock, envelope, data)
+            if frame is not None:
+                good.append((envelope, frame))
+                n_spans += len(frame.spans)
+                if n_spans >= self._max_spans:
+                    break
+        if not good:
+            return
+        outcomes = self.store.add_span_batches([frame.spans for _, frame in good])
+        with self._lock:  # before the acks, so that whoever saw an ack finds it counted
+            t = self._tally
+            t["frames"] += len(good)
+            t["commits"] += 1
+            t["spans_stored"] += sum(o.stored for o in outcomes)
+            t["duplicates"] += sum(o.duplicates for o in outcomes)
+        for (envelope, frame), outcome in zip(good, outcomes, strict=True):
+            sock.send_multipart([*envelope, protocol.encode_ack(frame.batch, outcome.stored, outcome.duplicates)])
+        if self.on_root_span is not None:
+            for outcome in outcomes:
+                for rollout_id in outcome.new_roots:
+                    self.on_root_span(rollout_id)
+
+    def _accept(self, sock: zmq.Socket, envelope: list[bytes], data: bytes) -> protocol.SpansFrame | None:
+        """The frame if it is a valid spans frame; otherwise reject it (count, log once, nack) and None."""
+        try:
+            frame = protocol.decode_frame(data)
+            if not isinstance(frame, protocol.SpansFrame):
+                what = type(frame).__name__
+                raise protocol.ProtocolError("type", f"the collector takes spans frames only, got a {what}")
+        except protocol.ProtocolError as exc:
+            self._reject(exc)
+            batch = _batch_id(data)
+            if batch is not None and envelope:
+                sock.send_multipart([*envelope, protocol.encode_nack(batch, f"{exc.kind}: {exc}")])
+            return None
+        return frame
+
+    def _reject(self, exc: protocol.ProtocolError) -> None:
+        with self._lock:
+            n = self._rejected.get(exc.kind, 0) + 1
+            self._rejected[exc.kind] = n
+        if n == 1:
+            log.warning("lit: the collector rejected a frame (%s): %s. Later rejections of this kind are counted "
+                        "in Collector.counts.rejected, not logged", exc.kind, exc)
+
+
+def _batch_id(data: bytes) -> str | None:
+    """The ``batch`` string of a rejected frame, read without decoding the rest (it may be huge or broken)."""
+    try:
+        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(data), 1))
+        unpacker.feed(data)
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            if key == "batch":
+                value = unpacker.unpack()
+                return value if isinstance(value, str) else None
+            unpacker.skip()
+    except Exception:  # anything unreadable: no batch id, no nack
+        return None
+    return None
