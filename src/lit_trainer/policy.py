@@ -1,0 +1,143 @@
+"""The policy being trained: any Hugging Face causal LM (the prepared SmolLM2 by default), its per-token logprobs,
+and the optimizer step under accelerate (gradient accumulation over micro-batches, optional gradient checkpointing,
+optional LoRA through peft).
+
+``update`` takes the loss as a function, so the objective lives in ``algorithm/`` as pure tensor math and this
+module holds only state: the model, the optimizer, the accelerator. It also reports how far its own logprobs are
+from the behaviour logprobs vLLM returned for the same tokens (``policy/vllm_logprob_gap``): with the same weights
+in both they agree to ~1e-4 nats in fp32, so a large gap means the weight sync or the token ids are wrong.
+Knows nothing of episodes, rewards or vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lit_trainer.batching import MicroBatch
+from lit_trainer.models import resolve_model
+
+LossFn = Callable[[torch.Tensor, MicroBatch, torch.Tensor | None], tuple[torch.Tensor, dict[str, float]]]
+"""``loss_fn(logprobs (B, T), batch, entropy (B, T) | None) -> (loss, metrics)`` for one micro-batch."""
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    model: str = "smollm2-135m"
+    """A Hugging Face causal-LM folder, or ``smollm2-135m`` for the prepared default."""
+    learning_rate: float = 1e-6
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradients are clipped to this global norm (0 disables clipping)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: about 40 % less memory (7.9 → 4.8 GB for 8x256 tokens)."""
+    lora_rank: int = 0
+    """0 trains every weight; > 0 trains LoRA adapters of this rank only (peft)."""
+    lora_alpha: int = 32
+    """LoRA scaling numerator (the update is scaled by alpha / rank)."""
+    lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """Which linear layers get adapters."""
+    compute_entropy: bool = True
+    """Also return per-token entropy to the loss (a metric; costs one more pass over the logits)."""
+
+    def __post_init__(self) -> None:
+        if self.learning_rate <= 0:
+            raise ValueError("PolicyConfig.learning_rate must be > 0")
+        if self.max_grad_norm < 0:
+            raise ValueError("PolicyConfig.max_grad_norm must be >= 0 (0 disables clipping)")
+        if self.lora_rank < 0:
+            raise ValueError("PolicyConfig.lora_rank must be >= 0 (0 = full fine-tune)")
+
+
+class Policy:
+    def __init__(self, config: PolicyConfig):
+        from accelerate import Accelerator
+        from transformers import AutoModelForCausalLM
+
+        self.config = config
+        self.accelerator = Accelerator()
+        model = AutoModelForCausalLM.from_pretrained(resolve_model(config.model), dtype=torch.float32)
+        if config.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+            model.config.use_cache = False
+        if config.lora_rank:
+            from peft import LoraConfig, get_peft_model
+
+            lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha,
+                              target_modules=list(config.lora_target_modules), task_type="CAUSAL_LM")
+            model = get_peft_model(model, lora)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
+        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+
+    @property
+    def trainable(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def token_logprobs(self, batch: MicroBatch, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token logprobs in token space (position t: log p(token t | tokens < t); position 0 is 0), and
+        optionally the entropy of the distribution each token was drawn from. Both (B, T)."""
+        device = self.accelerator.device
+        input_ids = batch.input_ids.to(device)  # (B, T)
+        logits = self.model(input_ids=input_ids, attention_mask=batch.attention_mask.to(device)).logits  # (B, T, V)
+        # The logits at position t-1 predict token t: drop the last position, shift the targets left by one.
+        logp_all = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # (B, T-1, V)
+        picked = logp_all.gather(-1, input_ids[:, 1:, None])[..., 0]  # (B, T-1)
+        zero = torch.zeros_like(picked[:, :1])  # (B, 1): token 0 has no prediction
+        logp = torch.cat([zero, picked], dim=1)  # (B, T)
+        entropy = None
+        if with_entropy:
+            ent = -(logp_all.exp() * logp_all).sum(-1)  # (B, T-1)
+            entropy = torch.cat([zero, ent], dim=1).detach()  # (B, T)
+        return logp, entropy
+
+    def update(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step over all micro-batches (gradients accumulated). Each micro-batch's loss is weighted by
+        its share of the response tokens, so the step equals one ``token_mean`` loss over the whole batch."""
+        assert micro_batches, "update() needs at least one micro-batch"
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        total_tokens = sum(mb.n_response_tokens for mb in micro_batches)
+        assert total_tokens > 0, "every micro-batch is fully masked: nothing to train on"
+        sums: dict[str, float] = {}
+        gap_sum, gap_tokens = 0.0, 0
+        for mb in micro_batches:
+            weight = mb.n_response_tokens / total_tokens
+            logp, entropy = self.token_logprobs(mb, with_entropy=self.config.compute_entropy)
+            loss, metrics = loss_fn(logp, mb, entropy)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"the loss is {loss.item()} on micro-batch rows {mb.index}")
+            self.accelerator.backward(loss * weight)
+            mask = mb.response_mask.to(logp.device)
+            gap_sum += ((logp.detach() - mb.old_logprobs.to(logp.device)).abs() * mask).sum().item()
+            gap_tokens += int(mask.sum().item())
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + float(value) * weight
+        grad_norm = self._clip()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {**sums, "policy/grad_norm": grad_norm, "policy/vllm_logprob_gap": gap_sum / max(gap_tokens, 1),
+                "policy/response_tokens": float(total_tokens)}
+
+    def _clip(self) -> float:
+        if self.config.max_grad_norm > 0:
+            return float(self.accelerator.clip_grad_norm_(self.trainable, self.config.max_grad_norm))
+        norms = [p.grad.norm() for p in self.trainable if p.grad is not None]
+        return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+
+    def unwrapped(self) -> torch.nn.Module:
+        """The model without accelerate's wrapper: a transformers model, or a peft model when LoRA is on."""
+        return self.accelerator.unwrap_model(self.model)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full model's weights, as ``WeightSync.push_weights`` sends them to vLLM."""
+        if self.config.lora_rank:
+            raise RuntimeError(
+                "PolicyConfig.lora_rank > 0: push the adapter with WeightSync.push_lora(policy.unwrapped()) "
+                "instead of full weights"
+            )
+        return self.unwrapped().state_dict()

@@ -1,0 +1,60 @@
+"""Transitions -> micro-batches: packing under the token budget, token-space masks and logprobs, long prompts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from lit_trainer.batching import BatchingConfig, PromptTooLong, make_micro_batches
+from lit_trainer.episodes import Transition
+
+PAD = 0
+
+
+def tr(prompt: list[int], response: list[int], logprobs: list[float] | None = None, index: int = 0) -> Transition:
+    lp = logprobs if logprobs is not None else [-0.5] * len(response)
+    return Transition(prompt, response, lp, None, "a", "r", "t", index, "s")
+
+
+def test_rows_are_prompt_then_response_with_masks_and_logprobs_in_token_space():
+    (mb,) = make_micro_batches([tr([5, 6, 7], [8, 9], [-0.1, -0.2]), tr([3], [4, 2, 1], [-1.0, -2.0, -3.0])],
+                               [1.5, -0.5], BatchingConfig(), PAD)
+    # Sorted by length: row 0 is the 4-token transition (index 1), row 1 the 5-token one (index 0).
+    assert mb.index == [1, 0]
+    assert_close(mb.input_ids, torch.tensor([[3, 4, 2, 1, PAD], [5, 6, 7, 8, 9]]))
+    assert_close(mb.attention_mask, torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]))
+    assert_close(mb.response_mask, torch.tensor([[0.0, 1, 1, 1, 0], [0, 0, 0, 1, 1]]))
+    assert_close(mb.old_logprobs, torch.tensor([[0.0, -1.0, -2.0, -3.0, 0.0], [0, 0, 0, -0.1, -0.2]]))
+    assert_close(mb.advantages, torch.tensor([-0.5, 1.5]))
+    assert mb.n_response_tokens == 5
+
+
+def test_token_budget_splits_micro_batches():
+    # Lengths 4, 4, 6, 10; budget 12: [4,4] (8 <= 12, adding 6 would make 3x6 = 18), [6] (6, adding 10 -> 20), [10].
+    ts = [tr([1] * 2, [2] * 2), tr([1] * 8, [2] * 2), tr([1] * 3, [2] * 1), tr([1] * 5, [2] * 1)]
+    batches = make_micro_batches(ts, [0.0] * 4, BatchingConfig(max_tokens_per_micro_batch=12), PAD)
+    assert [mb.index for mb in batches] == [[0, 2], [3], [1]]
+    assert all(mb.input_ids.numel() <= 12 for mb in batches)
+    # One row longer than the budget still gets its own micro-batch rather than being lost.
+    (alone,) = make_micro_batches([tr([1] * 20, [2])], [0.0], BatchingConfig(max_tokens_per_micro_batch=8), PAD)
+    assert alone.input_ids.shape == (1, 21)
+
+
+def test_long_prompts_are_rejected_or_cut_from_the_left_only_when_asked():
+    long = tr(list(range(10, 20)), [7, 8])
+    with pytest.raises(PromptTooLong, match="max_prompt_tokens=4.*truncate_prompt_left"):
+        make_micro_batches([long], [1.0], BatchingConfig(max_prompt_tokens=4), PAD)
+    (mb,) = make_micro_batches([long], [1.0], BatchingConfig(max_prompt_tokens=4, truncate_prompt_left=True), PAD)
+    assert mb.input_ids.tolist() == [[16, 17, 18, 19, 7, 8]]
+    assert mb.response_mask.tolist() == [[0, 0, 0, 0, 1, 1]]
+
+
+def test_missing_behaviour_logprobs_and_bad_inputs_are_clear_errors():
+    no_lp = Transition([1], [2], None, None, "a", "r", "t", 0, "s")
+    with pytest.raises(ValueError, match="no behaviour logprobs"):
+        make_micro_batches([no_lp], [1.0], BatchingConfig(), PAD)
+    with pytest.raises(ValueError, match="empty prompt or response"):
+        make_micro_batches([tr([], [2])], [1.0], BatchingConfig(), PAD)
+    with pytest.raises(ValueError, match="max_tokens_per_micro_batch"):
+        BatchingConfig(max_tokens_per_micro_batch=1)

@@ -1,0 +1,89 @@
+"""The policy on the real SmolLM2: token-space logprobs, one optimizer step, LoRA, and the vLLM logprob gap.
+
+The loss here is plain REINFORCE on purpose (the objective itself is tested in algorithm/'s tests): these tests
+are about the update's mechanics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from lit_trainer.batching import BatchingConfig, MicroBatch, make_micro_batches
+from lit_trainer.episodes import Transition
+from lit_trainer.logprob_check import trainer_logprobs
+from lit_trainer.policy import Policy, PolicyConfig
+
+pytestmark = pytest.mark.slow
+PROMPTS = [[1, 4093, 314, 216, 28, 476, 28, 47], [1, 504, 3575, 282, 4649, 314], [1, 22, 1232, 33, 2]]
+RESPONSES = [[216, 30, 2], [7042, 30, 2], [1232, 33]]
+
+
+def reinforce(logp: torch.Tensor, mb: MicroBatch, entropy: torch.Tensor | None):
+    mask = mb.response_mask  # (B, T)
+    loss = -(mb.advantages[:, None] * logp * mask).sum() / mask.sum()
+    return loss, {"loss/policy": loss.item()}
+
+
+def batches(policy: Policy, advantages: list[float], old: list[list[float]] | None = None) -> list[MicroBatch]:
+    old = old or [[-1.0] * len(r) for r in RESPONSES]
+    rows = zip(PROMPTS, RESPONSES, old, strict=True)
+    ts = [Transition(p, r, lp, None, "a", "r", "t", i, "s") for i, (p, r, lp) in enumerate(rows)]
+    return make_micro_batches(ts, advantages, BatchingConfig(max_tokens_per_micro_batch=24), pad_id=2)
+
+
+def response_logprobs(policy: Policy) -> list[list[float]]:
+    with torch.no_grad():
+        model = policy.unwrapped()
+        return [trainer_logprobs(model, p, r).tolist() for p, r in zip(PROMPTS, RESPONSES, strict=True)]
+
+
+def test_token_logprobs_match_an_independent_computation(prepared_model):
+    policy = Policy(PolicyConfig(model=str(prepared_model)))
+    expected = response_logprobs(policy)
+    with torch.no_grad():
+        for mb in batches(policy, [0.0, 0.0, 0.0]):
+            logp, entropy = policy.token_logprobs(mb, with_entropy=True)
+            assert logp.shape == entropy.shape == mb.input_ids.shape
+            for row, i in enumerate(mb.index):
+                got = logp[row][mb.response_mask[row].bool()]
+                assert_close(got, torch.tensor(expected[i]), atol=1e-4, rtol=0)
+            assert (entropy >= 0).all()
+
+
+def test_one_update_changes_every_weight_and_raises_a_rewarded_response(prepared_model):
+    policy = Policy(PolicyConfig(model=str(prepared_model), learning_rate=1e-4))
+    before_params = [p.detach().clone() for p in policy.trainable]
+    before = response_logprobs(policy)
+    metrics = policy.update(batches(policy, [1.0, -1.0, 0.0]), reinforce)
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+    assert metrics["policy/response_tokens"] == 8.0 and metrics["policy/grad_norm"] > 0
+    changed = [not torch.equal(b, p.detach()) for b, p in zip(before_params, policy.trainable, strict=True)]
+    assert all(changed), f"{changed.count(False)} of {len(changed)} trainable tensors did not change"
+    after = response_logprobs(policy)
+    assert sum(after[0]) > sum(before[0]), "the positively rewarded response did not become more likely"
+    assert sum(after[1]) < sum(before[1]), "the negatively rewarded response did not become less likely"
+
+
+def test_lora_trains_adapters_only(prepared_model):
+    policy = Policy(PolicyConfig(model=str(prepared_model), lora_rank=4, learning_rate=1e-3))
+    names = [n for n, p in policy.unwrapped().named_parameters() if p.requires_grad]
+    assert names and all("lora_" in n for n in names)
+    frozen = {n: p.detach().clone() for n, p in policy.unwrapped().named_parameters() if not p.requires_grad}
+    # LoRA's B matrices start at zero, so A gets no gradient on the first step; two steps move every adapter.
+    for _ in range(2):
+        policy.update(batches(policy, [1.0, -1.0, 0.5]), reinforce)
+    after = dict(policy.unwrapped().named_parameters())
+    assert all(torch.equal(frozen[n], after[n].detach()) for n in frozen), "a frozen base weight changed"
+    with pytest.raises(RuntimeError, match="push_lora"):
+        policy.state_dict()
+
+
+def test_vllm_logprob_gap_measures_the_behaviour_policy_distance(prepared_model):
+    policy = Policy(PolicyConfig(model=str(prepared_model), learning_rate=1e-9, max_grad_norm=0))
+    own = response_logprobs(policy)
+    same = policy.update(batches(policy, [0.0, 0.0, 0.0], old=own), reinforce)
+    assert same["policy/vllm_logprob_gap"] < 1e-4
+    shifted = [[x - 0.5 for x in row] for row in own]
+    off = policy.update(batches(policy, [0.0, 0.0, 0.0], old=shifted), reinforce)
+    assert off["policy/vllm_logprob_gap"] == pytest.approx(0.5, abs=1e-3)
