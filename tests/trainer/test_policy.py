@@ -1,7 +1,5 @@
-"""The policy on the real SmolLM2: token-space logprobs, one optimizer step, LoRA, and the vLLM logprob gap.
-
-The loss here is plain REINFORCE on purpose (the objective itself is tested in algorithm/'s tests): these tests
-are about the update's mechanics."""
+"""The policy on the real SmolLM2 with the LightningRL loss: token-space logprobs, one optimizer step, LoRA, and the
+vLLM logprob gap. (The objective's math is tested by hand in test_loss.py; these tests are about the update.)"""
 
 from __future__ import annotations
 
@@ -9,6 +7,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from lit_trainer.algorithm.loss import LossConfig, policy_loss
 from lit_trainer.batching import BatchingConfig, MicroBatch, make_micro_batches
 from lit_trainer.episodes import Transition
 from lit_trainer.logprob_check import trainer_logprobs
@@ -19,10 +18,8 @@ PROMPTS = [[1, 4093, 314, 216, 28, 476, 28, 47], [1, 504, 3575, 282, 4649, 314],
 RESPONSES = [[216, 30, 2], [7042, 30, 2], [1232, 33]]
 
 
-def reinforce(logp: torch.Tensor, mb: MicroBatch, entropy: torch.Tensor | None):
-    mask = mb.response_mask  # (B, T)
-    loss = -(mb.advantages[:, None] * logp * mask).sum() / mask.sum()
-    return loss, {"loss/policy": loss.item()}
+def lightning_loss(logp: torch.Tensor, mb: MicroBatch, entropy: torch.Tensor | None):
+    return policy_loss(logp, mb.old_logprobs, mb.advantages, mb.response_mask.bool(), LossConfig(), entropy=entropy)
 
 
 def batches(policy: Policy, advantages: list[float], old: list[list[float]] | None = None) -> list[MicroBatch]:
@@ -55,8 +52,10 @@ def test_one_update_changes_every_weight_and_raises_a_rewarded_response(prepared
     policy = Policy(PolicyConfig(model=str(prepared_model), learning_rate=1e-4))
     before_params = [p.detach().clone() for p in policy.trainable]
     before = response_logprobs(policy)
-    metrics = policy.update(batches(policy, [1.0, -1.0, 0.0]), reinforce)
+    # Behaviour logprobs = the policy's own: ratio 1, an on-policy step.
+    metrics = policy.update(batches(policy, [1.0, -1.0, 0.0], old=before), lightning_loss)
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+    assert metrics["loss/clip_frac"] == 0.0 and metrics["policy/vllm_logprob_gap"] < 1e-4
     assert metrics["policy/response_tokens"] == 8.0 and metrics["policy/grad_norm"] > 0
     changed = [not torch.equal(b, p.detach()) for b, p in zip(before_params, policy.trainable, strict=True)]
     assert all(changed), f"{changed.count(False)} of {len(changed)} trainable tensors did not change"
@@ -70,11 +69,14 @@ def test_lora_trains_adapters_only(prepared_model):
     names = [n for n, p in policy.unwrapped().named_parameters() if p.requires_grad]
     assert names and all("lora_" in n for n in names)
     frozen = {n: p.detach().clone() for n, p in policy.unwrapped().named_parameters() if not p.requires_grad}
+    adapters = {n: p.detach().clone() for n, p in policy.unwrapped().named_parameters() if p.requires_grad}
     # LoRA's B matrices start at zero, so A gets no gradient on the first step; two steps move every adapter.
     for _ in range(2):
-        policy.update(batches(policy, [1.0, -1.0, 0.5]), reinforce)
+        policy.update(batches(policy, [1.0, -1.0, 0.5], old=response_logprobs(policy)), lightning_loss)
     after = dict(policy.unwrapped().named_parameters())
     assert all(torch.equal(frozen[n], after[n].detach()) for n in frozen), "a frozen base weight changed"
+    unchanged = [n for n in adapters if torch.equal(adapters[n], after[n].detach())]
+    assert unchanged == [], f"adapters that did not train: {unchanged[:3]}"
     with pytest.raises(RuntimeError, match="push_lora"):
         policy.state_dict()
 
@@ -82,8 +84,8 @@ def test_lora_trains_adapters_only(prepared_model):
 def test_vllm_logprob_gap_measures_the_behaviour_policy_distance(prepared_model):
     policy = Policy(PolicyConfig(model=str(prepared_model), learning_rate=1e-9, max_grad_norm=0))
     own = response_logprobs(policy)
-    same = policy.update(batches(policy, [0.0, 0.0, 0.0], old=own), reinforce)
+    same = policy.update(batches(policy, [0.0, 0.0, 0.0], old=own), lightning_loss)
     assert same["policy/vllm_logprob_gap"] < 1e-4
     shifted = [[x - 0.5 for x in row] for row in own]
-    off = policy.update(batches(policy, [0.0, 0.0, 0.0], old=shifted), reinforce)
+    off = policy.update(batches(policy, [0.0, 0.0, 0.0], old=shifted), lightning_loss)
     assert off["policy/vllm_logprob_gap"] == pytest.approx(0.5, abs=1e-3)
