@@ -45,7 +45,12 @@ def test_token_logprobs_match_an_independent_computation(prepared_model):
             for row, i in enumerate(mb.index):
                 got = logp[row][mb.response_mask[row].bool()]
                 assert_close(got, torch.tensor(expected[i]), atol=1e-4, rtol=0)
-            assert (entropy >= 0).all()
+            # Entropy where a response token was drawn (from the distribution at the position before), 0 elsewhere.
+            logits = policy.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits  # (B, T, V)
+            direct = torch.distributions.Categorical(logits=logits[:, :-1].float()).entropy()  # (B, T-1)
+            mask = mb.response_mask.bool()
+            assert_close(entropy[mask], direct[mask[:, 1:]], atol=1e-4, rtol=1e-4)
+            assert (entropy[~mask] == 0).all()
 
 
 def test_one_update_changes_every_weight_and_raises_a_rewarded_response(prepared_model):
