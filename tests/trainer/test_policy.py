@@ -94,3 +94,16 @@ def test_vllm_logprob_gap_measures_the_behaviour_policy_distance(prepared_model)
     shifted = [[x - 0.5 for x in row] for row in own]
     off = policy.update(batches(policy, [0.0, 0.0, 0.0], old=shifted), lightning_loss)
     assert off["policy/vllm_logprob_gap"] == pytest.approx(0.5, abs=1e-3)
+
+
+def test_gradient_checkpointing_gives_the_same_logprobs_and_still_trains(prepared_model):
+    plain = Policy(PolicyConfig(model=str(prepared_model)))
+    checkpointed = Policy(PolicyConfig(model=str(prepared_model), gradient_checkpointing=True, learning_rate=1e-4))
+    mb = batches(plain, [1.0, -1.0, 0.0])[0]
+    with torch.no_grad():
+        assert_close(checkpointed.token_logprobs(mb)[0], plain.token_logprobs(mb)[0], atol=1e-5, rtol=0)
+    before = [p.detach().clone() for p in checkpointed.trainable]
+    own = response_logprobs(checkpointed)
+    checkpointed.update(batches(checkpointed, [1.0, -1.0, 0.0], old=own), lightning_loss)
+    assert all(not torch.equal(b, p.detach()) for b, p in zip(before, checkpointed.trainable, strict=True))
+
