@@ -15,24 +15,12 @@ def prepared_model():
     return prepare_default_model().path
 
 
-def live_group_members(pgid: int) -> list[int]:
-    """Pids of the processes (zombies excluded) still in process group ``pgid``."""
-    alive = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        state, group = fields[0], int(fields[2])
-        if group == pgid and state != "Z":
-            alive.append(int(stat.parent.name))
-    return alive
-
-
 @pytest.fixture(name="live_group_members")
 def live_group_members_fixture():
     """``live_group_members(pgid)``: the pids still alive in a process group."""
-    return live_group_members
+    from lit_trainer.inference import group_members
+
+    return group_members
 
 
 @pytest.fixture(scope="session")
@@ -45,5 +33,7 @@ def vllm_server(prepared_model: Path, tmp_path_factory: pytest.TempPathFactory):
     with InferenceServer(config) as server:
         pgid = server.process.pid
         yield server
-    assert live_group_members(pgid) == [], f"vLLM processes survived the fixture: {live_group_members(pgid)}"
+    from lit_trainer.inference import group_members
+
+    assert group_members(pgid) == [], f"vLLM processes survived the fixture: {group_members(pgid)}"
     assert os.path.exists(server.log_path)

@@ -338,6 +338,25 @@ class InferenceServer:
             os.killpg(pgid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=10)
+        # A killed process takes a moment to release gigabytes of memory: return only once none is left.
+        deadline = time.monotonic() + 10
+        while group_members(pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if group_members(pgid):
+            log.warning("vLLM processes %s outlived SIGKILL by 10 s", group_members(pgid))
+
+
+def group_members(pgid: int) -> list[int]:
+    """Pids of the processes still alive (zombies excluded) in process group ``pgid`` (Linux /proc)."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            alive.append(int(stat.parent.name))
+    return alive
 
 
 class _Spinner:
