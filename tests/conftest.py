@@ -15,14 +15,6 @@ def prepared_model():
     return prepare_default_model().path
 
 
-@pytest.fixture(name="live_group_members")
-def live_group_members_fixture():
-    """``live_group_members(pgid)``: the pids still alive in a process group."""
-    from lit_trainer.inference import group_members
-
-    return group_members
-
-
 @pytest.fixture(scope="session")
 def vllm_server(prepared_model: Path, tmp_path_factory: pytest.TempPathFactory):
     """A running lit-managed vLLM server on the default model; gone (whole process group) after the session."""

@@ -76,10 +76,6 @@ class LitSpanProcessor(SpanProcessor):
                 current = self._live.get(parent.span_id)
             seen += 1
 
-    def rollout_of(self, trace_id: int) -> _context.Rollout | None:
-        with self._lock:
-            return self._trace_rollout.get(trace_id)
-
     def shutdown(self) -> None:
         with self._lock:
             self._live.clear()

@@ -30,6 +30,7 @@ from lit_trainer.inference import (
     build_command,
     build_env,
     cpu_list,
+    group_members,
     pick_port,
 )
 
@@ -50,7 +51,7 @@ HARNESS = textwrap.dedent(
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGINT"])
-def test_server_dies_with_its_parent(how: str, prepared_model: Path, tmp_path: Path, live_group_members):
+def test_server_dies_with_its_parent(how: str, prepared_model: Path, tmp_path: Path):
     """SIGKILL: the trainer crashes (no atexit runs; the kernel's parent-death signal must do it). SIGINT: Ctrl-C."""
     harness = subprocess.Popen(
         [sys.executable, "-c", HARNESS, str(prepared_model), str(tmp_path)], stdout=subprocess.PIPE, text=True
@@ -59,13 +60,13 @@ def test_server_dies_with_its_parent(how: str, prepared_model: Path, tmp_path: P
         line = harness.stdout.readline()
         assert line, f"the harness exited ({harness.wait()}) before the server was up; logs in {tmp_path}"
         pgid = json.loads(line)["pid"]
-        assert len(live_group_members(pgid)) >= 2, "expected the API server and its engine-core children"
+        assert len(group_members(pgid)) >= 2, "expected the API server and its engine-core children"
         os.kill(harness.pid, getattr(signal, how))
         harness.wait(timeout=60)
         deadline = time.monotonic() + 60
-        while live_group_members(pgid) and time.monotonic() < deadline:
+        while group_members(pgid) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert live_group_members(pgid) == [], f"orphans after {how} of the parent: {live_group_members(pgid)}"
+        assert group_members(pgid) == [], f"orphans after {how} of the parent: {group_members(pgid)}"
     finally:
         harness.kill()
 
