@@ -18,6 +18,9 @@ CHECK_PROMPT = "What is the capital of France? Answer in one sentence."
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["worker"]:  # the worker has its own parser (and stays free of torch)
+        return _worker_main(argv[1:])
     parser = _build_parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "run"):
@@ -25,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.run(args)
-    except ModelError as exc:
+    except (ModelError, ValueError, FileNotFoundError, RuntimeError) as exc:
+        # Config, model, checkpoint, port and server errors: their messages name the fix.
         print(f"lit: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -63,14 +67,21 @@ def _build_parser() -> argparse.ArgumentParser:
     path.set_defaults(run=_model_path)
     model.set_defaults(run=lambda _args: (model.print_help(), 2)[1])
 
-    for name, text in (
-        ("train", "train an agent from a config file"),
-        ("eval", "run validation of a checkpoint"),
-        ("worker", "run agent rollouts for a trainer"),
-    ):
-        stub = commands.add_parser(name, help=f"{text} (not available yet)", add_help=False)
-        stub.add_argument("rest", nargs=argparse.REMAINDER)
-        stub.set_defaults(run=_not_yet(name))
+    train = commands.add_parser("train", help="train an agent from a config file")
+    train.add_argument("config", type=Path, help="a TOML config (see examples/calc/config.toml)")
+    train.add_argument("overrides", nargs="*", metavar="section.key=value", help="change config values")
+    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
+    train.set_defaults(run=_train)
+    evaluate = commands.add_parser("eval", help="run validation of a checkpoint (or of the base model)")
+    evaluate.add_argument("config", type=Path)
+    evaluate.add_argument("overrides", nargs="*", metavar="section.key=value")
+    evaluate.add_argument("--checkpoint", help="a checkpoints/step-N folder or a run's output_dir; "
+                          "default: the config's base model")
+    evaluate.add_argument("--output", type=Path, help="also write the result as JSON here")
+    evaluate.set_defaults(run=_eval)
+    worker = commands.add_parser("worker", help="run agent rollouts for a trainer", add_help=False)
+    worker.add_argument("rest", nargs=argparse.REMAINDER)
+    worker.set_defaults(run=lambda args: _worker_main(args.rest))
     return parser
 
 
@@ -104,12 +115,30 @@ def _model_check(args: argparse.Namespace) -> int:
     return 0
 
 
-def _not_yet(name: str):
-    def run(_args: argparse.Namespace) -> int:
-        print(f"lit: error: 'lit {name}' is not available in this version yet", file=sys.stderr)
-        return 2
+def _train(args: argparse.Namespace) -> int:
+    from lit_trainer import train
+    from lit_trainer.train_config import load
 
-    return run
+    cfg = load(args.config, args.overrides)
+    result = train.run(cfg, resume=args.resume)
+    if result:
+        print(f"final held-out accuracy: {result['accuracy']:.3f}")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from lit_trainer import train
+    from lit_trainer.train_config import load
+
+    result = train.evaluate(load(args.config, args.overrides), args.checkpoint, args.output)
+    print(f"held-out accuracy: {result['accuracy']:.3f} ({result['tasks']} tasks, model {result['model']})")
+    return 0
+
+
+def _worker_main(rest: list[str]) -> int:
+    from lit_sdk.worker import main as worker_main
+
+    return worker_main(rest)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from lit_trainer.config import InferenceConfig
 from lit_trainer.models import cache_dir, resolve_model
 
 if TYPE_CHECKING:
-    from typing_extensions import Self
+    from typing import Self
 
 log = logging.getLogger(__name__)
 

@@ -56,12 +56,13 @@ class PolicyConfig:
 
 
 class Policy:
-    def __init__(self, config: PolicyConfig):
+    def __init__(self, config: PolicyConfig, trackers: Sequence[str] = (), project_dir: str | None = None):
+        """``trackers`` (e.g. ``["tensorboard"]``) go to accelerate's ``log_with``, logging under ``project_dir``."""
         from accelerate import Accelerator
         from transformers import AutoModelForCausalLM
 
         self.config = config
-        self.accelerator = Accelerator()
+        self.accelerator = Accelerator(log_with=list(trackers) or None, project_dir=project_dir)
         model = AutoModelForCausalLM.from_pretrained(resolve_model(config.model), dtype=torch.float32)
         if config.gradient_checkpointing:
             model.gradient_checkpointing_enable()

@@ -43,7 +43,7 @@ import torch
 from lit_trainer.config import WeightSyncConfig
 
 if TYPE_CHECKING:
-    from typing_extensions import Self
+    from typing import Self
 
 WEIGHTS_FILE = "model.safetensors"
 

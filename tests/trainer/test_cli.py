@@ -22,7 +22,16 @@ def test_lit_console_script_is_installed():
     assert out.returncode == 0 and out.stdout.startswith("lit ")
 
 
-def test_unfinished_command_says_so_and_fails():
-    out = subprocess.run([sys.executable, "-m", "lit_trainer.cli", "train"], capture_output=True, text=True)
-    assert out.returncode == 2
-    assert "not available" in out.stderr
+def test_train_with_a_missing_config_fails_in_one_line(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "lit_trainer.cli", "train", str(tmp_path / "nope.toml")],
+                         capture_output=True, text=True)
+    assert out.returncode == 1
+    assert out.stderr.strip() == f"lit: error: no config file at {tmp_path / 'nope.toml'}"
+
+
+def test_train_with_a_bad_override_names_the_key(tmp_path):
+    config = tmp_path / "c.toml"
+    config.write_text('[agent]\nfunction = "m:f"\n')
+    out = subprocess.run([sys.executable, "-m", "lit_trainer.cli", "train", str(config), "train.stepz=3"],
+                         capture_output=True, text=True)
+    assert out.returncode == 1 and "unknown key(s) ['stepz']" in out.stderr and "Traceback" not in out.stderr

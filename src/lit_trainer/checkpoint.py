@@ -1,0 +1,103 @@
+"""Checkpoints: the model in Hugging Face format (loadable by transformers and vLLM as is) plus what ``--resume``
+needs to continue exactly: the optimizer state, the step, the RNG states and the data position.
+
+    <output_dir>/checkpoints/step-000012/
+        model/               config.json, model.safetensors, tokenizer files
+        trainer_state.pt     optimizer, step, rng, data position, weight version
+        DONE                 written last: a folder without it is an interrupted save and is ignored
+
+A checkpoint is written into a temporary folder and renamed into place, so a kill mid-save leaves the previous
+checkpoint as the latest. Knows nothing of rollouts.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from lit_trainer.policy import Policy
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "generation_config.json", "chat_template.jinja")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    step: int
+
+    @property
+    def model_dir(self) -> Path:
+        return self.path / "model"
+
+    def state(self) -> dict[str, Any]:
+        return torch.load(self.path / "trainer_state.pt", weights_only=False)
+
+
+def folder(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def latest(output_dir: str | Path) -> Checkpoint | None:
+    """The newest complete checkpoint in ``output_dir``, if any."""
+    done = [p for p in folder(output_dir).glob("step-*") if (p / "DONE").exists()]
+    if not done:
+        return None
+    path = max(done, key=lambda p: int(p.name.split("-")[1]))
+    return Checkpoint(path, int(path.name.split("-")[1]))
+
+
+def resolve(path: str | Path) -> Checkpoint:
+    """A checkpoint folder, or a run's output folder (its latest checkpoint); a clear error otherwise."""
+    path = Path(path)
+    if (path / "DONE").exists():
+        return Checkpoint(path, int(path.name.split("-")[1]) if path.name.startswith("step-") else 0)
+    found = latest(path)
+    if found is None:
+        raise FileNotFoundError(f"no checkpoint at {path}: give a checkpoints/step-N folder or a run's output_dir "
+                                "that holds one")
+    return found
+
+
+def save(output_dir: str | Path, step: int, policy: Policy, base_model_dir: Path, extra: dict[str, Any],
+         keep: int = 2) -> Checkpoint:
+    """Write the checkpoint of ``step`` atomically and delete all but the newest ``keep``."""
+    root = folder(output_dir)
+    final = root / f"step-{step:06d}"
+    tmp = root / f".tmp-step-{step:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "model").mkdir(parents=True)
+    policy.unwrapped().save_pretrained(tmp / "model", safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (base_model_dir / name).exists():
+            shutil.copy2(base_model_dir / name, tmp / "model" / name)
+    state = {
+        "step": step,
+        "optimizer": policy.optimizer.state_dict(),
+        "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+        **extra,
+    }
+    torch.save(state, tmp / "trainer_state.pt")
+    (tmp / "DONE").write_text(f"step {step}\n")
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    complete = sorted((p for p in root.glob("step-*") if (p / "DONE").exists()), key=lambda p: p.name)
+    for old in complete[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return Checkpoint(final, step)
+
+
+def restore(checkpoint: Checkpoint, policy: Policy) -> dict[str, Any]:
+    """Load the optimizer and RNG states into a policy built from ``checkpoint.model_dir``; the saved state."""
+    state = checkpoint.state()
+    policy.optimizer.load_state_dict(state["optimizer"])
+    random.setstate(state["rng"]["python"])
+    np.random.set_state(state["rng"]["numpy"])
+    torch.set_rng_state(state["rng"]["torch"])
+    return state

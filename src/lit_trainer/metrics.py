@@ -1,0 +1,95 @@
+"""Where a run's numbers go: one JSON line per record in ``metrics.jsonl`` (the source of truth, appended and
+flushed as it goes, so a killed run keeps what it measured), accelerate's trackers when asked, one summary line per
+step on the terminal, and a PNG of the reward/accuracy curve at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+class MetricsLog:
+    def __init__(self, path: Path, accelerator: Any = None, trackers: Sequence[str] = (), config: dict | None = None):
+        self.path = path
+        self.accelerator = accelerator if trackers else None
+        if self.accelerator is not None:
+            self.accelerator.init_trackers("lit", config=_flat(config or {}))
+
+    def log(self, step: int, metrics: dict[str, float], kind: str = "train") -> None:
+        record = {"kind": kind, "step": step, "time": time.time(), **metrics}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.accelerator is not None:
+            self.accelerator.log({f"{kind}/{k}" if "/" not in k else k: v for k, v in metrics.items()}, step=step)
+
+    def close(self) -> None:
+        if self.accelerator is not None:
+            self.accelerator.end_training()
+
+
+def read(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def step_line(step: int, steps: int, m: dict[str, float]) -> str:
+    """The one line printed after each step."""
+
+    def f(key: str, fmt: str = ".3f") -> str:
+        value = m.get(key)
+        return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, fmt)
+
+    return (f"step {step}/{steps}  reward {f('reward/mean')}  acc {f('accuracy')}  "
+            f"rollouts {f('rollouts/succeeded', '.0f')}/{f('rollouts/requested', '.0f')} "
+            f"(failed {f('rollouts/failed', '.0f')})  kl {f('loss/approx_kl', '.4f')}  "
+            f"clip {f('loss/clip_frac')}  gap {f('policy/vllm_logprob_gap', '.4f')}  "
+            f"time rollout {f('time/rollout', '.0f')}s update {f('time/update', '.0f')}s "
+            f"sync {f('time/sync', '.1f')}s")
+
+
+def plot_curve(metrics_path: Path, png: Path, title: str = "") -> Path | None:
+    """Training reward per step and held-out accuracy against minutes of training; None without data."""
+    records = read(metrics_path)
+    train = [r for r in records if r["kind"] == "train"]
+    val = [r for r in records if r["kind"] == "validation"]
+    if not train and not val:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    if train:
+        ax.plot([r["minutes"] for r in train], [r.get("accuracy", math.nan) for r in train], ".-", alpha=0.6,
+                label="training accuracy (sampled, T=1)")
+    if val:
+        ax.plot([r["minutes"] for r in val], [r["accuracy"] for r in val], "o-", linewidth=2,
+                label="held-out accuracy (greedy)")
+    ax.set_xlabel("minutes of training (rollouts + updates + syncs)")
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(png)
+    plt.close(fig)
+    return png
+
+
+def _flat(config: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flat(value, name + "."))
+        else:
+            out[name] = value if isinstance(value, (int, float, str, bool)) else str(value)
+    return out

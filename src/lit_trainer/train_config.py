@@ -1,0 +1,214 @@
+"""The training config: one TOML file, one section per part of the trainer, plus ``section.key=value`` overrides
+from the command line.
+
+    model = "smollm2-135m"            # the policy, served by vLLM and trained (sets inference.model, policy.model)
+    [agent]    function = "examples.calc.agent:calc_agent"
+    [data]     tasks = "examples.calc.tasks:make_tasks"
+    [train]    steps = 20   tasks_per_step = 8   group_size = 8   output_dir = "runs/calc"
+    [policy]   learning_rate = 1e-5
+    [inference] [weight_sync] [loss] [credit] [advantages] [batching] [dispatch] [collector]
+
+Every key maps onto a field of a config dataclass (each documents its own); an unknown key or a value of the wrong
+type is an error that names the key, the file and the expected type, before anything starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lit_trainer.algorithm.advantages import AdvantageConfig
+from lit_trainer.algorithm.credit import CreditConfig
+from lit_trainer.algorithm.loss import LossConfig
+from lit_trainer.batching import BatchingConfig
+from lit_trainer.config import InferenceConfig, WeightSyncConfig
+from lit_trainer.dispatcher import DispatchConfig
+from lit_trainer.policy import PolicyConfig
+
+
+class ConfigError(ValueError):
+    """The config file or an override is wrong; the message names the key and the fix."""
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    function: str = ""
+    """The ``@lit.trace`` agent function as ``module:function``; it is called as ``fn(task, llm)``."""
+    agents: tuple[str, ...] = ()
+    """Names of the agents whose LLM calls are trained; empty: every agent."""
+    local_workers: int = 1
+    """Worker processes the trainer starts on this machine (0: only workers started with ``lit worker``)."""
+    concurrency: int = 16
+    """Concurrent rollouts per local worker process."""
+    temperature: float = 1.0
+    """Sampling temperature of training rollouts."""
+    val_temperature: float = 0.0
+    """Sampling temperature of validation (0: greedy)."""
+    max_tokens: int = 128
+    """Most tokens per LLM call."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    tasks: str = ""
+    """``module:function`` called as ``fn(split, n)`` returning a list of tasks (dicts with an ``id``), or a folder
+    with ``train.jsonl`` and ``validation.jsonl``."""
+    train_size: int = 2000
+    """Training tasks to load."""
+    val_size: int = 64
+    """Held-out tasks to validate on."""
+
+
+@dataclass(frozen=True)
+class TrainLoopConfig:
+    steps: int = 20
+    """Training steps (each: rollouts, one optimizer step, one weight sync)."""
+    tasks_per_step: int = 8
+    """Distinct tasks per step."""
+    group_size: int = 8
+    """Rollouts per task (the GRPO group)."""
+    min_group_size: int = 2
+    """A task's group is trained on only if at least this many of its rollouts gave an episode (partial groups
+    happen when rollouts fail after every retry)."""
+    seed: int = 0
+    """Seeds task sampling and torch; the same seed and step give the same tasks, also after ``--resume``."""
+    output_dir: str = "runs/lit"
+    """Where the store, metrics, checkpoints and the curve go."""
+    val_every: int = 5
+    """Validate every this many steps, and before the first and after the last step (0: never)."""
+    checkpoint_every: int = 5
+    """Write a checkpoint every this many steps, and after the last (0: only after the last)."""
+    keep_checkpoints: int = 2
+    """Older checkpoints than the last this many are deleted."""
+    check_sync_every: int = 10
+    """After the weight sync of step 1 and of every this many steps, compare vLLM's logprobs on two of the step's
+    prompts with the trainer's (``sync/logprob_gap_max``) and stop if they differ by more than
+    ``weight_sync.logprob_tolerance``: the sync did not land. 0: never."""
+    success_reward: float = 1.0
+    """A rollout whose return is at least this counts as correct (the ``accuracy`` metrics)."""
+    max_minutes: float = 0.0
+    """Stop (with validation and a checkpoint) once a step ends past this many minutes of training; 0: no limit."""
+    trackers: tuple[str, ...] = ()
+    """accelerate trackers to log to as well as metrics.jsonl, e.g. ``["tensorboard"]`` or ``["wandb"]``."""
+
+
+@dataclass(frozen=True)
+class EndpointConfig:
+    endpoint: str = "tcp://127.0.0.1:0"
+    """ZeroMQ endpoint to bind; port 0 picks a free one. Bind ``tcp://0.0.0.0:PORT`` for workers on other hosts."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: str = "smollm2-135m"
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    credit: CreditConfig = field(default_factory=CreditConfig)
+    advantages: AdvantageConfig = field(default_factory=AdvantageConfig)
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    dispatch: DispatchConfig = field(default_factory=DispatchConfig)
+    dispatch_endpoint: EndpointConfig = field(default_factory=EndpointConfig)
+    collector: EndpointConfig = field(default_factory=EndpointConfig)
+    source: str = ""
+    """The file this config was read from (set by ``load``)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """Read a TOML config and apply ``section.key=value`` overrides (values in TOML syntax; bare words are text)."""
+    path = Path(path)
+    try:
+        table = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"no config file at {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    for item in overrides:
+        _apply_override(table, item)
+    table["source"] = str(path)
+    return from_dict(table, where=str(path))
+
+
+def from_dict(table: dict[str, Any], where: str = "config") -> TrainConfig:
+    table = dict(table)
+    model = table.get("model", TrainConfig.model)
+    for section in ("policy", "inference"):  # one model for both, unless a section names its own
+        table[section] = {"model": model, **table.get(section, {})}
+    return _build(TrainConfig, table, where)
+
+
+def _apply_override(table: dict[str, Any], item: str) -> None:
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r} must look like section.key=value (e.g. train.steps=3)")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    *sections, last = key.strip().split(".")
+    node = table
+    for name in sections:
+        node = node.setdefault(name, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {item!r}: {name!r} is a value, not a section")
+    node[last] = value
+
+
+def _build(cls: type, table: dict[str, Any], where: str) -> Any:
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where}: expected a section (a TOML table), got {table!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(table) - set(fields))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; {cls.__name__} has {sorted(fields)}")
+    kwargs = {}
+    for name, value in table.items():
+        default = _default(fields[name])
+        key = f"{where}: {name}"
+        if dataclasses.is_dataclass(default):
+            kwargs[name] = _build(type(default), value, f"{where} [{name}]")
+        else:
+            kwargs[name] = _coerce(value, default, key)
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def _coerce(value: Any, default: Any, key: str) -> Any:
+    """Check ``value`` against the type of the field's default (TOML has no tuples and writes 1 for 1.0)."""
+    if default is None:
+        return value
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(default, float):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(default, (tuple, list)):
+        ok = isinstance(value, list)
+        value = type(default)(value) if ok else value
+    else:
+        ok = isinstance(value, type(default))
+    if not ok:
+        raise ConfigError(f"{key} must be {type(default).__name__} (like {default!r}), got {value!r}")
+    return value

@@ -1,0 +1,120 @@
+"""Real worker processes, a real ZeroMQ dispatcher and collector, a real SQLite store: rollouts that succeed,
+raise, hang, or take their worker down. The agents (rollout_agents.py) make no LLM call."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from lit_sdk.resources import LLM
+from lit_sdk.worker import spawn
+from lit_trainer.collector import Collector
+from lit_trainer.dispatcher import DispatchConfig, DispatchError, Dispatcher, RolloutRequest
+from lit_trainer.store import RolloutStatus, SqliteStore
+from lit_trainer.train import _stop_workers, gather_episodes
+
+HERE = Path(__file__).parent
+NO_LLM = LLM("http://127.0.0.1:9/v1", "none")
+
+
+@pytest.fixture
+def rig(tmp_path):
+    """Start a store, collector and dispatcher; ``rig(target, n_workers, **config)`` starts workers."""
+    made = []
+
+    def start(target: str, workers: int = 1, concurrency: int = 4, **config):
+        store = SqliteStore(tmp_path / "lit.sqlite")
+        collector = Collector(store, "tcp://127.0.0.1:0").start()
+        dispatcher = Dispatcher(store, "tcp://127.0.0.1:0", collector.endpoint, [NO_LLM.base_url],
+                                DispatchConfig(**config))
+        env = {**os.environ, "PYTHONPATH": str(HERE), "LIT_SPOOL_DIR": str(tmp_path / "spool")}
+        procs = [spawn(f"rollout_agents:{target}", dispatcher.endpoint, concurrency, env) for _ in range(workers)]
+        made.append((store, collector, dispatcher, procs))
+        if workers:
+            dispatcher.wait_for_workers(workers, timeout_s=60)
+        return store, dispatcher, procs
+
+    yield start
+    for store, collector, dispatcher, procs in made:
+        _stop_workers(dispatcher, procs)
+        collector.stop()
+        store.close()
+
+
+def requests(n: int, step: int = 0) -> list[RolloutRequest]:
+    return [RolloutRequest(f"r{i}", f"task{i % 3}", {"id": i, "value": i / 10}, NO_LLM, step) for i in range(n)]
+
+
+def test_rollouts_spread_over_workers_and_their_spans_are_stored_first(rig):
+    store, dispatcher, _ = rig("returns_task_value", workers=2, concurrency=3)
+    outcomes = dispatcher.run(requests(12))
+    assert [o.status for o in outcomes] == [RolloutStatus.SUCCEEDED] * 12
+    assert [o.reward for o in outcomes] == [i / 10 for i in range(12)]
+    assert [o.rollout_id for o in outcomes] == [f"r{i}-a1" for i in range(12)]
+    rows = store.rollouts_of_step(0)
+    assert len(rows) == 12 and {r.status for r in rows} == {RolloutStatus.SUCCEEDED}
+    assert all(r.started_at and r.ended_at for r in rows)
+    # The worker flushed before reporting: every root span is in the store when "done" arrives.
+    episodes, metrics = gather_episodes(store, outcomes, (), 1.0)
+    assert episodes == []  # no LLM call: reported as unusable, never an episode with reward 0
+    assert metrics["rollouts/unusable_no_llm_calls"] == 12 and metrics["rollouts/failed"] == 0
+
+
+def test_an_agent_that_raises_is_retried_then_failed_never_reward_zero(rig):
+    store, dispatcher, _ = rig("raises", max_attempts=2)
+    [outcome] = dispatcher.run(requests(1))
+    assert outcome.status is RolloutStatus.FAILED and outcome.attempts == 2 and outcome.reward is None
+    assert all("agent bug on purpose" in e for e in outcome.errors) and len(outcome.errors) == 2
+    rows = store.rollouts_of_step(0)
+    assert [(r.rollout_id, r.attempt, r.status) for r in rows] == [
+        ("r0-a1", 1, RolloutStatus.FAILED), ("r0-a2", 2, RolloutStatus.FAILED)]
+    assert "RuntimeError: agent bug on purpose" in rows[0].error
+    episodes, metrics = gather_episodes(store, [outcome], (), 1.0)
+    assert episodes == [] and metrics["rollouts/failed"] == 1 and metrics["accuracy"] == 0.0
+
+
+def test_a_retry_that_succeeds_wins(rig):
+    store, dispatcher, _ = rig("fails_first_attempt", max_attempts=3)
+    [outcome] = dispatcher.run(requests(1))
+    assert outcome.status is RolloutStatus.SUCCEEDED and outcome.attempts == 2 and outcome.reward == 1.0
+    assert "ConnectionError" in outcome.errors[0]
+    assert [r.status for r in store.rollouts_of_step(0)] == [RolloutStatus.FAILED, RolloutStatus.SUCCEEDED]
+
+
+def test_a_hanging_rollout_times_out(rig):
+    store, dispatcher, _ = rig("hangs", max_attempts=2, rollout_timeout_s=1.0)
+    [outcome] = dispatcher.run(requests(1))
+    assert outcome.status is RolloutStatus.TIMED_OUT and outcome.attempts == 2
+    assert [r.status for r in store.rollouts_of_step(0)] == [RolloutStatus.TIMED_OUT] * 2
+
+
+def test_a_worker_killed_mid_rollout_leads_to_a_retry_then_failed(rig):
+    store, dispatcher, procs = rig("kills_its_worker", workers=2, max_attempts=2, worker_timeout_s=2.0)
+    [outcome] = dispatcher.run(requests(1))
+    assert outcome.status is RolloutStatus.FAILED and outcome.attempts == 2 and outcome.reward is None
+    assert all("died or went silent" in e for e in outcome.errors)
+    assert [p.wait(10) for p in procs] == [-9, -9]  # each attempt took one worker down
+    assert not dispatcher.workers
+    episodes, metrics = gather_episodes(store, [outcome], (), 1.0)
+    assert episodes == [] and metrics["rollouts/failed"] == 1
+
+
+def test_no_worker_is_a_clear_error(rig):
+    _, dispatcher, _ = rig("returns_task_value", workers=0, no_worker_timeout_s=0.5)
+    with pytest.raises(DispatchError, match="lit worker --connect"):
+        dispatcher.run(requests(1))
+
+
+def test_a_busy_dispatch_port_is_a_clear_error(rig, tmp_path):
+    _, dispatcher, _ = rig("returns_task_value", workers=0)
+    with pytest.raises(DispatchError, match="cannot listen for workers"):
+        Dispatcher(SqliteStore(tmp_path / "other.sqlite"), dispatcher.endpoint, "tcp://127.0.0.1:1", [])
+
+
+def test_a_bad_agent_target_is_named(tmp_path):
+    from lit_sdk.worker import load_target
+
+    with pytest.raises(ValueError, match="module:function"):
+        load_target("no_colon")
+    with pytest.raises(ValueError, match="cannot import the agent module"):
+        load_target("no_such_module_xyz:fn")

@@ -1,0 +1,53 @@
+"""The config file: TOML sections onto the config dataclasses, overrides, and errors that name the key."""
+
+import pytest
+
+from lit_trainer.train_config import ConfigError, load
+
+
+def write(tmp_path, text):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return path
+
+
+def test_sections_map_onto_the_dataclasses_and_the_model_reaches_policy_and_inference(tmp_path):
+    cfg = load(write(tmp_path, """
+model = "/models/x"
+[agent]
+function = "pkg.mod:fn"
+agents = ["calc"]
+[train]
+steps = 3
+[policy]
+learning_rate = 1
+[loss]
+clip_eps_high = 0.28
+"""))
+    assert cfg.agent.function == "pkg.mod:fn" and cfg.agent.agents == ("calc",)
+    assert cfg.train.steps == 3 and cfg.train.group_size == 8
+    assert cfg.policy.learning_rate == 1.0 and isinstance(cfg.policy.learning_rate, float)
+    assert cfg.policy.model == cfg.inference.model == "/models/x"
+    assert cfg.loss.clip_eps_high == 0.28
+
+
+def test_overrides_take_toml_values_or_bare_words(tmp_path):
+    cfg = load(write(tmp_path, "[train]\nsteps = 3\n"),
+               ["train.steps=5", "train.output_dir=runs/x", "agent.agents=['a', 'b']", "policy.lora_rank=8"])
+    assert cfg.train.steps == 5 and cfg.train.output_dir == "runs/x"
+    assert cfg.agent.agents == ("a", "b") and cfg.policy.lora_rank == 8
+
+
+@pytest.mark.parametrize(("text", "overrides", "message"), [
+    ("[trian]\nsteps = 1\n", [], r"unknown key\(s\) \['trian'\]"),
+    ("[train]\nsteps = 'many'\n", [], r"\[train\]: steps must be int"),
+    ("[train]\nsteps = 1.5\n", [], r"steps must be int"),
+    ("[policy]\nlearning_rate = -1\n", [], r"learning_rate must be > 0"),
+    ("[dispatch]\nmax_attempts = 0\n", [], r"max_attempts must be at least 1"),
+    ("train = 3\n", [], r"expected a section"),
+    ("[train\n", [], r"not valid TOML"),
+    ("", ["steps"], r"must look like section.key=value"),
+])
+def test_mistakes_name_the_key(tmp_path, text, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load(write(tmp_path, text), overrides)
