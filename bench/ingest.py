@@ -195,7 +195,8 @@ def section_episodes(args: argparse.Namespace, tmp: Path) -> list[Row]:
     rebuilt into an episode (``store.spans_of_rollout`` + ``build_episode``), and the rebuild alone."""
     with SqliteStore(tmp / "ingest.db") as store:
         conn = sqlite3.connect(tmp / "ingest.db")
-        rollout_ids = [r for (r,) in conn.execute("SELECT DISTINCT rollout_id FROM spans WHERE rollout_id IS NOT NULL")]
+        query = "SELECT DISTINCT rollout_id FROM spans WHERE typeof(rollout_id) = 'text'"  # x'': outside any rollout
+        rollout_ids = [r for (r,) in conn.execute(query)]
         conn.close()
         t0 = time.perf_counter()
         per_rollout = [store.spans_of_rollout(r) for r in rollout_ids]

@@ -1,9 +1,10 @@
 """The trainer's end of span delivery: a ZeroMQ ROUTER that takes ``spans`` frames, stores them, then acknowledges.
 
 One background thread owns the socket. Each turn it drains the frames that are waiting (up to ``max_frames`` and
-``max_spans``), decodes and validates each with ``protocol.decode_frame``, writes the spans of all the good ones in
-ONE store transaction, and only after the commit answers each frame with an ``ack`` carrying its own stored and
-duplicate counts; then it calls ``on_root_span(rollout_id)`` for each rollout root span stored for the first time.
+``max_spans``), decodes and validates each with ``protocol.decode_frame_packed`` (span attributes stay the
+MessagePack bytes the agent sent, and are stored so), writes the spans of all the good ones in ONE store
+transaction, and only after the commit answers each frame with an ``ack`` carrying its own stored and duplicate
+counts; then it calls ``on_root_span(rollout_id)`` for each rollout root span stored for the first time.
 An acknowledged span is therefore on disk, and a frame whose transaction failed is never acknowledged (its sender
 sends it again).
 
@@ -156,7 +157,7 @@ class Collector:
 
     def _turn(self, sock: zmq.Socket) -> None:
         """Drain waiting frames into one transaction, acknowledge them after the commit, then report roots."""
-        good: list[tuple[list[bytes], protocol.SpansFrame]] = []
+        good: list[tuple[list[bytes], protocol.PackedSpansFrame]] = []
         n_spans = 0
         for _ in range(self._max_frames):
             try:
@@ -172,7 +173,7 @@ class Collector:
                     break
         if not good:
             return
-        outcomes = self.store.add_span_batches([frame.spans for _, frame in good])
+        outcomes = self.store.add_packed_span_batches([frame.spans for _, frame in good])
         with self._lock:  # before the acks, so that whoever saw an ack finds it counted
             t = self._tally
             t["frames"] += len(good)
@@ -186,11 +187,11 @@ class Collector:
                 for rollout_id in outcome.new_roots:
                     self.on_root_span(rollout_id)
 
-    def _accept(self, sock: zmq.Socket, envelope: list[bytes], data: bytes) -> protocol.SpansFrame | None:
+    def _accept(self, sock: zmq.Socket, envelope: list[bytes], data: bytes) -> protocol.PackedSpansFrame | None:
         """The frame if it is a valid spans frame; otherwise reject it (count, log once, nack) and None."""
         try:
-            frame = protocol.decode_frame(data)
-            if not isinstance(frame, protocol.SpansFrame):
+            frame = protocol.decode_frame_packed(data)
+            if not isinstance(frame, protocol.PackedSpansFrame):
                 what = type(frame).__name__
                 raise protocol.ProtocolError("type", f"the collector takes spans frames only, got a {what}")
         except protocol.ProtocolError as exc:

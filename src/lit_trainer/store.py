@@ -14,8 +14,13 @@
   ``close()`` closes every thread's connection (a finished thread's stays open until then): call it once the
   other threads are done with the store.
 - **Layout**: 16 KiB pages (span rows are 0.3-2 KB), 32 MiB page cache per connection, SQLite's default automatic
-  checkpoints. Span attributes and events are MessagePack blobs, decoded only when read back.
-- **Spans** are kept once per span id: a second delivery is a duplicate, counted and not written over.
+  checkpoints. Span attributes and events are MessagePack blobs (as the agent sent them, when they come through
+  the collector), decoded only when read back. Spans live in one ``WITHOUT ROWID`` b-tree keyed by
+  ``(rollout_id, span_id)``: one b-tree to write per span instead of three (table, span-id index, rollout index),
+  which halved the insert time, and a rollout's spans side by side for ``spans_of_rollout``.
+- **Spans** are kept once per (rollout id, span id): a second delivery is a duplicate, counted and not written
+  over. A span outside any rollout is keyed by the empty BLOB ``x''`` (key columns cannot be NULL, and no text
+  rollout id equals a BLOB), read back as ``rollout_id=None``.
 - **Rollout status** moves forward only: ``queued → running → {succeeded, failed, timed_out}``, and a queued rollout
   may end directly (it timed out waiting, failed to start, or its root span arrived before the running notice).
   An ended rollout is final; a retry is a new rollout with ``attempt + 1``.
@@ -32,7 +37,7 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -40,9 +45,10 @@ from typing import Any, Protocol
 import msgpack
 
 from lit_sdk import semconv
-from lit_sdk.protocol import SpanRecord
+from lit_sdk.protocol import PackedSpan, SpanRecord, pack_span
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""1: spans in a rowid table with span-id and rollout indexes. 2: ``WITHOUT ROWID``, keyed by (rollout, span)."""
 _APP = "lit"
 _PAGE_SIZE = 16384
 _BUSY_TIMEOUT_S = 30.0
@@ -117,6 +123,7 @@ class Store(Protocol):
 
     def add_spans(self, records: Sequence[SpanRecord]) -> tuple[int, int]: ...
     def add_span_batches(self, batches: Sequence[Sequence[SpanRecord]]) -> list[BatchOutcome]: ...
+    def add_packed_span_batches(self, batches: Sequence[Sequence[PackedSpan]]) -> list[BatchOutcome]: ...
     def spans_of_rollout(self, rollout_id: str) -> list[SpanRecord]: ...
     def add_rollouts(self, rows: Iterable[RolloutRow]) -> None: ...
     def set_rollout_status(self, rollout_id: str, status: RolloutStatus, error: str | None = None) -> None: ...
@@ -133,10 +140,9 @@ class Store(Protocol):
 _SCHEMA = """
 CREATE TABLE lit_schema (app TEXT NOT NULL, version INTEGER NOT NULL);
 CREATE TABLE spans (
-    span_id TEXT PRIMARY KEY, trace_id TEXT NOT NULL, parent_id TEXT, rollout_id TEXT, name TEXT NOT NULL,
-    start_ns INTEGER NOT NULL, end_ns INTEGER NOT NULL, status INTEGER NOT NULL, status_message TEXT NOT NULL,
-    attributes BLOB NOT NULL, events BLOB NOT NULL);
-CREATE INDEX spans_of_rollout ON spans (rollout_id);
+    trace_id TEXT NOT NULL, span_id TEXT NOT NULL, parent_id TEXT, name TEXT NOT NULL, start_ns INTEGER NOT NULL,
+    end_ns INTEGER NOT NULL, status INTEGER NOT NULL, status_message TEXT NOT NULL, rollout_id TEXT NOT NULL,
+    attributes BLOB NOT NULL, events BLOB NOT NULL, PRIMARY KEY (rollout_id, span_id)) WITHOUT ROWID;
 CREATE TABLE rollouts (
     rollout_id TEXT PRIMARY KEY, task_id TEXT NOT NULL, attempt INTEGER NOT NULL, step INTEGER NOT NULL,
     status TEXT NOT NULL, created_at REAL NOT NULL, started_at REAL, ended_at REAL, error TEXT);
@@ -145,9 +151,12 @@ CREATE TABLE tasks (task_id TEXT PRIMARY KEY, split TEXT NOT NULL, payload TEXT 
 CREATE TABLE episodes (
     rollout_id TEXT PRIMARY KEY, data BLOB NOT NULL, episode_return REAL, built_at REAL NOT NULL);
 """
-_SPAN_COLUMNS = ("span_id, trace_id, parent_id, rollout_id, name, start_ns, end_ns, status, status_message, "
+_SPAN_COLUMNS = ("trace_id, span_id, parent_id, name, start_ns, end_ns, status, status_message, rollout_id, "
                  "attributes, events")
-_INSERT_SPAN = f"INSERT OR IGNORE INTO spans ({_SPAN_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)"
+"""In ``PackedSpan``'s field order, so that a PackedSpan binds as it is."""
+_INSERT_SPAN = f"INSERT OR IGNORE INTO spans ({_SPAN_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,coalesce(?, x''),?,?)"
+_SELECT_SPANS = ("SELECT trace_id, span_id, parent_id, name, start_ns, end_ns, status, status_message, "
+                 "nullif(rollout_id, x''), attributes, events FROM spans")
 _ROLLOUT_COLUMNS = "rollout_id, task_id, step, attempt, status, created_at, started_at, ended_at, error"
 
 
@@ -159,8 +168,8 @@ def _unpack(blob: bytes) -> Any:
     return msgpack.unpackb(blob, raw=False, strict_map_key=False)
 
 
-def _is_root(record: SpanRecord) -> bool:
-    return record.parent_id is None and record.name == semconv.ROLLOUT_SPAN and record.rollout_id is not None
+def _is_root(span: PackedSpan) -> bool:
+    return span.parent_id is None and span.name == semconv.ROLLOUT_SPAN and span.rollout_id is not None
 
 
 class SqliteStore:
@@ -243,24 +252,29 @@ class SqliteStore:
 
     def add_span_batches(self, batches: Sequence[Sequence[SpanRecord]]) -> list[BatchOutcome]:
         """Store several batches in ONE transaction; what each batch did, in order."""
-        conn = self._conn()
         pack = msgpack.Packer(use_bin_type=True).pack  # packb would build a Packer per call: 0.7 us each
+        return self.add_packed_span_batches([[pack_span(r, pack) for r in records] for records in batches])
+
+    def add_packed_span_batches(self, batches: Sequence[Sequence[PackedSpan]]) -> list[BatchOutcome]:
+        """``add_span_batches`` for spans whose attributes and events are already MessagePack (the collector's)."""
+        conn = self._conn()
         outcomes = []
         with self._write(conn):
-            for records in batches:
-                roots = [r for r in records if _is_root(r)]
+            for spans in batches:
                 before = conn.total_changes
-                conn.executemany(_INSERT_SPAN, [_span_row(r, pack) for r in records if not _is_root(r)])
-                new_roots = [r.rollout_id for r in roots if conn.execute(_INSERT_SPAN, _span_row(r, pack)).rowcount]
+                # Roots one by one, to learn which were new; the rest (nine in ten spans) in one call.
+                roots = [s for s in spans if _is_root(s)]
+                conn.executemany(_INSERT_SPAN, [s for s in spans if not _is_root(s)] if roots else spans)
+                new_roots = [s.rollout_id for s in roots if conn.execute(_INSERT_SPAN, s).rowcount]
                 stored = conn.total_changes - before
-                outcomes.append(BatchOutcome(stored, len(records) - stored, new_roots))  # type: ignore[arg-type]
+                outcomes.append(BatchOutcome(stored, len(spans) - stored, new_roots))  # type: ignore[arg-type]
         return outcomes
 
     def spans_of_rollout(self, rollout_id: str) -> list[SpanRecord]:
         """Every stored span of the rollout, ordered by start time (then span id)."""
-        rows = self._conn().execute(
-            f"SELECT {_SPAN_COLUMNS} FROM spans WHERE rollout_id = ? ORDER BY start_ns, span_id", (rollout_id,))
-        return [_span_record(row) for row in rows]
+        rows = self._conn().execute(f"{_SELECT_SPANS} WHERE rollout_id = ? ORDER BY start_ns, span_id",
+                                    (rollout_id,))
+        return [PackedSpan(*row).unpack() for row in rows]
 
     # -- rollouts -----------------------------------------------------------------------------------------------
 
@@ -367,17 +381,6 @@ class _WriteTransaction:
                 raise
         if self._conn.in_transaction:
             self._conn.execute("ROLLBACK")
-
-
-def _span_row(r: SpanRecord, pack: Callable[[Any], bytes]) -> tuple:
-    return (r.span_id, r.trace_id, r.parent_id, r.rollout_id, r.name, r.start_ns, r.end_ns, r.status,
-            r.status_message, pack(r.attributes), pack(r.events))
-
-
-def _span_record(row: tuple) -> SpanRecord:
-    return SpanRecord(span_id=row[0], trace_id=row[1], parent_id=row[2], rollout_id=row[3], name=row[4],
-                      start_ns=row[5], end_ns=row[6], status=row[7], status_message=row[8],
-                      attributes=_unpack(row[9]), events=_unpack(row[10]))
 
 
 def _rollout_row(row: tuple) -> RolloutRow:

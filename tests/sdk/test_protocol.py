@@ -41,6 +41,12 @@ def good_frame(**changes) -> dict:
     return frame
 
 
+def bad_utf8_attribute() -> bytes:
+    good = wire(good_frame(spans=[{**span().to_wire(), "attributes": {"k": "\u00e9t\u00e9"}}]))
+    return good.replace("\u00e9t\u00e9".encode(), b"\xff\xfe\xfd\xfc\xfb")  # same length: still well-formed MessagePack
+
+
+@pytest.mark.parametrize("decode", [p.decode_frame, p.decode_frame_packed])
 @pytest.mark.parametrize(
     ("data", "kind", "words"),
     [
@@ -59,18 +65,44 @@ def good_frame(**changes) -> dict:
         (wire(good_frame(spans=[{**span().to_wire(), "status": 9}])), "span", "status must be 0, 1 or 2"),
         (wire(good_frame(spans=[{**span().to_wire(), "attributes": []}])), "span", "attributes must be a map"),
         (wire(good_frame(spans=[{**span().to_wire(), "start_ns": "1"}])), "span", "must be integers"),
+        (wire(good_frame(spans=[{**span().to_wire(), "events": {}}])), "span", "events must be a list"),
         (wire({"v": 1, "t": "ack", "batch": "b", "stored": "3", "duplicates": 0}), "shape", "integer 'stored'"),
+        # What only decoding the attributes finds, which the packed decoder must find too:
+        (bad_utf8_attribute(), "decode", "not a MessagePack frame"),
+        (wire(good_frame(spans=[{**span().to_wire(), "attributes": {1: "x"}}])), "decode", "not a MessagePack frame"),
+        (wire(good_frame()) + b"\x00", "decode", "not a MessagePack frame"),  # trailing bytes
     ],
 )
-def test_bad_frames_are_rejected_with_their_kind(data, kind, words):
+def test_bad_frames_are_rejected_with_their_kind(decode, data, kind, words):
     with pytest.raises(p.ProtocolError) as info:
-        p.decode_frame(data)
+        decode(data)
     assert info.value.kind == kind
     assert words in str(info.value)
 
 
-def test_oversized_frames_are_refused_before_decoding(monkeypatch):
+@pytest.mark.parametrize("decode", [p.decode_frame, p.decode_frame_packed])
+def test_oversized_frames_are_refused_before_decoding(monkeypatch, decode):
     monkeypatch.setattr(p, "MAX_FRAME_BYTES", 10)
     with pytest.raises(p.ProtocolError) as info:
-        p.decode_frame(p.encode_ack("b", 1, 0) + b"x" * 10)
+        decode(p.encode_ack("b", 1, 0) + b"x" * 10)
     assert info.value.kind == "too_large"
+
+
+def test_packed_spans_keep_the_wire_bytes_and_unpack_to_the_records():
+    records = [span(), span(span_id="b" * 16, parent_id="a" * 16, rollout_id=None, attributes={}, events=[])]
+    frame = p.decode_frame_packed(p.encode_spans("batch-1", "worker-1", records))
+    assert (frame.batch, frame.sender) == ("batch-1", "worker-1")
+    assert [s.unpack() for s in frame.spans] == records
+    for packed, record in zip(frame.spans, records, strict=True):
+        assert packed.attributes == msgpack.packb(record.attributes, use_bin_type=True)
+        assert packed.events == msgpack.packb(record.events, use_bin_type=True)
+        assert packed == p.pack_span(record)
+
+
+def test_packed_decoding_takes_any_key_order_and_other_frames():
+    """Keys in another order than the SDK's go the slow way, to the same result."""
+    reordered = [dict(reversed(list(s.to_wire().items()))) for s in [span(), span(span_id="c" * 16)]]
+    data = wire(good_frame(spans=reordered, extra="ignored"))
+    assert [s.unpack() for s in p.decode_frame_packed(data).spans] == p.decode_frame(data).spans
+    assert p.decode_frame_packed(p.encode_ack("b", 3, 1)) == p.AckFrame("b", 3, 1)
+    assert p.decode_frame_packed(p.encode_nack("b", "why")) == p.NackFrame("b", "why")

@@ -206,6 +206,22 @@ def test_a_thousand_garbage_frames_leave_the_collector_running_and_the_data_inta
     assert store.counts()["spans"] == 301  # no span of a bad frame was stored, not even its good ones
 
 
+def test_a_frame_with_invalid_attributes_is_rejected_and_counted(collector, client, store):
+    """Attributes are stored as the agent sent them, undecoded; they are still checked before anything is kept."""
+    wire = span(1).to_wire()
+    bad_utf8 = msgpack.packb({"v": 1, "t": "spans", "batch": "b1", "sender": "s",
+                              "spans": [wire, {**span(2).to_wire(), "attributes": {"k": "abc"}}]})
+    client.send(bad_utf8.replace(b"\xa3abc", b"\xa3\xff\xfe\xfd"))
+    client.send(msgpack.packb({"v": 1, "t": "spans", "batch": "b2", "sender": "s",
+                               "spans": [wire, {**span(3).to_wire(), "attributes": ["not", "a", "map"]}]}))
+    client.send(spans_frame("b3", [span(4)]))
+    replies = client.replies(3)
+    assert [type(r).__name__ for r in replies] == ["NackFrame", "NackFrame", "AckFrame"]
+    assert replies[0].reason.startswith("decode:") and "attributes must be a map" in replies[1].reason
+    assert collector.counts.rejected == {"decode": 1, "span": 1}
+    assert store.spans_of_rollout("r1") == [span(4)]  # not even the good first span of a bad frame
+
+
 def test_rejections_are_logged_once_per_kind(collector, client, caplog):
     with caplog.at_level("WARNING", logger="lit"):
         for i in range(5):

@@ -9,7 +9,7 @@ import pytest
 from lit_sdk.resources import LLM
 from lit_sdk.worker import spawn
 from lit_trainer.collector import Collector
-from lit_trainer.dispatcher import DispatchConfig, DispatchError, Dispatcher, RolloutRequest
+from lit_trainer.dispatcher import DispatchConfig, Dispatcher, DispatchError, RolloutRequest
 from lit_trainer.store import RolloutStatus, SqliteStore
 from lit_trainer.train import _stop_workers, gather_episodes
 

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from lit_sdk import semconv as sc
-from lit_sdk.protocol import STATUS_ERROR, STATUS_OK, SpanRecord
+from lit_sdk.protocol import STATUS_ERROR, STATUS_OK, SpanRecord, pack_span
 from lit_trainer.store import (
     ALLOWED_TRANSITIONS,
     SCHEMA_VERSION,
@@ -68,6 +68,23 @@ def test_batches_share_one_transaction_and_report_new_roots_once(store):
     assert [(o.stored, o.duplicates, o.new_roots) for o in outcomes] == [(2, 0, ["r1"]), (1, 2, []), (0, 0, [])]
     (again,) = store.add_span_batches([[root]])
     assert (again.stored, again.duplicates, again.new_roots) == (0, 1, [])
+
+
+def test_packed_spans_are_stored_as_the_bytes_given(store):
+    record = span(1, attributes={"ids": [1, 2, 3], "f": 0.5})
+    packed = pack_span(record)._replace(attributes=bytes.fromhex("82a369647393010203a166ca3f000000"))  # float32
+    (outcome,) = store.add_packed_span_batches([[packed, packed]])
+    assert (outcome.stored, outcome.duplicates) == (1, 1)
+    (blob,) = store._conn().execute("SELECT attributes FROM spans").fetchone()
+    assert blob == packed.attributes  # not re-encoded (MessagePack would write the float as float64)
+    assert store.spans_of_rollout("r1") == [span(1, attributes={"ids": [1, 2, 3], "f": 0.5})]
+
+
+def test_spans_outside_any_rollout_are_kept_once_and_apart_from_an_empty_rollout_id(store):
+    assert store.add_spans([span(1, rollout=None), span(1, rollout=None), span(2, rollout="")]) == (2, 1)
+    assert store.spans_of_rollout("") == [span(2, rollout="")]
+    rows = store._conn().execute("SELECT span_id, nullif(rollout_id, x'') FROM spans ORDER BY span_id").fetchall()
+    assert rows == [(f"{1:016x}", None), (f"{2:016x}", "")]
 
 
 def test_a_failing_batch_stores_nothing_of_the_transaction(store):
@@ -161,6 +178,28 @@ def test_refuses_files_that_are_not_lit_stores_of_this_version(tmp_path):
     with pytest.raises(StoreError, match=f"schema version {SCHEMA_VERSION + 1}; this lit reads version "
                                          f"{SCHEMA_VERSION} only"):
         SqliteStore(future)
+
+
+_SCHEMA_1 = """
+CREATE TABLE lit_schema (app TEXT NOT NULL, version INTEGER NOT NULL);
+INSERT INTO lit_schema VALUES ('lit', 1);
+CREATE TABLE spans (
+    span_id TEXT PRIMARY KEY, trace_id TEXT NOT NULL, parent_id TEXT, rollout_id TEXT, name TEXT NOT NULL,
+    start_ns INTEGER NOT NULL, end_ns INTEGER NOT NULL, status INTEGER NOT NULL, status_message TEXT NOT NULL,
+    attributes BLOB NOT NULL, events BLOB NOT NULL);
+CREATE INDEX spans_of_rollout ON spans (rollout_id);
+"""
+
+
+def test_a_store_of_schema_version_1_is_refused_with_the_versions_named(tmp_path):
+    old = tmp_path / "v1.db"
+    with sqlite3.connect(old) as conn:
+        conn.executescript(_SCHEMA_1)
+    assert SCHEMA_VERSION == 2
+    with pytest.raises(StoreError, match="v1.db has schema version 1; this lit reads version 2 only .use a new store"):
+        SqliteStore(old)
+    with sqlite3.connect(old) as conn:  # and it was left as it was
+        assert conn.execute("SELECT version FROM lit_schema").fetchone() == (1,)
 
 
 def test_closed_store_refuses_calls(tmp_path):
