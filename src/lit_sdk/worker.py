@@ -223,7 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", type=int, default=1, help="worker processes on this host (default 1)")
     parser.add_argument("--concurrency", type=int, default=8, help="concurrent rollouts per process (default 8)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # lit's own messages only: agent frameworks log every LLM call at INFO (AutoGen's event logger does).
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logging.getLogger("lit").addHandler(handler)
+    logging.getLogger("lit").setLevel(logging.INFO)
     if args.processes < 1 or args.concurrency < 1:
         parser.error("--processes and --concurrency must be at least 1")
     try:

@@ -40,6 +40,7 @@ from lit_trainer.episodes import Episode, UnusableRollout, build_episode
 from lit_trainer.inference import InferenceServer
 from lit_trainer.logprob_check import check_logprobs
 from lit_trainer.metrics import MetricsLog, plot_curve, step_line
+from lit_trainer.metrics import read as read_metrics
 from lit_trainer.models import resolve_model
 from lit_trainer.store import RolloutStatus, SqliteStore
 from lit_trainer.train_config import ConfigError, DataConfig, TrainConfig
@@ -115,6 +116,11 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
     if start is not None and not resume:
         raise ConfigError(f"{out} already holds checkpoints (latest: step {start.step}): continue it with --resume, "
                           "or choose another train.output_dir")
+    if start is not None and start.step >= cfg.train.steps:
+        print(f"lit: {out} is already trained to step {start.step} of {cfg.train.steps}; raise train.steps to "
+              "go on, or choose another train.output_dir", file=sys.stderr)
+        done = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "validation"]
+        return done[-1] if done else {}
     train_tasks, val_tasks = load_tasks(cfg.data)
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
     torch.manual_seed(cfg.train.seed)

@@ -35,3 +35,22 @@ async def hangs(task, llm):
 @lit.trace
 def kills_its_worker(task, llm):
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+@lit.trace(agent="parity")
+async def reply_length_parity(task, llm):
+    """A real LLM call on the trainer's vLLM; reward 1 when the reply has an even number of characters. Sampled
+    at temperature 1 the rewards of a group almost always differ, so every step has something to train on."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key)
+    chat = await client.chat.completions.create(
+        model=llm.model, messages=[{"role": "user", "content": task["question"]}],
+        temperature=llm.temperature, max_tokens=llm.max_tokens)
+    await client.close()
+    return float(len(chat.choices[0].message.content or "") % 2 == 0)
+
+
+def parity_tasks(split, n):
+    return [{"id": f"{split}{i}", "question": f"Say a word that starts with the letter {chr(97 + i % 26)}."}
+            for i in range(n)]
