@@ -37,8 +37,8 @@ stamp_file="$venv/.lit-setup"
 
 setup() {
   local t0=$SECONDS
-  "$python" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null \
-    || die "lit needs Python >= 3.10; set LIT_PYTHON to one (tried '$python')"
+  "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
+    || die "lit needs Python >= 3.11; set LIT_PYTHON to one (tried '$python')"
   if [[ ! -x "$venv/bin/python" ]]; then
     say "creating the virtual environment $venv"
     "$python" -m venv "$venv"

@@ -259,19 +259,40 @@ def test_synced_weights_change_outputs_and_pass_the_consistency_check(
 
 @pytest.mark.vllm
 def test_request_in_flight_during_a_sync_is_kept(vllm_server: InferenceServer, trainer_model):
-    body = {"model": vllm_server.model_name, "prompt": "Tell me a story.", "max_tokens": 120,
-            "ignore_eos": True, "temperature": 0}  # fmt: skip
-    result: dict = {}
-    thread = threading.Thread(
-        target=lambda: result.update(
-            requests.post(f"{vllm_server.openai_url}/completions", json=body, timeout=300).json()
-        )
-    )
+    """A streamed request that began before a sync and ends after it completes in full.
+
+    The overlap is proven from the stream's own timestamps (a chunk before the sync began, the last one after it
+    ended), not from a fixed sleep, so the test holds on a fast machine as on a slow one: 1500 tokens take many
+    seconds on any CPU, a sync of the 135M model about one.
+    """
+    max_tokens = 1500
+    body = {"model": vllm_server.model_name, "prompt": "Tell me a story.", "max_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    chunk_times: list[float] = []
+    events: list[dict] = []
+    first_chunk = threading.Event()
+
+    def read_stream() -> None:
+        with requests.post(f"{vllm_server.openai_url}/completions", json=body, stream=True, timeout=600) as reply:
+            reply.raise_for_status()
+            for line in reply.iter_lines():
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                events.append(json.loads(line[len(b"data: ") :]))
+                chunk_times.append(time.monotonic())
+                first_chunk.set()
+
+    thread = threading.Thread(target=read_stream)
     thread.start()
-    time.sleep(1.0)  # let it start generating
+    assert first_chunk.wait(timeout=120), "the server sent no token within 120 s"
+    sync_began = time.monotonic()
     with WeightSync(vllm_server.base_url, WeightSyncConfig()) as sync:
         sync.push_weights(trainer_model)
-    assert thread.is_alive(), "the request ended before the sync: it was not in flight"
-    thread.join(timeout=300)
-    assert result["choices"][0]["finish_reason"] == "length"
-    assert result["usage"]["completion_tokens"] == 120
+    sync_ended = time.monotonic()
+    thread.join(timeout=600)
+    assert not thread.is_alive(), "the streamed request did not finish"
+    assert chunk_times[0] < sync_began and chunk_times[-1] > sync_ended, "the request did not span the sync"
+    finish = [c["finish_reason"] for e in events for c in e.get("choices", []) if c.get("finish_reason")]
+    assert finish == ["length"]
+    assert events[-1]["usage"]["completion_tokens"] == max_tokens
