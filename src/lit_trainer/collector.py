@@ -1,8 +1,8 @@
 """The trainer's end of span delivery: a ZeroMQ ROUTER that takes ``spans`` frames, stores them, then acknowledges.
 
 One background thread owns the socket. Each turn it drains the frames that are waiting (up to ``max_frames`` and
-``max_spans``), decodes and validates each with ``protocol.decode_frame_packed`` (span attributes stay the
-MessagePack bytes the agent sent, and are stored so), writes the spans of all the good ones in ONE store
+``max_spans``), decodes and validates each with ``protocol.decode_frame_packed`` (msgspec; span attributes stay
+the MessagePack bytes the agent sent, and are stored so), writes the spans of all the good ones in ONE store
 transaction, and only after the commit answers each frame with an ``ack`` carrying its own stored and duplicate
 counts; then it calls ``on_root_span(rollout_id)`` for each rollout root span stored for the first time.
 An acknowledged span is therefore on disk, and a frame whose transaction failed is never acknowledged (its sender

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import msgpack
 import pytest
 
@@ -46,7 +50,40 @@ def bad_utf8_attribute() -> bytes:
     return good.replace("\u00e9t\u00e9".encode(), b"\xff\xfe\xfd\xfc\xfb")  # same length: still well-formed MessagePack
 
 
-@pytest.mark.parametrize("decode", [p.decode_frame, p.decode_frame_packed])
+def decode_packed_without_msgspec(data: bytes) -> p.PackedFrame:
+    """``decode_frame_packed`` as an agent-side install (no msgspec) runs it."""
+    fast, p._fast_decoder = p._fast_decoder, lambda: None
+    try:
+        return p.decode_frame_packed(data)
+    finally:
+        p._fast_decoder = fast
+
+
+def raw_map(*entries: tuple[str, bytes]) -> bytes:
+    """A MessagePack map of the given keys and already-encoded values, repeated keys included (a dict has none)."""
+    return bytes([0x80 | len(entries)]) + b"".join(wire(key) + value for key, value in entries)
+
+
+def entries(obj: dict) -> list[tuple[str, bytes]]:
+    return [(key, wire(value)) for key, value in obj.items()]
+
+
+BAD_UTF8_MAP = b"\x81\xa1k\xa3\xff\xfe\xfd"  # {"k": <3 bytes that are not UTF-8>}
+
+
+def repeated_attributes() -> bytes:
+    """A span whose ``attributes`` come twice, the first not UTF-8: a dict decoder reads (and refuses) both; a
+    decoder that keeps attributes as raw bytes would only skip over the first."""
+    span_map = raw_map(("attributes", BAD_UTF8_MAP), *entries(span().to_wire()))
+    return raw_map(*entries({k: v for k, v in good_frame().items() if k != "spans"}), ("spans", b"\x91" + span_map))
+
+
+def repeated_spans() -> bytes:
+    """A frame whose ``spans`` come twice, the first a list of one undecodable span."""
+    return raw_map(("spans", b"\x91" + BAD_UTF8_MAP), *entries(good_frame()))
+
+
+@pytest.mark.parametrize("decode", [p.decode_frame, p.decode_frame_packed, decode_packed_without_msgspec])
 @pytest.mark.parametrize(
     ("data", "kind", "words"),
     [
@@ -71,6 +108,10 @@ def bad_utf8_attribute() -> bytes:
         (bad_utf8_attribute(), "decode", "not a MessagePack frame"),
         (wire(good_frame(spans=[{**span().to_wire(), "attributes": {1: "x"}}])), "decode", "not a MessagePack frame"),
         (wire(good_frame()) + b"\x00", "decode", "not a MessagePack frame"),  # trailing bytes
+        (repeated_attributes(), "decode", "not a MessagePack frame"),
+        (repeated_spans(), "decode", "not a MessagePack frame"),
+        (wire(good_frame(spans=[{**span().to_wire(), "events": [{"k": {1: 2}}]}])), "decode", "not a MessagePack"),
+        (wire(good_frame(spans=[{**span().to_wire(), "attributes": {"k": {1: 2}}}])), "decode", "not a MessagePack"),
     ],
 )
 def test_bad_frames_are_rejected_with_their_kind(decode, data, kind, words):
@@ -80,7 +121,7 @@ def test_bad_frames_are_rejected_with_their_kind(decode, data, kind, words):
     assert words in str(info.value)
 
 
-@pytest.mark.parametrize("decode", [p.decode_frame, p.decode_frame_packed])
+@pytest.mark.parametrize("decode", [p.decode_frame, p.decode_frame_packed, decode_packed_without_msgspec])
 def test_oversized_frames_are_refused_before_decoding(monkeypatch, decode):
     monkeypatch.setattr(p, "MAX_FRAME_BYTES", 10)
     with pytest.raises(p.ProtocolError) as info:
@@ -106,3 +147,44 @@ def test_packed_decoding_takes_any_key_order_and_other_frames():
     assert [s.unpack() for s in p.decode_frame_packed(data).spans] == p.decode_frame(data).spans
     assert p.decode_frame_packed(p.encode_ack("b", 3, 1)) == p.AckFrame("b", 3, 1)
     assert p.decode_frame_packed(p.encode_nack("b", "why")) == p.NackFrame("b", "why")
+
+
+def test_sdk_frames_take_the_msgspec_path():
+    """What the SDK sends never falls back to ``decode_frame`` (which would re-encode the attributes)."""
+    records = [span(), span(span_id="b" * 16, parent_id="a" * 16, rollout_id=None, attributes={}, events=[])]
+    data = p.encode_spans("batch-1", "worker-1", records)
+    decode = p._fast_decoder()
+    assert decode is not None, "msgspec is not installed: the trainer extra requires it"
+    assert decode(data) == p.decode_frame_packed(data) == decode_packed_without_msgspec(data)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"attributes": {"nested": {"a": [1, {"b": None}]}, b"bytes key": b"bin"}},  # beyond the documented shape
+        {"start_ns": True, "status": 1.0},  # what msgspec's typed fields refuse and decode_frame accepts
+        {"extra": "an optional field of a later SDK"},
+    ],
+)
+def test_packed_decoding_accepts_what_decode_frame_accepts(changes):
+    spans = [{**span().to_wire(), **changes}, span(span_id="c" * 16).to_wire()]
+    data = wire(good_frame(spans=spans))
+    assert [s.unpack() for s in p.decode_frame_packed(data).spans] == p.decode_frame(data).spans
+
+
+def test_attributes_beyond_the_documented_shape_keep_their_wire_bytes():
+    nested_float32 = bytes.fromhex("81a66e657374656481a166ca3f000000")  # {"nested": {"f": 0.5 as float32}}
+    span_map = raw_map(*[(k, nested_float32 if k == "attributes" else v) for k, v in entries(span().to_wire())])
+    data = raw_map(*entries({k: v for k, v in good_frame().items() if k != "spans"}), ("spans", b"\x91" + span_map))
+    (packed,) = p.decode_frame_packed(data).spans
+    assert packed.attributes == nested_float32  # not re-encoded (MessagePack would write the float as float64)
+    assert packed.unpack() == span(attributes={"nested": {"f": 0.5}})
+
+
+def test_the_sdk_does_not_import_msgspec():
+    """msgspec is the trainer's: agents decode acks and nacks with msgpack alone."""
+    code = ("import sys, json, lit_sdk, lit_sdk.protocol as p\n"
+            "p.decode_frame(p.encode_ack('b', 1, 0))\n"
+            "print(json.dumps('msgspec' in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) is False
