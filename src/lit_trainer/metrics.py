@@ -25,7 +25,8 @@ class MetricsLog:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         if self.accelerator is not None:
-            self.accelerator.log({f"{kind}/{k}" if "/" not in k else k: v for k, v in metrics.items()}, step=step)
+            # every name under its kind: a validation's rollouts/failed must not overwrite the step's
+            self.accelerator.log({f"{kind}/{k}": v for k, v in metrics.items()}, step=step)
 
     def close(self) -> None:
         if self.accelerator is not None:
@@ -33,9 +34,19 @@ class MetricsLog:
 
 
 def read(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics file; a last line cut short by a kill is left out, any other bad line raises."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if number == len(lines):
+                break
+            raise ValueError(f"{path}:{number} is not a JSON record ({exc})") from exc
+    return records
 
 
 def step_line(step: int, steps: int, m: dict[str, float]) -> str:
@@ -47,7 +58,7 @@ def step_line(step: int, steps: int, m: dict[str, float]) -> str:
 
     return (f"step {step}/{steps}  reward {f('reward/mean')}  acc {f('accuracy')}  "
             f"rollouts {f('rollouts/succeeded', '.0f')}/{f('rollouts/requested', '.0f')} "
-            f"(failed {f('rollouts/failed', '.0f')})  kl {f('loss/approx_kl', '.4f')}  "
+            f"(failed {f('rollouts/failed', '.0f')})  kl {f('loss/approx_kl', '.1e')}  "
             f"clip {f('loss/clip_frac')}  gap {f('policy/vllm_logprob_gap', '.4f')}  "
             f"time rollout {f('time/rollout', '.0f')}s update {f('time/update', '.0f')}s "
             f"sync {f('time/sync', '.1f')}s")
@@ -68,7 +79,7 @@ def plot_curve(metrics_path: Path, png: Path, title: str = "") -> Path | None:
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     if train:
         ax.plot([r["minutes"] for r in train], [r.get("accuracy", math.nan) for r in train], ".-", alpha=0.6,
-                label="training accuracy (sampled, T=1)")
+                label="training accuracy (sampled rollouts)")
     if val:
         ax.plot([r["minutes"] for r in val], [r["accuracy"] for r in val], "o-", linewidth=2,
                 label="held-out accuracy (greedy)")

@@ -94,6 +94,7 @@ def services(cfg: TrainConfig, store_path: Path) -> Iterator[Services]:
     with contextlib.ExitStack() as stack:
         store = stack.enter_context(SqliteStore(store_path))
         collector = stack.enter_context(Collector(store, cfg.collector.endpoint))
+        print(f"lit: starting vLLM on {cfg.model} (about a minute on CPU)", file=sys.stderr, flush=True)
         server = stack.enter_context(InferenceServer(cfg.inference))
         dispatcher = stack.enter_context(Dispatcher(store, cfg.dispatch_endpoint.endpoint, collector.endpoint,
                                                     [server.openai_url], cfg.dispatch))

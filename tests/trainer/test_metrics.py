@@ -1,0 +1,95 @@
+"""metrics: the step line, the JSONL log (a kill mid-write loses only the cut line), and the PNG curve."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from accelerate import Accelerator
+from accelerate.tracking import GeneralTracker
+
+from lit_trainer.metrics import MetricsLog, plot_curve, read, step_line
+
+
+def test_step_line_formats_each_figure_and_marks_missing_ones():
+    m = {"reward/mean": 0.5, "accuracy": 0.5, "rollouts/succeeded": 63.0, "rollouts/requested": 64.0,
+         "rollouts/failed": 1.0, "loss/approx_kl": 0.000012, "loss/clip_frac": 0.25, "time/rollout": 12.4,
+         "time/update": 80.6, "time/sync": 0.44}  # fmt: skip
+    line = step_line(3, 40, m)
+    assert line == ("step 3/40  reward 0.500  acc 0.500  rollouts 63/64 (failed 1)  kl 1.2e-05  clip 0.250  "
+                    "gap -  time rollout 12s update 81s sync 0.4s")  # fmt: skip
+    assert "acc -" in step_line(1, 2, {"accuracy": math.nan})
+
+
+def test_log_appends_records_and_read_skips_a_line_cut_by_a_kill(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    log = MetricsLog(path)
+    log.log(1, {"accuracy": 0.25})
+    log.log(1, {"accuracy": 0.5}, kind="validation")
+    log.close()
+    with path.open("a") as f:
+        f.write('{"kind": "train", "step": 2, "accu')  # the process died here
+    records = read(path)
+    assert [(r["kind"], r["step"], r["accuracy"]) for r in records] == [("train", 1, 0.25), ("validation", 1, 0.5)]
+    assert read(tmp_path / "absent.jsonl") == []
+
+
+def test_read_refuses_a_damaged_line_before_the_last(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"kind": "train", "step": 1}\nnot json\n{"kind": "train", "step": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2 is not a JSON record"):
+        read(path)
+
+
+class _RecordingTracker(GeneralTracker):
+    """A tracker in accelerate's own plug-in API that keeps what it is given (TensorBoard and W&B are not installed
+    here; the accelerator and its routing are the real ones)."""
+
+    name = "recording"
+    requires_logging_directory = False
+
+    def __init__(self):
+        super().__init__()
+        self.config: dict = {}
+        self.logged: list[tuple[dict, int]] = []
+        self.ended = False
+
+    @property
+    def tracker(self):
+        return self
+
+    def store_init_configuration(self, values):
+        self.config = dict(values)
+
+    def log(self, values, step=None, **kwargs):
+        self.logged.append((dict(values), step))
+
+    def finish(self):
+        self.ended = True
+
+
+def test_trackers_get_every_name_under_its_kind_and_a_flat_config(tmp_path):
+    tracker = _RecordingTracker()
+    accelerator = Accelerator(cpu=True, log_with=[tracker])
+    log = MetricsLog(tmp_path / "m.jsonl", accelerator, ["recording"], {"train": {"steps": 40}, "model": "x"})
+    log.log(5, {"rollouts/failed": 1.0})
+    log.log(5, {"rollouts/failed": 0.0, "accuracy": 0.5}, kind="validation")
+    log.close()
+    assert tracker.config == {"train.steps": 40, "model": "x"}
+    assert tracker.logged == [({"train/rollouts/failed": 1.0}, 5),
+                              ({"validation/rollouts/failed": 0.0, "validation/accuracy": 0.5}, 5)]  # fmt: skip
+    assert tracker.ended
+    assert MetricsLog(tmp_path / "n.jsonl", accelerator, []).accelerator is None  # no trackers named: none used
+
+
+def test_plot_curve_writes_a_png_and_nothing_without_data(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    assert plot_curve(path, tmp_path / "none.png") is None
+    records = [{"kind": "validation", "step": 0, "minutes": 0.0, "accuracy": 0.2},
+               {"kind": "train", "step": 1, "minutes": 2.0, "accuracy": 0.3},
+               {"kind": "validation", "step": 1, "minutes": 2.0, "accuracy": 0.5}]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    png = plot_curve(path, tmp_path / "curve.png", title="t")
+    assert png == tmp_path / "curve.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
