@@ -16,6 +16,7 @@ from typing import Any
 class MetricsLog:
     def __init__(self, path: Path, accelerator: Any = None, trackers: Sequence[str] = (), config: dict | None = None):
         self.path = path
+        _drop_cut_line(path)  # a resumed run appends after the last whole record, not onto a half-written one
         self.accelerator = accelerator if trackers else None
         if self.accelerator is not None:
             self.accelerator.init_trackers("lit", config=_flat(config or {}))
@@ -31,6 +32,16 @@ class MetricsLog:
     def close(self) -> None:
         if self.accelerator is not None:
             self.accelerator.end_training()
+
+
+def _drop_cut_line(path: Path) -> None:
+    """Cut off a last line that a kill left without its newline (the record it began is lost either way)."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with path.open("r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
 
 
 def read(path: Path) -> list[dict[str, Any]]:

@@ -33,6 +33,9 @@ def test_log_appends_records_and_read_skips_a_line_cut_by_a_kill(tmp_path):
     records = read(path)
     assert [(r["kind"], r["step"], r["accuracy"]) for r in records] == [("train", 1, 0.25), ("validation", 1, 0.5)]
     assert read(tmp_path / "absent.jsonl") == []
+    resumed = MetricsLog(path)  # --resume: the next record goes after the last whole one
+    resumed.log(2, {"accuracy": 0.75})
+    assert [(r["step"], r["accuracy"]) for r in read(path)] == [(1, 0.25), (1, 0.5), (2, 0.75)]
 
 
 def test_read_refuses_a_damaged_line_before_the_last(tmp_path):
