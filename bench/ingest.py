@@ -36,10 +36,10 @@ import zmq
 
 from lit_sdk import protocol
 from lit_sdk import semconv as sc
-from lit_sdk.export import SpanSender
-from lit_trainer.collector import Collector
-from lit_trainer.episodes import Episode, build_episode
-from lit_trainer.store import SqliteStore
+from lit_sdk.sender import SpanSender
+from lit_trainer.intake.collector import Collector
+from lit_trainer.intake.episodes import Episode, build_episode
+from lit_trainer.intake.store import SqliteStore
 
 SPANS_PER_ROLLOUT = 10
 _DEADLINE_S = 300.0

@@ -22,9 +22,9 @@ import time
 import torch
 
 from lit_trainer.algorithm.loss import LossConfig, policy_loss
-from lit_trainer.batching import BatchingConfig, MicroBatch, make_micro_batches
-from lit_trainer.episodes import Transition
-from lit_trainer.policy import Policy, PolicyConfig
+from lit_trainer.learner.batching import BatchingConfig, MicroBatch, make_micro_batches
+from lit_trainer.intake.episodes import Transition
+from lit_trainer.learner.policy import Policy, PolicyConfig
 
 ROWS, PROMPT, RESPONSE = 8, 128, 128
 

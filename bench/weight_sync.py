@@ -30,10 +30,10 @@ import requests
 import torch
 from transformers import AutoModelForCausalLM
 
-from lit_trainer.config import InferenceConfig, WeightSyncConfig
-from lit_trainer.inference import InferenceServer, build_env, pick_port
+from lit_trainer.engine.config import InferenceConfig, WeightSyncConfig
+from lit_trainer.engine.server import InferenceServer, build_env, pick_port
 from lit_trainer.models import resolve_model
-from lit_trainer.weight_sync import WeightSync
+from lit_trainer.engine.weight_sync import WeightSync
 
 PROMPT = "Write a long story about a robot who learns to paint."
 

@@ -18,14 +18,14 @@ def prepared_model():
 @pytest.fixture(scope="session")
 def vllm_server(prepared_model: Path, tmp_path_factory: pytest.TempPathFactory):
     """A running lit-managed vLLM server on the default model; gone (whole process group) after the session."""
-    from lit_trainer.config import InferenceConfig
-    from lit_trainer.inference import InferenceServer
+    from lit_trainer.engine.config import InferenceConfig
+    from lit_trainer.engine.server import InferenceServer
 
     config = InferenceConfig(model=str(prepared_model), log_dir=str(tmp_path_factory.mktemp("vllm-logs")))
     with InferenceServer(config) as server:
         pgid = server.process.pid
         yield server
-    from lit_trainer.inference import group_members
+    from lit_trainer.engine.server import group_members
 
     assert group_members(pgid) == [], f"vLLM processes survived the fixture: {group_members(pgid)}"
     assert os.path.exists(server.log_path)

@@ -149,8 +149,8 @@ def main() -> None:
     if args.base_url:
         asyncio.run(run(args.base_url, args.model))
         return
-    from lit_trainer.config import InferenceConfig
-    from lit_trainer.inference import InferenceServer
+    from lit_trainer.engine.config import InferenceConfig
+    from lit_trainer.engine.server import InferenceServer
 
     with InferenceServer(InferenceConfig(model="smollm2-135m")) as server:
         asyncio.run(run(server.openai_url, server.model_name))

@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from lit_sdk import _agents, _context, config
 from lit_sdk._processor import LitSpanProcessor
-from lit_sdk.export import DeliveryCounts, SpanSender
+from lit_sdk.sender import DeliveryCounts, SpanSender
 from lit_sdk.openai_patch import OpenAIPatch
 
 log = logging.getLogger("lit")

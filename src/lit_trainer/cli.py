@@ -116,21 +116,21 @@ def _model_check(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from lit_trainer import train
+    from lit_trainer import loop
     from lit_trainer.train_config import load
 
     cfg = load(args.config, args.overrides)
-    result = train.run(cfg, resume=args.resume)
+    result = loop.run(cfg, resume=args.resume)
     if result:
         print(f"final held-out accuracy: {result['accuracy']:.3f}")
     return 0
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from lit_trainer import train
+    from lit_trainer import loop
     from lit_trainer.train_config import load
 
-    result = train.evaluate(load(args.config, args.overrides), args.checkpoint, args.output)
+    result = loop.evaluate(load(args.config, args.overrides), args.checkpoint, args.output)
     print(f"held-out accuracy: {result['accuracy']:.3f} ({result['tasks']} tasks, model {result['model']})")
     return 0
 

@@ -12,10 +12,10 @@ import pytest
 from openai import OpenAI
 
 import lit_sdk as lit
-from lit_trainer.collector import Collector
-from lit_trainer.episodes import Episode, build_episode
-from lit_trainer.logprob_check import trainer_logprobs
-from lit_trainer.store import SqliteStore
+from lit_trainer.intake.collector import Collector
+from lit_trainer.intake.episodes import Episode, build_episode
+from lit_trainer.engine.logprob_check import trainer_logprobs
+from lit_trainer.intake.store import SqliteStore
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 PROMPT = "Question: what is 2 + 3?\nAnswer:"

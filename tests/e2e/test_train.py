@@ -51,7 +51,7 @@ def test_train_killed_after_a_checkpoint_resumes_and_finishes(prepared_model: Pa
     out = tmp_path / "run"
     config = tmp_path / "config.toml"
     config.write_text(CONFIG.format(model=prepared_model, out=out))
-    env = {**os.environ, "PYTHONPATH": str(TESTS / "trainer"), "CI": "true"}
+    env = {**os.environ, "PYTHONPATH": str(TESTS), "CI": "true"}
     lit = [sys.executable, "-m", "lit_trainer.cli", "train", str(config)]
 
     first = subprocess.Popen(lit, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -22,7 +22,7 @@ def check_prompts(prepared_model: Path) -> list[list[int]]:
     """The consistency check's fixed prompts, tokenised."""
     from transformers import AutoTokenizer
 
-    from lit_trainer.logprob_check import DEFAULT_PROMPTS
+    from lit_trainer.engine.logprob_check import DEFAULT_PROMPTS
 
     tokenizer = AutoTokenizer.from_pretrained(prepared_model)
     return [tokenizer(p)["input_ids"] for p in DEFAULT_PROMPTS]

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from lit_trainer.algorithm.credit import CreditConfig, assign_credits
-from lit_trainer.episodes import Episode
+from lit_trainer.intake.episodes import Episode
 
 ESTIMATORS = ("grpo", "rloo")
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lit_trainer.episodes import Episode
+from lit_trainer.intake.episodes import Episode
 
 CREDIT_MODES = ("identical", "discounted", "intermediate")
 

@@ -17,7 +17,7 @@ import pytest
 from ack_server import NACK, NACK_REASON, SILENT, AckServer
 
 from lit_sdk import protocol
-from lit_sdk.export import DeliveryCounts, SpanSender
+from lit_sdk.sender import DeliveryCounts, SpanSender
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -183,7 +183,7 @@ def test_beyond_the_memory_bound_spans_wait_on_disk_and_are_delivered_later(down
 
 def test_shutdown_spools_what_is_left_and_a_new_process_delivers_it(down_server, spool, caplog):
     script = (
-        "import json, sys; from pathlib import Path; from lit_sdk.export import SpanSender; "
+        "import json, sys; from pathlib import Path; from lit_sdk.sender import SpanSender; "
         "s = SpanSender(sys.argv[1], spool_dir=Path(sys.argv[2]), max_batch_spans=10); "
         "[s.submit(span) for span in json.loads(sys.argv[3])]; print(s.shutdown(timeout=0.2))"
     )

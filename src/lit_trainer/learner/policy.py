@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lit_trainer.batching import MicroBatch
+from lit_trainer.learner.batching import MicroBatch
 from lit_trainer.models import resolve_model
 
 LossFn = Callable[[torch.Tensor, MicroBatch, torch.Tensor | None], tuple[torch.Tensor, dict[str, float]]]

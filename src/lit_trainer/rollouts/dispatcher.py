@@ -25,7 +25,7 @@ import zmq
 
 from lit_sdk.resources import LLM
 from lit_sdk.worker import pack, unpack
-from lit_trainer.store import RolloutRow, RolloutStatus, Store
+from lit_trainer.intake.store import RolloutRow, RolloutStatus, Store
 
 log = logging.getLogger("lit.dispatcher")
 

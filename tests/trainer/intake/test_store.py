@@ -15,7 +15,7 @@ import pytest
 
 from lit_sdk import semconv as sc
 from lit_sdk.protocol import STATUS_ERROR, STATUS_OK, SpanRecord, pack_span
-from lit_trainer.store import (
+from lit_trainer.intake.store import (
     ALLOWED_TRANSITIONS,
     SCHEMA_VERSION,
     RolloutRow,
@@ -237,7 +237,7 @@ def test_one_thread_writes_while_another_reads(store):
 _WRITER = textwrap.dedent("""
     import sys
     from lit_sdk.protocol import SpanRecord
-    from lit_trainer.store import SqliteStore
+    from lit_trainer.intake.store import SqliteStore
 
     store = SqliteStore(sys.argv[1])
     attrs = {"lit.llm.prompt_token_ids": list(range(300)), "pad": "x" * 2000}

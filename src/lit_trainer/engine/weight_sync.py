@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import requests
 import torch
 
-from lit_trainer.config import WeightSyncConfig
+from lit_trainer.engine.config import WeightSyncConfig
 
 if TYPE_CHECKING:
     from typing import Self

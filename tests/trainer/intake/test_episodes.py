@@ -1,7 +1,7 @@
 """Span trees → episodes: golden trees recorded from the real frameworks, and hand-built trees for the hard cases.
 
-The golden files in tests/trainer/golden/ come from tests/sdk/test_frameworks.py; regenerate them with
-``LIT_RECORD_GOLDEN=tests/trainer/golden python -m pytest tests/sdk/test_frameworks.py``.
+The golden files in tests/trainer/intake/golden/ come from tests/sdk/test_frameworks.py; regenerate them with
+``LIT_RECORD_GOLDEN=tests/trainer/intake/golden python -m pytest tests/sdk/test_frameworks.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from lit_sdk import semconv as sc
 from lit_sdk.protocol import STATUS_ERROR, STATUS_OK, SpanRecord
-from lit_trainer.episodes import Episode, Unusable, UnusableRollout, build_episode
+from lit_trainer.intake.episodes import Episode, Unusable, UnusableRollout, build_episode
 
 GOLDEN = Path(__file__).parent / "golden"
 TRACE = "ab" * 16

@@ -28,7 +28,7 @@ import msgpack
 import zmq
 
 from lit_sdk import protocol
-from lit_trainer.store import Store
+from lit_trainer.intake.store import Store
 
 log = logging.getLogger("lit")
 

@@ -8,7 +8,7 @@ import torch
 from torch.testing import assert_close
 
 from lit_trainer.algorithm.credit import CreditConfig, assign_credit, assign_credits, auto_rewards
-from lit_trainer.episodes import Episode, Transition, Unusable, UnusableRollout
+from lit_trainer.intake.episodes import Episode, Transition, Unusable, UnusableRollout
 
 
 def episode(

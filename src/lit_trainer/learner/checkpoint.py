@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lit_trainer.policy import Policy
+from lit_trainer.learner.policy import Policy
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "generation_config.json", "chat_template.jinja")

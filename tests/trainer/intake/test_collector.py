@@ -19,9 +19,9 @@ from openai import OpenAI
 import lit_sdk as lit
 from lit_sdk import protocol
 from lit_sdk import semconv as sc
-from lit_sdk.export import SpanSender
-from lit_trainer.collector import Collector, CollectorError
-from lit_trainer.store import SqliteStore, StoreError
+from lit_sdk.sender import SpanSender
+from lit_trainer.intake.collector import Collector, CollectorError
+from lit_trainer.intake.store import SqliteStore, StoreError
 
 TRACE = "0123456789abcdef" * 2
 WAIT_S = 10.0

@@ -30,21 +30,21 @@ import torch
 
 from lit_sdk.resources import LLM
 from lit_sdk.worker import load_target, spawn
-from lit_trainer import checkpoint as ckpt
+from lit_trainer.learner import checkpoint as ckpt
 from lit_trainer.algorithm.advantages import episode_advantages
 from lit_trainer.algorithm.loss import policy_loss
-from lit_trainer.batching import MicroBatch, make_micro_batches
-from lit_trainer.collector import Collector
-from lit_trainer.dispatcher import Dispatcher, Outcome, RolloutRequest
-from lit_trainer.episodes import Episode, UnusableRollout, build_episode
-from lit_trainer.inference import InferenceServer
-from lit_trainer.logprob_check import check_logprobs
+from lit_trainer.learner.batching import MicroBatch, make_micro_batches
+from lit_trainer.intake.collector import Collector
+from lit_trainer.rollouts.dispatcher import Dispatcher, Outcome, RolloutRequest
+from lit_trainer.intake.episodes import Episode, UnusableRollout, build_episode
+from lit_trainer.engine.server import InferenceServer
+from lit_trainer.engine.logprob_check import check_logprobs
 from lit_trainer.metrics import MetricsLog, plot_curve, step_line
 from lit_trainer.metrics import read as read_metrics
 from lit_trainer.models import resolve_model
-from lit_trainer.store import RolloutStatus, SqliteStore
+from lit_trainer.intake.store import RolloutStatus, SqliteStore
 from lit_trainer.train_config import ConfigError, DataConfig, TrainConfig
-from lit_trainer.weight_sync import WeightSync, WeightSyncError
+from lit_trainer.engine.weight_sync import WeightSync, WeightSyncError
 
 WORKER_START_TIMEOUT_S = 180.0
 
@@ -109,7 +109,7 @@ def services(cfg: TrainConfig, store_path: Path) -> Iterator[Services]:
 
 def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
     """Train as ``cfg`` says; the last validation's metrics."""
-    from lit_trainer.policy import Policy
+    from lit_trainer.learner.policy import Policy
 
     out = Path(cfg.train.output_dir)
     out.mkdir(parents=True, exist_ok=True)

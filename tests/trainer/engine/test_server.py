@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import requests
 
-from lit_trainer._served_model import TOOL_TEMPLATE, chat_template_for, untied_view
-from lit_trainer.config import InferenceConfig, WeightSyncConfig
-from lit_trainer.inference import (
+from lit_trainer.engine.served_model import TOOL_TEMPLATE, chat_template_for, untied_view
+from lit_trainer.engine.config import InferenceConfig, WeightSyncConfig
+from lit_trainer.engine.server import (
     InferenceServer,
     PortBusyError,
     ServerDiedError,
@@ -37,8 +37,8 @@ from lit_trainer.inference import (
 HARNESS = textwrap.dedent(
     """
     import json, signal, sys, time
-    from lit_trainer.config import InferenceConfig
-    from lit_trainer.inference import InferenceServer
+    from lit_trainer.engine.config import InferenceConfig
+    from lit_trainer.engine.server import InferenceServer
 
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if started in the background
     with InferenceServer(InferenceConfig(model=sys.argv[1], log_dir=sys.argv[2])) as server:

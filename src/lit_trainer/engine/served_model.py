@@ -11,7 +11,7 @@ import json
 import os
 from pathlib import Path
 
-from lit_trainer.config import InferenceConfig
+from lit_trainer.engine.config import InferenceConfig
 
 TOOL_TEMPLATE = Path(__file__).parent / "templates" / "chatml_tools.jinja"
 """lit's chat template (ChatML + Hermes ``<tool_call>``) for models whose own template has no tool support."""

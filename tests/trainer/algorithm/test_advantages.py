@@ -13,7 +13,7 @@ from torch.testing import assert_close
 from lit_trainer.algorithm.advantages import AdvantageConfig, episode_advantages, group_advantages
 from lit_trainer.algorithm.credit import CreditConfig
 from lit_trainer.algorithm.loss import LossConfig, policy_loss
-from lit_trainer.episodes import Episode, Transition, Unusable, UnusableRollout
+from lit_trainer.intake.episodes import Episode, Transition, Unusable, UnusableRollout
 
 EPS = 1e-6
 

@@ -8,12 +8,12 @@ import pytest
 
 from lit_sdk.resources import LLM
 from lit_sdk.worker import spawn
-from lit_trainer.collector import Collector
-from lit_trainer.dispatcher import DispatchConfig, Dispatcher, DispatchError, RolloutRequest
-from lit_trainer.store import RolloutStatus, SqliteStore
-from lit_trainer.train import _stop_workers, gather_episodes
+from lit_trainer.intake.collector import Collector
+from lit_trainer.rollouts.dispatcher import DispatchConfig, Dispatcher, DispatchError, RolloutRequest
+from lit_trainer.intake.store import RolloutStatus, SqliteStore
+from lit_trainer.loop import _stop_workers, gather_episodes
 
-HERE = Path(__file__).parent
+TESTS = Path(__file__).parents[2]
 NO_LLM = LLM("http://127.0.0.1:9/v1", "none")
 
 
@@ -27,7 +27,7 @@ def rig(tmp_path):
         collector = Collector(store, "tcp://127.0.0.1:0").start()
         dispatcher = Dispatcher(store, "tcp://127.0.0.1:0", collector.endpoint, [NO_LLM.base_url],
                                 DispatchConfig(**config))
-        env = {**os.environ, "PYTHONPATH": str(HERE), "LIT_SPOOL_DIR": str(tmp_path / "spool")}
+        env = {**os.environ, "PYTHONPATH": str(TESTS), "LIT_SPOOL_DIR": str(tmp_path / "spool")}
         procs = [spawn(f"rollout_agents:{target}", dispatcher.endpoint, concurrency, env) for _ in range(workers)]
         made.append((store, collector, dispatcher, procs))
         if workers:

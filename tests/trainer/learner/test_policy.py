@@ -8,10 +8,10 @@ import torch
 from torch.testing import assert_close
 
 from lit_trainer.algorithm.loss import LossConfig, policy_loss
-from lit_trainer.batching import BatchingConfig, MicroBatch, make_micro_batches
-from lit_trainer.episodes import Transition
-from lit_trainer.logprob_check import trainer_logprobs
-from lit_trainer.policy import Policy, PolicyConfig
+from lit_trainer.learner.batching import BatchingConfig, MicroBatch, make_micro_batches
+from lit_trainer.intake.episodes import Transition
+from lit_trainer.engine.logprob_check import trainer_logprobs
+from lit_trainer.learner.policy import Policy, PolicyConfig
 
 pytestmark = pytest.mark.slow
 PROMPTS = [[1, 4093, 314, 216, 28, 476, 28, 47], [1, 504, 3575, 282, 4649, 314], [1, 22, 1232, 33, 2]]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lit_trainer.episodes import Transition
+from lit_trainer.intake.episodes import Transition
 
 
 @dataclass(frozen=True)
