@@ -117,7 +117,7 @@ def _model_check(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from lit_trainer import loop
-    from lit_trainer.train_config import load
+    from lit_trainer.config import load
 
     cfg = load(args.config, args.overrides)
     result = loop.run(cfg, resume=args.resume)
@@ -128,7 +128,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     from lit_trainer import loop
-    from lit_trainer.train_config import load
+    from lit_trainer.config import load
 
     result = loop.evaluate(load(args.config, args.overrides), args.checkpoint, args.output)
     print(f"held-out accuracy: {result['accuracy']:.3f} ({result['tasks']} tasks, model {result['model']})")

@@ -43,7 +43,7 @@ from lit_trainer.metrics import MetricsLog, plot_curve, step_line
 from lit_trainer.metrics import read as read_metrics
 from lit_trainer.models import resolve_model
 from lit_trainer.intake.store import RolloutStatus, SqliteStore
-from lit_trainer.train_config import ConfigError, DataConfig, TrainConfig
+from lit_trainer.config import ConfigError, DataConfig, TrainConfig
 from lit_trainer.engine.weight_sync import WeightSync, WeightSyncError
 
 WORKER_START_TIMEOUT_S = 180.0

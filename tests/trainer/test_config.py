@@ -2,7 +2,7 @@
 
 import pytest
 
-from lit_trainer.train_config import ConfigError, load
+from lit_trainer.config import ConfigError, load
 
 
 def write(tmp_path, text):
