@@ -22,8 +22,8 @@ import time
 import torch
 
 from lit_trainer.algorithm.loss import LossConfig, policy_loss
-from lit_trainer.learner.batching import BatchingConfig, MicroBatch, make_micro_batches
 from lit_trainer.intake.episodes import Transition
+from lit_trainer.learner.batching import BatchingConfig, MicroBatch, make_micro_batches
 from lit_trainer.learner.policy import Policy, PolicyConfig
 
 ROWS, PROMPT, RESPONSE = 8, 128, 128

@@ -32,8 +32,8 @@ from transformers import AutoModelForCausalLM
 
 from lit_trainer.engine.config import InferenceConfig, WeightSyncConfig
 from lit_trainer.engine.server import InferenceServer, build_env, pick_port
-from lit_trainer.models import resolve_model
 from lit_trainer.engine.weight_sync import WeightSync
+from lit_trainer.models import resolve_model
 
 PROMPT = "Write a long story about a robot who learns to paint."
 

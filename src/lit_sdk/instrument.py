@@ -21,8 +21,8 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from lit_sdk import _agents, _context, config
 from lit_sdk._processor import LitSpanProcessor
-from lit_sdk.sender import DeliveryCounts, SpanSender
 from lit_sdk.openai_patch import OpenAIPatch
+from lit_sdk.sender import DeliveryCounts, SpanSender
 
 log = logging.getLogger("lit")
 _lock = threading.Lock()

@@ -127,10 +127,10 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from lit_trainer import loop
+    from lit_trainer import evaluate
     from lit_trainer.config import load
 
-    result = loop.evaluate(load(args.config, args.overrides), args.checkpoint, args.output)
+    result = evaluate.evaluate(load(args.config, args.overrides), args.checkpoint, args.output)
     print(f"held-out accuracy: {result['accuracy']:.3f} ({result['tasks']} tasks, model {result['model']})")
     return 0
 

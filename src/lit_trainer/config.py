@@ -23,10 +23,10 @@ from typing import Any
 from lit_trainer.algorithm.advantages import AdvantageConfig
 from lit_trainer.algorithm.credit import CreditConfig
 from lit_trainer.algorithm.loss import LossConfig
-from lit_trainer.learner.batching import BatchingConfig
 from lit_trainer.engine.config import InferenceConfig, WeightSyncConfig
-from lit_trainer.rollouts.dispatcher import DispatchConfig
+from lit_trainer.learner.batching import BatchingConfig
 from lit_trainer.learner.policy import PolicyConfig
+from lit_trainer.rollouts.dispatcher import DispatchConfig
 
 
 class ConfigError(ValueError):

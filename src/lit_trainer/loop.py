@@ -1,4 +1,4 @@
-"""``lit train`` and ``lit eval``: the training loop, and validation on the held-out split.
+"""``lit train``: the training loop, top to bottom.
 
 One step: sample ``tasks_per_step`` tasks (the same ones for the same seed and step, also after ``--resume``) →
 run ``group_size`` rollouts of each on the agent workers → rebuild episodes from the stored spans → LightningRL
@@ -14,97 +14,29 @@ retry give no episode, never a reward of 0; a task left with fewer than ``min_gr
 from __future__ import annotations
 
 import collections
-import contextlib
 import json
-import os
-import random
 import sys
 import time
-import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from lit_sdk.resources import LLM
-from lit_sdk.worker import load_target, spawn
-from lit_trainer.learner import checkpoint as ckpt
 from lit_trainer.algorithm.advantages import episode_advantages
 from lit_trainer.algorithm.loss import policy_loss
-from lit_trainer.learner.batching import MicroBatch, make_micro_batches
-from lit_trainer.intake.collector import Collector
-from lit_trainer.rollouts.dispatcher import Dispatcher, Outcome, RolloutRequest
-from lit_trainer.intake.episodes import Episode, UnusableRollout, build_episode
-from lit_trainer.engine.server import InferenceServer
+from lit_trainer.config import ConfigError, TrainConfig
 from lit_trainer.engine.logprob_check import check_logprobs
+from lit_trainer.engine.weight_sync import WeightSync, WeightSyncError
+from lit_trainer.evaluate import validate
+from lit_trainer.intake.episodes import Episode
+from lit_trainer.learner import checkpoint as ckpt
+from lit_trainer.learner.batching import MicroBatch, make_micro_batches
 from lit_trainer.metrics import MetricsLog, plot_curve, step_line
 from lit_trainer.metrics import read as read_metrics
 from lit_trainer.models import resolve_model
-from lit_trainer.intake.store import RolloutStatus, SqliteStore
-from lit_trainer.config import ConfigError, DataConfig, TrainConfig
-from lit_trainer.engine.weight_sync import WeightSync, WeightSyncError
-
-WORKER_START_TIMEOUT_S = 180.0
-
-
-@dataclass
-class Services:
-    """What rollouts need running: the store, the collector, vLLM, the dispatcher and the local workers."""
-
-    cfg: TrainConfig
-    store: SqliteStore
-    server: InferenceServer
-    dispatcher: Dispatcher
-    session: str
-
-    def llm(self, temperature: float) -> LLM:
-        return LLM(self.server.openai_url, self.server.model_name, temperature=temperature,
-                   max_tokens=self.cfg.agent.max_tokens)
-
-    def rollouts(self, tasks: list[dict], group: int, temperature: float, step: int, label: str
-                 ) -> tuple[list[Episode], dict[str, float]]:
-        """Run ``group`` rollouts of each task (with a progress bar); the episodes and the rollout metrics."""
-        from tqdm import tqdm
-
-        llm = self.llm(temperature)
-        requests = [RolloutRequest(f"{self.session}-{label}-t{t['id']}-g{g}", str(t["id"]), t, llm, step)
-                    for t in tasks for g in range(group)]
-        bar = tqdm(total=len(requests), desc=f"{label} rollouts", unit="rollout", leave=False, disable=None)
-        failed = 0
-
-        def progress(outcome: Outcome) -> None:
-            nonlocal failed
-            failed += outcome.status is not RolloutStatus.SUCCEEDED
-            bar.set_postfix(failed=failed, refresh=False)
-            bar.update()
-
-        with bar:
-            outcomes = self.dispatcher.run(requests, progress)
-        return gather_episodes(self.store, outcomes, self.cfg.agent.agents, self.cfg.train.success_reward)
-
-
-@contextlib.contextmanager
-def services(cfg: TrainConfig, store_path: Path) -> Iterator[Services]:
-    """Start everything rollouts need, and stop it all (workers, vLLM, collector) on the way out."""
-    if not cfg.agent.function:
-        raise ConfigError(f"{cfg.source or 'config'}: [agent] function is not set (module:function)")
-    load_target(cfg.agent.function)  # a typo fails here, not in a worker's log
-    with contextlib.ExitStack() as stack:
-        store = stack.enter_context(SqliteStore(store_path))
-        collector = stack.enter_context(Collector(store, cfg.collector.endpoint))
-        print(f"lit: starting vLLM on {cfg.model} (about a minute on CPU)", file=sys.stderr, flush=True)
-        server = stack.enter_context(InferenceServer(cfg.inference))
-        dispatcher = stack.enter_context(Dispatcher(store, cfg.dispatch_endpoint.endpoint, collector.endpoint,
-                                                    [server.openai_url], cfg.dispatch))
-        env = {**os.environ, "LIT_SPOOL_DIR": str(store_path.parent / "spool")}
-        workers = [spawn(cfg.agent.function, dispatcher.endpoint, cfg.agent.concurrency, env)
-                   for _ in range(cfg.agent.local_workers)]
-        stack.callback(_stop_workers, dispatcher, workers)
-        print(f"lit: workers connect to {dispatcher.endpoint} ({len(workers)} local)", file=sys.stderr)
-        dispatcher.wait_for_workers(cfg.agent.local_workers, WORKER_START_TIMEOUT_S)
-        yield Services(cfg, store, server, dispatcher, uuid.uuid4().hex[:8])
+from lit_trainer.rollouts.services import services
+from lit_trainer.rollouts.tasks import load_tasks, sample_tasks
 
 
 def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
@@ -201,114 +133,7 @@ def update_policy(policy: Any, sync: Any, episodes: list[Episode], cfg: TrainCon
     return metrics
 
 
-def validate(svc: Services, tasks: list[dict], log: MetricsLog, step: int, minutes: float) -> dict[str, float]:
-    """One greedy rollout per held-out task; accuracy counts failed rollouts as wrong (and reports them)."""
-    t0 = time.perf_counter()
-    _, metrics = svc.rollouts(tasks, 1, svc.cfg.agent.val_temperature, step, f"val{step}")
-    metrics.update({"minutes": minutes, "time/validation": time.perf_counter() - t0})
-    log.log(step, metrics, kind="validation")
-    print(f"validation after step {step}: accuracy {metrics['accuracy']:.3f} on {len(tasks)} held-out tasks "
-          f"(failed {metrics['rollouts/failed']:.0f}, {metrics['time/validation']:.0f} s)", flush=True)
-    return metrics
-
-
-def evaluate(cfg: TrainConfig, checkpoint: str | None, output: Path | None = None) -> dict[str, float]:
-    """``lit eval``: validation of a checkpoint (or the base model when None), written as JSON to ``output``."""
-    model = cfg.model
-    if checkpoint:
-        found = ckpt.resolve(checkpoint)
-        model = str(found.model_dir)
-        cfg = replace(cfg, model=model, inference=replace(cfg.inference, model=model))
-    _, val_tasks = load_tasks(cfg.data)
-    out = Path(cfg.train.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    log = MetricsLog(out / "eval.jsonl")
-    with services(cfg, out / "eval.sqlite") as svc:
-        metrics = validate(svc, val_tasks, log, 0, 0.0)
-    result = {"model": model, "tasks": len(val_tasks), **metrics}
-    if output:
-        output.write_text(json.dumps(result, indent=2))
-    return result
-
-
-def gather_episodes(store: SqliteStore, outcomes: list[Outcome], agents: tuple[str, ...], success: float
-                    ) -> tuple[list[Episode], dict[str, float]]:
-    """Episodes of the succeeded rollouts (saved to the store), and counts; failures give no episode."""
-    episodes: list[Episode] = []
-    unusable: collections.Counter[str] = collections.Counter()
-    for outcome in outcomes:
-        if outcome.status is not RolloutStatus.SUCCEEDED:
-            continue
-        result = build_episode(store.spans_of_rollout(outcome.rollout_id), agents or None)
-        if isinstance(result, UnusableRollout):
-            unusable[result.reason.name.lower()] += 1
-            continue
-        store.save_episode(outcome.rollout_id, result.to_dict(), result.episode_return)
-        episodes.append(result)
-    returns = [e.episode_return for e in episodes]
-    n = len(outcomes)
-    metrics = {
-        "rollouts/requested": float(n),
-        "rollouts/succeeded": float(sum(o.status is RolloutStatus.SUCCEEDED for o in outcomes)),
-        "rollouts/failed": float(sum(o.status is not RolloutStatus.SUCCEEDED for o in outcomes)),
-        "rollouts/retried": float(sum(o.attempts > 1 for o in outcomes)),
-        "rollouts/unusable": float(sum(unusable.values())),
-        **{f"rollouts/unusable_{k}": float(v) for k, v in unusable.items()},
-        "episodes": float(len(episodes)),
-        "reward/mean": sum(returns) / len(returns) if returns else float("nan"),
-        "accuracy": sum(r >= success for r in returns) / n if n else float("nan"),
-        "transitions/per_episode": sum(len(e.transitions) for e in episodes) / max(len(episodes), 1),
-    }
-    return episodes, metrics
-
-
-def sample_tasks(tasks: list[dict], seed: int, step: int, n: int) -> list[dict]:
-    """The tasks of one step: a function of (seed, step) only, so a resumed run sees the same data."""
-    return random.Random(f"{seed}:{step}").sample(tasks, min(n, len(tasks)))
-
-
-def load_tasks(data: DataConfig) -> tuple[list[dict], list[dict]]:
-    """The train and validation tasks, from ``module:function`` or a folder of JSONL files."""
-    if not data.tasks:
-        raise ConfigError("[data] tasks is not set: give module:function or a folder with train.jsonl")
-    if ":" in data.tasks:
-        make = load_target(data.tasks)
-        splits = make("train", data.train_size), make("validation", data.val_size)
-    else:
-        folder = Path(data.tasks)
-        splits = tuple(_read_jsonl(folder / f"{name}.jsonl")[:size]
-                       for name, size in (("train", data.train_size), ("validation", data.val_size)))
-    for name, tasks in zip(("train", "validation"), splits, strict=True):
-        ids = [t.get("id") if isinstance(t, dict) else None for t in tasks]
-        if not tasks or None in ids or len(set(ids)) != len(ids):
-            raise ConfigError(f"[data] {data.tasks}: the {name} split must be a non-empty list of dicts with "
-                              "unique 'id' values")
-    return list(splits[0]), list(splits[1])
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        raise ConfigError(f"[data] no {path.name} in {path.parent}")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _pad_id(policy: Any) -> int:
     config = policy.unwrapped().config
     pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
     return int(pad[0] if isinstance(pad, list) else pad or 0)
-
-
-def _stop_workers(dispatcher: Dispatcher, workers: list) -> None:
-    """Ask every worker to stop (they deliver their last spans), then end the local ones that do not."""
-    dispatcher.close()
-    deadline = time.monotonic() + 15
-    for p in workers:
-        with contextlib.suppress(Exception):
-            p.wait(max(0.1, deadline - time.monotonic()))
-        if p.poll() is None:
-            p.terminate()
-            try:
-                p.wait(5)
-            except Exception:
-                p.kill()
-                p.wait()

@@ -12,9 +12,9 @@ import pytest
 from openai import OpenAI
 
 import lit_sdk as lit
+from lit_trainer.engine.logprob_check import trainer_logprobs
 from lit_trainer.intake.collector import Collector
 from lit_trainer.intake.episodes import Episode, build_episode
-from lit_trainer.engine.logprob_check import trainer_logprobs
 from lit_trainer.intake.store import SqliteStore
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

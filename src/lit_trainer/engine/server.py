@@ -34,8 +34,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lit_trainer.engine.served_model import chat_template_for, untied_view
 from lit_trainer.engine.config import InferenceConfig
+from lit_trainer.engine.served_model import chat_template_for, untied_view
 from lit_trainer.models import cache_dir, resolve_model
 
 if TYPE_CHECKING:

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from lit_trainer.engine.served_model import TOOL_TEMPLATE, chat_template_for, untied_view
 from lit_trainer.engine.config import InferenceConfig, WeightSyncConfig
+from lit_trainer.engine.served_model import TOOL_TEMPLATE, chat_template_for, untied_view
 from lit_trainer.engine.server import (
     InferenceServer,
     PortBusyError,

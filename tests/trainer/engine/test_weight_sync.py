@@ -18,8 +18,8 @@ import requests
 import torch
 
 from lit_trainer.engine.config import WeightSyncConfig
-from lit_trainer.engine.server import InferenceServer
 from lit_trainer.engine.logprob_check import Sample, check_logprobs, logprob_gap, sample_from_vllm, trainer_logprobs
+from lit_trainer.engine.server import InferenceServer
 from lit_trainer.engine.weight_sync import (
     ShmCheckpoint,
     WeightSync,

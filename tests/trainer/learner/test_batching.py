@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from lit_trainer.learner.batching import BatchingConfig, PromptTooLong, make_micro_batches
 from lit_trainer.intake.episodes import Transition
+from lit_trainer.learner.batching import BatchingConfig, PromptTooLong, make_micro_batches
 
 PAD = 0
 

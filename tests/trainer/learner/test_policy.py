@@ -8,9 +8,9 @@ import torch
 from torch.testing import assert_close
 
 from lit_trainer.algorithm.loss import LossConfig, policy_loss
-from lit_trainer.learner.batching import BatchingConfig, MicroBatch, make_micro_batches
-from lit_trainer.intake.episodes import Transition
 from lit_trainer.engine.logprob_check import trainer_logprobs
+from lit_trainer.intake.episodes import Transition
+from lit_trainer.learner.batching import BatchingConfig, MicroBatch, make_micro_batches
 from lit_trainer.learner.policy import Policy, PolicyConfig
 
 pytestmark = pytest.mark.slow

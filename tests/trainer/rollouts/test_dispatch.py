@@ -9,9 +9,9 @@ import pytest
 from lit_sdk.resources import LLM
 from lit_sdk.worker import spawn
 from lit_trainer.intake.collector import Collector
-from lit_trainer.rollouts.dispatcher import DispatchConfig, Dispatcher, DispatchError, RolloutRequest
 from lit_trainer.intake.store import RolloutStatus, SqliteStore
-from lit_trainer.loop import _stop_workers, gather_episodes
+from lit_trainer.rollouts.dispatcher import DispatchConfig, Dispatcher, DispatchError, RolloutRequest
+from lit_trainer.rollouts.services import gather_episodes, stop_workers
 
 TESTS = Path(__file__).parents[2]
 NO_LLM = LLM("http://127.0.0.1:9/v1", "none")
@@ -36,7 +36,7 @@ def rig(tmp_path):
 
     yield start
     for store, collector, dispatcher, procs in made:
-        _stop_workers(dispatcher, procs)
+        stop_workers(dispatcher, procs)
         collector.stop()
         store.close()
 

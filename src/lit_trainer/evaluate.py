@@ -1,0 +1,45 @@
+"""Validation during training and ``lit eval``: one greedy rollout per held-out task, accuracy over all of them
+(a failed rollout counts as wrong, and is reported)."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from lit_trainer.config import TrainConfig
+from lit_trainer.learner import checkpoint as ckpt
+from lit_trainer.metrics import MetricsLog
+from lit_trainer.rollouts.services import Services, services
+from lit_trainer.rollouts.tasks import load_tasks
+
+
+def validate(svc: Services, tasks: list[dict], log: MetricsLog, step: int, minutes: float) -> dict[str, float]:
+    """One greedy rollout per held-out task; accuracy counts failed rollouts as wrong (and reports them)."""
+    t0 = time.perf_counter()
+    _, metrics = svc.rollouts(tasks, 1, svc.cfg.agent.val_temperature, step, f"val{step}")
+    metrics.update({"minutes": minutes, "time/validation": time.perf_counter() - t0})
+    log.log(step, metrics, kind="validation")
+    print(f"validation after step {step}: accuracy {metrics['accuracy']:.3f} on {len(tasks)} held-out tasks "
+          f"(failed {metrics['rollouts/failed']:.0f}, {metrics['time/validation']:.0f} s)", flush=True)
+    return metrics
+
+
+def evaluate(cfg: TrainConfig, checkpoint: str | None, output: Path | None = None) -> dict[str, float]:
+    """``lit eval``: validation of a checkpoint (or the base model when None), written as JSON to ``output``."""
+    model = cfg.model
+    if checkpoint:
+        found = ckpt.resolve(checkpoint)
+        model = str(found.model_dir)
+        cfg = replace(cfg, model=model, inference=replace(cfg.inference, model=model))
+    _, val_tasks = load_tasks(cfg.data)
+    out = Path(cfg.train.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    log = MetricsLog(out / "eval.jsonl")
+    with services(cfg, out / "eval.sqlite") as svc:
+        metrics = validate(svc, val_tasks, log, 0, 0.0)
+    result = {"model": model, "tasks": len(val_tasks), **metrics}
+    if output:
+        output.write_text(json.dumps(result, indent=2))
+    return result

@@ -1,0 +1,132 @@
+"""What rollouts need running, started together and stopped together: the store, the collector, the vLLM server,
+the dispatcher and the local agent workers. ``Services.rollouts`` runs a group of rollouts per task on the workers
+and turns the ones that succeeded into episodes; a failed rollout gives no episode, never a reward of 0.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from lit_sdk.resources import LLM
+from lit_sdk.worker import load_target, spawn
+from lit_trainer.config import ConfigError, TrainConfig
+from lit_trainer.engine.server import InferenceServer
+from lit_trainer.intake.collector import Collector
+from lit_trainer.intake.episodes import Episode, UnusableRollout, build_episode
+from lit_trainer.intake.store import RolloutStatus, SqliteStore
+from lit_trainer.rollouts.dispatcher import Dispatcher, Outcome, RolloutRequest
+
+WORKER_START_TIMEOUT_S = 180.0
+
+
+@dataclass
+class Services:
+    """What rollouts need running: the store, the collector, vLLM, the dispatcher and the local workers."""
+
+    cfg: TrainConfig
+    store: SqliteStore
+    server: InferenceServer
+    dispatcher: Dispatcher
+    session: str
+
+    def llm(self, temperature: float) -> LLM:
+        return LLM(self.server.openai_url, self.server.model_name, temperature=temperature,
+                   max_tokens=self.cfg.agent.max_tokens)
+
+    def rollouts(self, tasks: list[dict], group: int, temperature: float, step: int, label: str
+                 ) -> tuple[list[Episode], dict[str, float]]:
+        """Run ``group`` rollouts of each task (with a progress bar); the episodes and the rollout metrics."""
+        from tqdm import tqdm
+
+        llm = self.llm(temperature)
+        requests = [RolloutRequest(f"{self.session}-{label}-t{t['id']}-g{g}", str(t["id"]), t, llm, step)
+                    for t in tasks for g in range(group)]
+        bar = tqdm(total=len(requests), desc=f"{label} rollouts", unit="rollout", leave=False, disable=None)
+        failed = 0
+
+        def progress(outcome: Outcome) -> None:
+            nonlocal failed
+            failed += outcome.status is not RolloutStatus.SUCCEEDED
+            bar.set_postfix(failed=failed, refresh=False)
+            bar.update()
+
+        with bar:
+            outcomes = self.dispatcher.run(requests, progress)
+        return gather_episodes(self.store, outcomes, self.cfg.agent.agents, self.cfg.train.success_reward)
+
+
+@contextlib.contextmanager
+def services(cfg: TrainConfig, store_path: Path) -> Iterator[Services]:
+    """Start everything rollouts need, and stop it all (workers, vLLM, collector) on the way out."""
+    if not cfg.agent.function:
+        raise ConfigError(f"{cfg.source or 'config'}: [agent] function is not set (module:function)")
+    load_target(cfg.agent.function)  # a typo fails here, not in a worker's log
+    with contextlib.ExitStack() as stack:
+        store = stack.enter_context(SqliteStore(store_path))
+        collector = stack.enter_context(Collector(store, cfg.collector.endpoint))
+        print(f"lit: starting vLLM on {cfg.model} (about a minute on CPU)", file=sys.stderr, flush=True)
+        server = stack.enter_context(InferenceServer(cfg.inference))
+        dispatcher = stack.enter_context(Dispatcher(store, cfg.dispatch_endpoint.endpoint, collector.endpoint,
+                                                    [server.openai_url], cfg.dispatch))
+        env = {**os.environ, "LIT_SPOOL_DIR": str(store_path.parent / "spool")}
+        workers = [spawn(cfg.agent.function, dispatcher.endpoint, cfg.agent.concurrency, env)
+                   for _ in range(cfg.agent.local_workers)]
+        stack.callback(stop_workers, dispatcher, workers)
+        print(f"lit: workers connect to {dispatcher.endpoint} ({len(workers)} local)", file=sys.stderr)
+        dispatcher.wait_for_workers(cfg.agent.local_workers, WORKER_START_TIMEOUT_S)
+        yield Services(cfg, store, server, dispatcher, uuid.uuid4().hex[:8])
+
+
+def gather_episodes(store: SqliteStore, outcomes: list[Outcome], agents: tuple[str, ...], success: float
+                    ) -> tuple[list[Episode], dict[str, float]]:
+    """Episodes of the succeeded rollouts (saved to the store), and counts; failures give no episode."""
+    episodes: list[Episode] = []
+    unusable: collections.Counter[str] = collections.Counter()
+    for outcome in outcomes:
+        if outcome.status is not RolloutStatus.SUCCEEDED:
+            continue
+        result = build_episode(store.spans_of_rollout(outcome.rollout_id), agents or None)
+        if isinstance(result, UnusableRollout):
+            unusable[result.reason.name.lower()] += 1
+            continue
+        store.save_episode(outcome.rollout_id, result.to_dict(), result.episode_return)
+        episodes.append(result)
+    returns = [e.episode_return for e in episodes]
+    n = len(outcomes)
+    metrics = {
+        "rollouts/requested": float(n),
+        "rollouts/succeeded": float(sum(o.status is RolloutStatus.SUCCEEDED for o in outcomes)),
+        "rollouts/failed": float(sum(o.status is not RolloutStatus.SUCCEEDED for o in outcomes)),
+        "rollouts/retried": float(sum(o.attempts > 1 for o in outcomes)),
+        "rollouts/unusable": float(sum(unusable.values())),
+        **{f"rollouts/unusable_{k}": float(v) for k, v in unusable.items()},
+        "episodes": float(len(episodes)),
+        "reward/mean": sum(returns) / len(returns) if returns else float("nan"),
+        "accuracy": sum(r >= success for r in returns) / n if n else float("nan"),
+        "transitions/per_episode": sum(len(e.transitions) for e in episodes) / max(len(episodes), 1),
+    }
+    return episodes, metrics
+
+
+def stop_workers(dispatcher: Dispatcher, workers: list) -> None:
+    """Ask every worker to stop (they deliver their last spans), then end the local ones that do not."""
+    dispatcher.close()
+    deadline = time.monotonic() + 15
+    for p in workers:
+        with contextlib.suppress(Exception):
+            p.wait(max(0.1, deadline - time.monotonic()))
+        if p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(5)
+            except Exception:
+                p.kill()
+                p.wait()
