@@ -17,9 +17,10 @@ from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 from opentelemetry.trace import StatusCode
 
 from lit_sdk import _context, semconv
+from lit_sdk.protocol.spans import STATUS_ERROR, STATUS_OK, STATUS_UNSET, SpanRecord
 
 log = logging.getLogger("lit")
-_STATUS = {StatusCode.UNSET: 0, StatusCode.OK: 1, StatusCode.ERROR: 2}
+_STATUS = {StatusCode.UNSET: STATUS_UNSET, StatusCode.OK: STATUS_OK, StatusCode.ERROR: STATUS_ERROR}
 MAX_TRACES = 10_000
 """Traces remembered after their root ended, for spans that end late (background tasks)."""
 
@@ -96,19 +97,19 @@ def to_wire(span: ReadableSpan, rollout: _context.Rollout | None) -> dict[str, A
         attrs[semconv.TASK_ID] = rollout.task_id
         attrs[semconv.ATTEMPT] = rollout.attempt
     status = span.status
-    return {
-        "trace_id": format(ctx.trace_id, "032x"),
-        "span_id": format(ctx.span_id, "016x"),
-        "parent_id": format(span.parent.span_id, "016x") if span.parent is not None else None,
-        "name": span.name,
-        "start_ns": span.start_time or 0,
-        "end_ns": span.end_time or 0,
-        "status": _STATUS.get(status.status_code, 0),
-        "status_message": status.description or "",
-        "rollout_id": rollout.rollout_id if rollout is not None else None,
-        "attributes": attrs,
-        "events": [_event(e) for e in span.events],
-    }
+    return SpanRecord(
+        trace_id=format(ctx.trace_id, "032x"),
+        span_id=format(ctx.span_id, "016x"),
+        parent_id=format(span.parent.span_id, "016x") if span.parent is not None else None,
+        name=span.name,
+        start_ns=span.start_time or 0,
+        end_ns=span.end_time or 0,
+        status=_STATUS.get(status.status_code, STATUS_UNSET),
+        status_message=status.description or "",
+        rollout_id=rollout.rollout_id if rollout is not None else None,
+        attributes=attrs,
+        events=[_event(e) for e in span.events],
+    ).to_wire()
 
 
 def _event(event: Any) -> dict[str, Any]:

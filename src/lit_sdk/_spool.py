@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-import msgpack
+from lit_sdk.protocol import codec
 
 log = logging.getLogger("lit")
 
@@ -126,7 +126,7 @@ def scan(path: Path) -> tuple[list[Entry], int]:
 
 def _unpack(payload: bytes) -> tuple[str, int, bytes] | None:
     try:
-        batch_id, n_spans, frame = msgpack.unpackb(payload, raw=False)
+        batch_id, n_spans, frame = codec.unpackb(payload)
     except Exception:
         return None
     if not isinstance(batch_id, str) or not isinstance(n_spans, int) or not isinstance(frame, bytes):
@@ -263,7 +263,7 @@ class Spool:
         return any(s.unread for s in self._segments)
 
     def _write(self, batch: Batch) -> None:
-        payload = msgpack.packb([batch.batch_id, batch.n, batch.frame], use_bin_type=True)
+        payload = codec.packb([batch.batch_id, batch.n, batch.frame])
         record = _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
         if self.bytes + len(record) > self.max_bytes:
             raise SpoolFull(f"the spool is full (max_spool_bytes={self.max_bytes})")

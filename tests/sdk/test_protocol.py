@@ -10,6 +10,7 @@ import msgpack
 import pytest
 
 from lit_sdk import protocol as p
+from lit_sdk.protocol import codec, packed
 
 
 def span(**changes) -> p.SpanRecord:
@@ -52,11 +53,11 @@ def bad_utf8_attribute() -> bytes:
 
 def decode_packed_without_msgspec(data: bytes) -> p.PackedFrame:
     """``decode_frame_packed`` as an agent-side install (no msgspec) runs it."""
-    fast, p._fast_decoder = p._fast_decoder, lambda: None
+    fast, packed._fast_decoder = packed._fast_decoder, lambda: None
     try:
         return p.decode_frame_packed(data)
     finally:
-        p._fast_decoder = fast
+        packed._fast_decoder = fast
 
 
 def raw_map(*entries: tuple[str, bytes]) -> bytes:
@@ -99,10 +100,10 @@ def repeated_spans() -> bytes:
         (wire(good_frame(spans=[{**span().to_wire(), "trace_id": "XYZ"}])), "span", "'trace_id' must be 32"),
         (wire(good_frame(spans=[{**span().to_wire(), "parent_id": 5}])), "span", "'parent_id' must be 16"),
         (wire(good_frame(spans=[{k: v for k, v in span().to_wire().items() if k != "name"}])), "span", "'name'"),
-        (wire(good_frame(spans=[{**span().to_wire(), "status": 9}])), "span", "status must be 0, 1 or 2"),
-        (wire(good_frame(spans=[{**span().to_wire(), "attributes": []}])), "span", "attributes must be a map"),
-        (wire(good_frame(spans=[{**span().to_wire(), "start_ns": "1"}])), "span", "must be integers"),
-        (wire(good_frame(spans=[{**span().to_wire(), "events": {}}])), "span", "events must be a list"),
+        (wire(good_frame(spans=[{**span().to_wire(), "status": 9}])), "span", "'status' must be 0, 1 or 2"),
+        (wire(good_frame(spans=[{**span().to_wire(), "attributes": []}])), "span", "'attributes' must be a map"),
+        (wire(good_frame(spans=[{**span().to_wire(), "start_ns": "1"}])), "span", "'start_ns' must be an integer"),
+        (wire(good_frame(spans=[{**span().to_wire(), "events": {}}])), "span", "'events' must be a list"),
         (wire({"v": 1, "t": "ack", "batch": "b", "stored": "3", "duplicates": 0}), "shape", "integer 'stored'"),
         # What only decoding the attributes finds, which the packed decoder must find too:
         (bad_utf8_attribute(), "decode", "not a MessagePack frame"),
@@ -123,7 +124,7 @@ def test_bad_frames_are_rejected_with_their_kind(decode, data, kind, words):
 
 @pytest.mark.parametrize("decode", [p.decode_frame, p.decode_frame_packed, decode_packed_without_msgspec])
 def test_oversized_frames_are_refused_before_decoding(monkeypatch, decode):
-    monkeypatch.setattr(p, "MAX_FRAME_BYTES", 10)
+    monkeypatch.setattr(codec, "MAX_FRAME_BYTES", 10)
     with pytest.raises(p.ProtocolError) as info:
         decode(p.encode_ack("b", 1, 0) + b"x" * 10)
     assert info.value.kind == "too_large"
@@ -134,10 +135,10 @@ def test_packed_spans_keep_the_wire_bytes_and_unpack_to_the_records():
     frame = p.decode_frame_packed(p.encode_spans("batch-1", "worker-1", records))
     assert (frame.batch, frame.sender) == ("batch-1", "worker-1")
     assert [s.unpack() for s in frame.spans] == records
-    for packed, record in zip(frame.spans, records, strict=True):
-        assert packed.attributes == msgpack.packb(record.attributes, use_bin_type=True)
-        assert packed.events == msgpack.packb(record.events, use_bin_type=True)
-        assert packed == p.pack_span(record)
+    for packed_span, record in zip(frame.spans, records, strict=True):
+        assert packed_span.attributes == msgpack.packb(record.attributes, use_bin_type=True)
+        assert packed_span.events == msgpack.packb(record.events, use_bin_type=True)
+        assert packed_span == p.pack_span(record)
 
 
 def test_packed_decoding_takes_any_key_order_and_other_frames():
@@ -153,7 +154,7 @@ def test_sdk_frames_take_the_msgspec_path():
     """What the SDK sends never falls back to ``decode_frame`` (which would re-encode the attributes)."""
     records = [span(), span(span_id="b" * 16, parent_id="a" * 16, rollout_id=None, attributes={}, events=[])]
     data = p.encode_spans("batch-1", "worker-1", records)
-    decode = p._fast_decoder()
+    decode = packed._fast_decoder()
     assert decode is not None, "msgspec is not installed: the trainer extra requires it"
     assert decode(data) == p.decode_frame_packed(data) == decode_packed_without_msgspec(data)
 

@@ -42,10 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import msgpack
-
 from lit_sdk import semconv
-from lit_sdk.protocol import PackedSpan, SpanRecord, pack_span
+from lit_sdk.protocol import SPAN_FIELDS, PackedSpan, SpanRecord, codec, pack_span
 
 SCHEMA_VERSION = 2
 """1: spans in a rowid table with span-id and rollout indexes. 2: ``WITHOUT ROWID``, keyed by (rollout, span)."""
@@ -151,21 +149,14 @@ CREATE TABLE tasks (task_id TEXT PRIMARY KEY, split TEXT NOT NULL, payload TEXT 
 CREATE TABLE episodes (
     rollout_id TEXT PRIMARY KEY, data BLOB NOT NULL, episode_return REAL, built_at REAL NOT NULL);
 """
-_SPAN_COLUMNS = ("trace_id, span_id, parent_id, name, start_ns, end_ns, status, status_message, rollout_id, "
-                 "attributes, events")
+_ROLLOUT_KEY_IN, _ROLLOUT_KEY_OUT = "coalesce(?, x'')", "nullif(rollout_id, x'')"
+"""A span outside any rollout is keyed by the empty BLOB (key columns cannot be NULL) and read back as None."""
+_SPAN_COLUMNS = ", ".join(SPAN_FIELDS)
 """In ``PackedSpan``'s field order, so that a PackedSpan binds as it is."""
-_INSERT_SPAN = f"INSERT OR IGNORE INTO spans ({_SPAN_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,coalesce(?, x''),?,?)"
-_SELECT_SPANS = ("SELECT trace_id, span_id, parent_id, name, start_ns, end_ns, status, status_message, "
-                 "nullif(rollout_id, x''), attributes, events FROM spans")
+_INSERT_SPAN = (f"INSERT OR IGNORE INTO spans ({_SPAN_COLUMNS}) VALUES "
+                f"({', '.join(_ROLLOUT_KEY_IN if f == 'rollout_id' else '?' for f in SPAN_FIELDS)})")
+_SELECT_SPANS = f"SELECT {', '.join(_ROLLOUT_KEY_OUT if f == 'rollout_id' else f for f in SPAN_FIELDS)} FROM spans"
 _ROLLOUT_COLUMNS = "rollout_id, task_id, step, attempt, status, created_at, started_at, ended_at, error"
-
-
-def _pack(value: Any) -> bytes:
-    return msgpack.packb(value, use_bin_type=True)
-
-
-def _unpack(blob: bytes) -> Any:
-    return msgpack.unpackb(blob, raw=False, strict_map_key=False)
 
 
 def _is_root(span: PackedSpan) -> bool:
@@ -252,7 +243,7 @@ class SqliteStore:
 
     def add_span_batches(self, batches: Sequence[Sequence[SpanRecord]]) -> list[BatchOutcome]:
         """Store several batches in ONE transaction; what each batch did, in order."""
-        pack = msgpack.Packer(use_bin_type=True).pack  # packb would build a Packer per call: 0.7 us each
+        pack = codec.packer()
         return self.add_packed_span_batches([[pack_span(r, pack) for r in records] for records in batches])
 
     def add_packed_span_batches(self, batches: Sequence[Sequence[PackedSpan]]) -> list[BatchOutcome]:
@@ -337,7 +328,7 @@ class SqliteStore:
 
     def save_episode(self, rollout_id: str, data: dict[str, Any], episode_return: float | None) -> None:
         """Keep the episode built from a rollout, replacing an earlier build of the same rollout."""
-        blob = _pack(data)
+        blob = codec.packb(data)
         conn = self._conn()
         with self._write(conn):
             conn.execute("INSERT OR REPLACE INTO episodes (rollout_id, data, episode_return, built_at) "
@@ -346,7 +337,7 @@ class SqliteStore:
     def get_episode(self, rollout_id: str) -> EpisodeRow | None:
         row = self._conn().execute("SELECT rollout_id, data, episode_return, built_at FROM episodes "
                                    "WHERE rollout_id = ?", (rollout_id,)).fetchone()
-        return None if row is None else EpisodeRow(row[0], _unpack(row[1]), row[2], row[3])
+        return None if row is None else EpisodeRow(row[0], codec.unpackb(row[1], strict_map_key=False), row[2], row[3])
 
     def counts(self) -> dict[str, int]:
         """Rows per table: spans, rollouts, tasks, episodes."""

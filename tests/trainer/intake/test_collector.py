@@ -19,6 +19,7 @@ from openai import OpenAI
 import lit_sdk as lit
 from lit_sdk import protocol
 from lit_sdk import semconv as sc
+from lit_sdk.protocol import codec
 from lit_sdk.sender import SpanSender
 from lit_trainer.intake.collector import Collector, CollectorError
 from lit_trainer.intake.store import SqliteStore, StoreError
@@ -170,7 +171,7 @@ def garbage(rng: random.Random, kind: str, i: int) -> tuple[bytes, bool]:
 
 
 def test_a_thousand_garbage_frames_leave_the_collector_running_and_the_data_intact(monkeypatch, store):
-    monkeypatch.setattr(protocol, "MAX_FRAME_BYTES", 4096)  # so "too large" frames are cheap to make
+    monkeypatch.setattr(codec, "MAX_FRAME_BYTES", 4096)  # so "too large" frames are cheap to make
     rng = random.Random(4)
     kinds = ["decode", "shape", "version", "type", "span", "too_large"]
     expected: dict[str, int] = {}
@@ -217,7 +218,7 @@ def test_a_frame_with_invalid_attributes_is_rejected_and_counted(collector, clie
     client.send(spans_frame("b3", [span(4)]))
     replies = client.replies(3)
     assert [type(r).__name__ for r in replies] == ["NackFrame", "NackFrame", "AckFrame"]
-    assert replies[0].reason.startswith("decode:") and "attributes must be a map" in replies[1].reason
+    assert replies[0].reason.startswith("decode:") and "'attributes' must be a map" in replies[1].reason
     assert collector.counts.rejected == {"decode": 1, "span": 1}
     assert store.spans_of_rollout("r1") == [span(4)]  # not even the good first span of a bad frame
 

@@ -1,0 +1,44 @@
+"""The wire format between agents and the trainer: versioned MessagePack frames with a type tag, never pickle.
+
+Two channels (see docs/protocol.md): ``spans`` (agents deliver finished spans to the collector, which
+acknowledges them; ``packed`` is the trainer's fast decoder for it) and ``dispatch`` (the trainer hands rollouts
+to workers). Both use ``codec``'s MessagePack settings, version, size limit and first checks. This package turns
+typed records into bytes and bytes back into validated records, and says in words what is wrong with a frame.
+"""
+
+from lit_sdk.protocol.codec import MAX_FRAME_BYTES, VERSION, ProtocolError
+from lit_sdk.protocol.packed import decode_frame_packed
+from lit_sdk.protocol.spans import (
+    ACK,
+    NACK,
+    PACKED_FIELDS,
+    SPAN_FIELDS,
+    SPANS,
+    STATUS_ERROR,
+    STATUS_OK,
+    STATUS_UNSET,
+    STATUSES,
+    AckFrame,
+    AttrValue,
+    Frame,
+    NackFrame,
+    PackedFrame,
+    PackedSpan,
+    PackedSpansFrame,
+    SpanRecord,
+    SpansFrame,
+    decode_frame,
+    encode_ack,
+    encode_nack,
+    encode_span_dicts,
+    encode_spans,
+    pack_span,
+)
+
+__all__ = [
+    "ACK", "MAX_FRAME_BYTES", "NACK", "SPANS", "STATUS_ERROR", "STATUS_OK", "STATUS_UNSET", "VERSION",
+    "PACKED_FIELDS", "SPAN_FIELDS", "STATUSES",
+    "AckFrame", "AttrValue", "Frame", "NackFrame", "PackedFrame", "PackedSpan", "PackedSpansFrame",
+    "ProtocolError", "SpanRecord", "SpansFrame", "decode_frame", "decode_frame_packed", "encode_ack",
+    "encode_nack", "encode_span_dicts", "encode_spans", "pack_span",
+]

@@ -1,0 +1,203 @@
+"""The spans channel: agents deliver finished spans to the trainer's collector, which acknowledges them.
+
+Frames (MessagePack maps; see docs/protocol.md):
+
+- ``spans`` (agent → trainer): ``{"v": 1, "t": "spans", "batch": str, "sender": str, "spans": [span, ...]}``
+- ``ack``   (trainer → agent): ``{"v": 1, "t": "ack", "batch": str, "stored": int, "duplicates": int}``
+- ``nack``  (trainer → agent): ``{"v": 1, "t": "nack", "batch": str, "reason": str}`` — the frame is refused
+  for good (resending it cannot help); the sender counts its spans as rejected.
+
+A span is a map with the fields of ``SpanRecord``, the one definition of them: the wire form (``to_wire``), the
+validation of a received span, the stored form (``PackedSpan``) and the trainer's fast decoder all follow from its
+fields. The trainer's fast way in is in ``packed``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lit_sdk.protocol.codec import VERSION, ProtocolError, decode_map, packb, unpackb
+
+SPANS, ACK, NACK = "spans", "ack", "nack"
+STATUS_UNSET, STATUS_OK, STATUS_ERROR = 0, 1, 2
+STATUSES = (STATUS_UNSET, STATUS_OK, STATUS_ERROR)
+
+AttrValue = str | bool | int | float | list
+_HEX = frozenset("0123456789abcdef")
+
+
+def _hex(digits: int, nil: bool = False) -> Callable[[Any], bool]:
+    def check(value: Any) -> bool:
+        return (nil and value is None) or (type(value) is str and len(value) == digits and _HEX.issuperset(value))
+
+    return check
+
+
+def _wire(check: Callable[[Any], bool], need: str, default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
+    """A ``SpanRecord`` field with how a received value is checked, and what it must be in words."""
+    return field(default=default, metadata={"check": check, "need": need}, **kwargs)
+
+
+def _is(*types: type, nil: bool = False) -> Callable[[Any], bool]:
+    return lambda value: (nil and value is None) or isinstance(value, types)
+
+
+@dataclass(slots=True)
+class SpanRecord:
+    """One finished OpenTelemetry span, as it travels and is stored."""
+
+    trace_id: str = _wire(_hex(32), "must be 32 lowercase hex digits")
+    """32 lowercase hex digits."""
+    span_id: str = _wire(_hex(16), "must be 16 lowercase hex digits")
+    """16 lowercase hex digits; unique within its rollout: a second delivery of the same id is a duplicate."""
+    parent_id: str | None = _wire(_hex(16, nil=True), "must be 16 lowercase hex digits or nil")
+    """None for a root span."""
+    name: str = _wire(_is(str), "must be a string")
+    start_ns: int = _wire(_is(int), "must be an integer")
+    """Unix time in nanoseconds."""
+    end_ns: int = _wire(_is(int), "must be an integer")
+    status: int = _wire(STATUSES.__contains__, "must be 0, 1 or 2", STATUS_UNSET)
+    """0 unset, 1 ok, 2 error."""
+    status_message: str = _wire(_is(str), "must be a string", "")
+    rollout_id: str | None = _wire(_is(str, nil=True), "must be a string or nil", None)
+    """The rollout the span belongs to, or None for a span outside any rollout."""
+    attributes: dict[str, AttrValue] = _wire(_is(dict), "must be a map", default_factory=dict)
+    events: list[dict[str, Any]] = _wire(_is(list), "must be a list", default_factory=list)
+    """``{"name": str, "time_ns": int, "attributes": {...}}`` each, e.g. a recorded exception."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return dict(zip(SPAN_FIELDS, _field_values(self), strict=True))
+
+
+SPAN_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SpanRecord))
+"""The keys of a span on the wire, in ``SpanRecord``'s order."""
+PACKED_FIELDS = ("attributes", "events")
+"""The fields kept as MessagePack bytes in a ``PackedSpan``: the last two."""
+assert SPAN_FIELDS[-len(PACKED_FIELDS):] == PACKED_FIELDS
+_field_values = operator.attrgetter(*SPAN_FIELDS)
+_CHECKS = tuple((f.name, f.metadata["check"], f.metadata["need"]) for f in dataclasses.fields(SpanRecord))
+
+
+class PackedSpan(collections.namedtuple("PackedSpan", SPAN_FIELDS)):
+    """A validated span whose ``attributes`` and ``events`` are still MessagePack bytes (a map and a list).
+
+    The collector stores spans in this form: decoding the attributes (hundreds of token ids and logprobs per LLM
+    call) into Python objects and encoding them again for the store took a third of its time per span. A plain
+    tuple in ``SpanRecord``'s field order, so that the store can bind it as it is."""
+
+    __slots__ = ()
+
+    def unpack(self) -> SpanRecord:
+        """The ``SpanRecord``, attributes and events decoded."""
+        n = len(PACKED_FIELDS)
+        return SpanRecord(*self[:-n], *(unpackb(blob, strict_map_key=False) for blob in self[-n:]))
+
+
+def pack_span(record: SpanRecord, pack: Callable[[Any], bytes] | None = None) -> PackedSpan:
+    """The ``PackedSpan`` of a record. ``pack``: a reused ``codec.packer()`` (``packb`` builds a Packer per call)."""
+    pack = pack or packb
+    values = _field_values(record)
+    n = len(PACKED_FIELDS)
+    return PackedSpan(*values[:-n], *map(pack, values[-n:]))
+
+
+@dataclass(slots=True)
+class SpansFrame:
+    batch: str
+    sender: str
+    spans: list[SpanRecord]
+
+
+@dataclass(slots=True)
+class PackedSpansFrame:
+    """A spans frame from ``decode_frame_packed``."""
+
+    batch: str
+    sender: str
+    spans: list[PackedSpan]
+
+
+@dataclass(slots=True)
+class AckFrame:
+    batch: str
+    stored: int
+    duplicates: int
+
+
+@dataclass(slots=True)
+class NackFrame:
+    batch: str
+    reason: str
+
+
+Frame = SpansFrame | AckFrame | NackFrame
+PackedFrame = PackedSpansFrame | AckFrame | NackFrame
+
+
+def encode_spans(batch: str, sender: str, spans: list[SpanRecord]) -> bytes:
+    return encode_span_dicts(batch, sender, [s.to_wire() for s in spans])
+
+
+def encode_span_dicts(batch: str, sender: str, spans: list[dict[str, Any]]) -> bytes:
+    """Like ``encode_spans`` for spans already in wire form (the sender keeps them so)."""
+    return packb({"v": VERSION, "t": SPANS, "batch": batch, "sender": sender, "spans": spans})
+
+
+def encode_ack(batch: str, stored: int, duplicates: int) -> bytes:
+    return packb({"v": VERSION, "t": ACK, "batch": batch, "stored": stored, "duplicates": duplicates})
+
+
+def encode_nack(batch: str, reason: str) -> bytes:
+    return packb({"v": VERSION, "t": NACK, "batch": batch, "reason": reason})
+
+
+def decode_frame(data: bytes) -> Frame:
+    """Decode and validate one frame; raise ProtocolError saying what is wrong."""
+    obj = decode_map(data)
+    kind = obj.get("t")
+    batch = obj.get("batch")
+    if not isinstance(batch, str):
+        raise ProtocolError("shape", "frame field 'batch' must be a string")
+    if kind == SPANS:
+        spans = obj.get("spans")
+        sender = obj.get("sender")
+        if not isinstance(spans, list) or not isinstance(sender, str):
+            raise ProtocolError("shape", "a spans frame needs 'sender' (string) and 'spans' (list)")
+        return SpansFrame(batch, sender, [_span_from_wire(s, i) for i, s in enumerate(spans)])
+    if kind == ACK:
+        stored, dups = obj.get("stored"), obj.get("duplicates")
+        if not isinstance(stored, int) or not isinstance(dups, int):
+            raise ProtocolError("shape", "an ack frame needs integer 'stored' and 'duplicates'")
+        return AckFrame(batch, stored, dups)
+    if kind == NACK:
+        return NackFrame(batch, str(obj.get("reason", "")))
+    raise ProtocolError("type", f"unknown frame type {kind!r}")
+
+
+_MISSING = object()
+
+
+def _span_from_wire(obj: Any, index: int) -> SpanRecord:
+    """A received span map as a ``SpanRecord``, each field checked as ``SpanRecord`` declares; unknown keys are
+    ignored (a later version may add optional ones)."""
+    if not isinstance(obj, dict):
+        raise ProtocolError("span", f"span {index} is not a map")
+    values = []
+    for name, check, need in _CHECKS:
+        value = obj.get(name, _MISSING)
+        if value is _MISSING:
+            raise ProtocolError("span", f"span {index} lacks the field {name!r}")
+        if not check(value):
+            raise ProtocolError("span", f"span {index}: {name!r} {need}, got {_short(value)}")
+        values.append(value)
+    return SpanRecord(*values)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
