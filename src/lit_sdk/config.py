@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from lit_sdk.cache import cache_dir
+
 FRAMEWORKS = ("langchain", "autogen", "openai_agents", "openai")
 DEFAULT_FRAMEWORKS = ("langchain", "autogen", "openai_agents")
 """openinference's own openai instrumentor is opt-in: lit's patch of the openai client already records every
@@ -28,7 +30,8 @@ class SdkSettings:
     """Base URLs of lit-managed engines (the trainer's vLLM): calls to them record token ids. ``*`` means every
     endpoint (only for engines that accept vLLM's ``return_token_ids``). ``LIT_LLM_BASE_URLS``."""
     spool_dir: Path
-    """Where spans wait on disk while the trainer is away. ``LIT_SPOOL_DIR``."""
+    """Where spans wait on disk while the trainer is away. ``LIT_SPOOL_DIR``, else ``spool`` in lit's cache
+    (``$LIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/lit``, else ``~/.cache/lit``)."""
     service_name: str
     """The OpenTelemetry service name of this agent process. ``LIT_SERVICE_NAME``."""
     flush_timeout_s: float
@@ -61,12 +64,11 @@ def resolve(
         flush_timeout_s = float(env.get("LIT_FLUSH_TIMEOUT", "5"))
     if flush_timeout_s < 0:
         raise ValueError(f"flush_timeout_s must be >= 0, got {flush_timeout_s}")
-    default_spool = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lit" / "spool"
     return SdkSettings(
         endpoint=endpoint,
         frameworks=tuple(frameworks),
         llm_base_urls=urls,
-        spool_dir=Path(spool_dir or env.get("LIT_SPOOL_DIR") or default_spool).expanduser(),
+        spool_dir=Path(spool_dir or env.get("LIT_SPOOL_DIR") or cache_dir() / "spool").expanduser(),
         service_name=service_name or env.get("LIT_SERVICE_NAME") or "lit-agent",
         flush_timeout_s=flush_timeout_s,
     )

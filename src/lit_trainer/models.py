@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from lit_sdk.cache import cache_dir
+
 DEFAULT_MODEL = "smollm2-135m"
 """The name that stands for the embedded default model wherever a model is asked for."""
 
@@ -45,14 +47,6 @@ class PreparedModel:
     created: bool
     """False when the folder was already prepared and nothing was done."""
     seconds: float
-
-
-def cache_dir() -> Path:
-    """lit's cache: ``$LIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/lit``, else ``~/.cache/lit``."""
-    if env := os.environ.get("LIT_CACHE_DIR"):
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "lit"
 
 
 def default_model_dir(cache: Path | None = None) -> Path:
