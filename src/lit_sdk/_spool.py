@@ -10,8 +10,6 @@ is fsynced when it is closed and deleted once every batch in it has been acknowl
 
 Segments whose owner is gone are adopted by the next sender that opens the directory: it claims each one with an
 atomic rename to a name of its own, so that two adopters never both take the same file.
-
-This module knows files, names and records. It knows nothing of sockets, acknowledgements or OpenTelemetry.
 """
 
 from __future__ import annotations

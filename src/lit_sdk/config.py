@@ -1,5 +1,5 @@
 """The SDK's settings: keyword arguments of ``lit.instrument(...)``, each with a ``LIT_*`` environment fallback,
-resolved once into a frozen ``SdkSettings``. Knows nothing of OpenTelemetry or sockets.
+resolved once into a frozen ``SdkSettings``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ FRAMEWORKS = ("langchain", "autogen", "openai_agents", "openai")
 DEFAULT_FRAMEWORKS = ("langchain", "autogen", "openai_agents")
 """openinference's own openai instrumentor is opt-in: lit's patch of the openai client already records every
 call on a ``lit.llm`` span, and openinference's second span per call (with the message text, useful for debugging)
-costs about 1 ms per call (bench/tracing_overhead.py)."""
+adds a cost per call (bench/tracing_overhead.py)."""
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:7373"
 
 

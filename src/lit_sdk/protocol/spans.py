@@ -87,8 +87,8 @@ class PackedSpan(collections.namedtuple("PackedSpan", SPAN_FIELDS)):
     """A validated span whose ``attributes`` and ``events`` are still MessagePack bytes (a map and a list).
 
     The collector stores spans in this form: decoding the attributes (hundreds of token ids and logprobs per LLM
-    call) into Python objects and encoding them again for the store took a third of its time per span. A plain
-    tuple in ``SpanRecord``'s field order, so that the store can bind it as it is."""
+    call) into Python objects and encoding them again for the store was a large share of its time per span
+    (bench/README.md). A plain tuple in ``SpanRecord``'s field order, so that the store can bind it as it is."""
 
     __slots__ = ()
 

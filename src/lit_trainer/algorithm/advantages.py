@@ -21,7 +21,7 @@ of the rollout instead of every token of one completion; with turn-level credit 
 estimate) is subtracted from each call's return to go. From PPO: no learned value function. From the paper: it uses
 GRPO-style grouping; RLOO and the switch for std normalisation (Dr. GRPO drops it) are lit's options.
 
-This module knows nothing of models or batching: credits (or Episodes) in, one float64 tensor (n_j,) per rollout out.
+Credits (or Episodes) in, one float64 tensor (n_j,) per rollout out.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ into rewards without fixing one) are lit's options. From PPO: no critic and no G
 tokens. From GRPO: the scalar belongs to a call, not to a whole single-turn completion; with one call, p = 0 and a
 numeric return but no ``lit.reward``, every mode gives c_0 = R = F, GRPO's sequence reward.
 
-This module knows nothing of models or batching: Episodes in, one float64 tensor (n,) per episode out.
+Episodes in, one float64 tensor (n,) per episode out.
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ The loss uses vLLM's logprobs as the behaviour policy, so a gap here is an off-p
 ratio sees; a large one after a weight sync means the sync did not land. ``check_logprobs`` greedy-decodes a few
 fixed prompts on the server (``/v1/completions`` with ``return_token_ids`` and ``logprobs``), scores the same
 tokens with one transformers forward pass per prompt, and reports the max and mean absolute gap (metric
-``policy/vllm_logprob_gap``). With float32 on both sides the gap is about 1e-4 nats; bfloat16 in vLLM gives ~0.1.
-
-This module knows the server only by its URL and the trainer model only as a causal LM taking ``input_ids``.
+``policy/vllm_logprob_gap``). With float32 on both sides the gap is tiny, with bfloat16 in vLLM much larger
+(measured in bench/README.md). The server is reached by its URL; the trainer model is any causal LM taking
+``input_ids``.
 """
 
 from __future__ import annotations

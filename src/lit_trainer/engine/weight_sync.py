@@ -20,8 +20,6 @@ Transports (``WeightSyncConfig.transport``):
   written; only its CPU-side wiring is tested.
 - ``mode = "lora"``: the adapter is saved into shared memory and hot-loaded with ``/v1/load_lora_adapter``
   (``load_inplace``) under ``WeightSyncConfig.lora_name``; the server needs ``InferenceConfig.enable_lora``.
-
-This module knows the server only by its URL; it knows nothing of how it was started, of optimizers or of data.
 """
 
 from __future__ import annotations
@@ -81,7 +79,8 @@ def separate_aliases(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
 class ShmCheckpoint:
     """One safetensors file that is written once, then updated in place through a memory map.
 
-    Re-serialising 0.5 GB on every sync costs 0.6-1.2 s on 2 cores; copying into the mapped pages costs a memcpy.
+    Re-serialising every weight on every sync costs far more than copying into the mapped pages, a memcpy
+    (bench/README.md).
     The file is rewritten from scratch only when names, shapes or dtypes change.
     """
 

@@ -13,7 +13,7 @@ not a ``spans`` frame is rejected — answered with a ``nack`` when its ``batch`
 ``ProtocolError.kind``, logged once per kind — and the collector goes on. Anything else that goes wrong in the
 thread (the store fails, ``on_root_span`` raises) stops it; ``check()`` and ``stop()`` re-raise it in the caller.
 
-This module knows nothing of SQLite (only the ``Store`` interface), of episodes or of training.
+It writes through the ``Store`` interface only.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ Rules, in order:
 Runtime signals for automatic intermediate rewards are counted per call: errored tool spans and other errored
 spans that started after the call and before the next selected call.
 
-This module knows nothing of ZeroMQ, SQLite or torch: SpanRecords in, Episodes out.
+SpanRecords in, Episodes out.
 """
 
 from __future__ import annotations

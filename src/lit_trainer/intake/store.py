@@ -17,7 +17,7 @@
   checkpoints. Span attributes and events are MessagePack blobs (as the agent sent them, when they come through
   the collector), decoded only when read back. Spans live in one ``WITHOUT ROWID`` b-tree keyed by
   ``(rollout_id, span_id)``: one b-tree to write per span instead of three (table, span-id index, rollout index),
-  which halved the insert time, and a rollout's spans side by side for ``spans_of_rollout``.
+  which cut the insert time (bench/README.md), and a rollout's spans side by side for ``spans_of_rollout``.
 - **Spans** are kept once per (rollout id, span id): a second delivery is a duplicate, counted and not written
   over. A span outside any rollout is keyed by the empty BLOB ``x''`` (key columns cannot be NULL, and no text
   rollout id equals a BLOB), read back as ``rollout_id=None``.
@@ -25,9 +25,9 @@
   may end directly (it timed out waiting, failed to start, or its root span arrived before the running notice).
   An ended rollout is final; a retry is a new rollout with ``attempt + 1``.
 
-This module knows nothing of ZeroMQ, of agent frameworks or of how episodes are built: episodes are stored as
-whatever MessagePack-able dict the caller gives. It knows the span record of ``lit_sdk.protocol`` and, from
-``semconv``, which span is a rollout's root (so that it can say which roots a batch stored for the first time).
+Episodes are stored as whatever MessagePack-able dict the caller gives. The store knows the span record of
+``lit_sdk.protocol`` and, from ``semconv``, which span is a rollout's root (so that it can say which roots a batch
+stored for the first time).
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ class SqliteStore:
             self._connections.append(conn)
         try:
             # Takes effect only on a new file, and only before WAL mode is entered. Span rows are 0.3-2 KB:
-            # 16 KiB pages took about a third less time per insert than the default 4 KiB (8 -> 5 us per span).
+            # 16 KiB pages insert faster than the default 4 KiB (bench/README.md).
             conn.execute(f"PRAGMA page_size={_PAGE_SIZE}")
             mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         except sqlite3.DatabaseError as exc:

@@ -8,7 +8,7 @@ shifts logits by one to produce the same token-space logprobs; see ``policy.toke
 
 A prompt longer than ``max_prompt_tokens`` is rejected with a message, unless ``truncate_prompt_left`` is set, in
 which case its oldest tokens are dropped (the behaviour logprobs then no longer describe exactly this context: that
-is why it is opt-in). Knows nothing of models, optimizers or episodes' rewards: token ids and numbers in, tensors out.
+is why it is opt-in). Token ids and numbers in, tensors out.
 """
 
 from __future__ import annotations

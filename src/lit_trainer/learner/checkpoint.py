@@ -7,7 +7,7 @@ needs to continue exactly: the optimizer state, the step, the RNG states and the
         DONE                 written last: a folder without it is an interrupted save and is ignored
 
 A checkpoint is written into a temporary folder and renamed into place, so a kill mid-save leaves the previous
-checkpoint as the latest. Knows nothing of rollouts.
+checkpoint as the latest.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ optional LoRA through peft).
 ``update`` takes the loss as a function, so the objective lives in ``algorithm/`` as pure tensor math and this
 module holds only state: the model, the optimizer, the accelerator. It also reports how far its own logprobs are
 from the behaviour logprobs vLLM returned for the same tokens (``policy/vllm_logprob_gap``): with the same weights
-in both they agree to ~1e-4 nats in fp32, so a large gap means the weight sync or the token ids are wrong.
-Knows nothing of episodes, rewards or vLLM.
+in both they agree closely in fp32 (bench/README.md), so a large gap means the weight sync or the token ids are
+wrong.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class PolicyConfig:
     max_grad_norm: float = 1.0
     """Gradients are clipped to this global norm (0 disables clipping)."""
     gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass: about 40 % less memory (7.9 → 4.8 GB for 8x256 tokens)."""
+    """Recompute activations in the backward pass: less memory for more compute (bench/README.md)."""
     lora_rank: int = 0
     """0 trains every weight; > 0 trains LoRA adapters of this rank only (peft)."""
     lora_alpha: int = 32
