@@ -1,7 +1,5 @@
 """Which rollout the running code belongs to: a context variable, so it follows threads started with a copied
-context and asyncio tasks. Also the SDK's live state (tracer, processor, settings) once ``instrument()`` ran.
-
-Knows nothing of sockets or frameworks.
+context and asyncio tasks.
 """
 
 from __future__ import annotations
@@ -11,10 +9,6 @@ import contextvars
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from lit_sdk.instrument import Instrumentation
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,21 +24,10 @@ class Rollout:
 
 _rollout: contextvars.ContextVar[Rollout | None] = contextvars.ContextVar("lit_rollout", default=None)
 _assigned: contextvars.ContextVar[Rollout | None] = contextvars.ContextVar("lit_assigned", default=None)
-_active: Instrumentation | None = None
 
 
 def current_rollout() -> Rollout | None:
     return _rollout.get()
-
-
-def active() -> Instrumentation | None:
-    """The live instrumentation, or None before ``lit.instrument()`` / after ``lit.uninstrument()``."""
-    return _active
-
-
-def set_active(instrumentation: Instrumentation | None) -> None:
-    global _active
-    _active = instrumentation
 
 
 @contextlib.contextmanager

@@ -1,8 +1,8 @@
 """``lit.instrument()``: one line that makes an agent process send its rollouts to the trainer.
 
 It builds an OpenTelemetry TracerProvider of lit's own (the global provider is left alone), whose span processor
-hands finished spans to the ZeroMQ sender; patches the ``openai`` client to record engine token ids; and turns on
-the openinference instrumentors of the frameworks that are installed (missing ones are skipped quietly).
+hands finished spans to the ZeroMQ sender; turns on lit's openai instrumentor, which records engine token ids; and
+turns on the openinference instrumentors of the frameworks that are installed (missing ones are skipped quietly).
 Calling it twice with the same settings does nothing; with other settings it reconfigures. ``uninstrument()``
 restores every patched function and delivers (or spools) what is left.
 """
@@ -14,14 +14,14 @@ import importlib
 import importlib.util
 import logging
 import threading
-from typing import Any
+from typing import Any, cast
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 
-from lit_sdk import _agents, _context, config
+from lit_sdk import _agents, _state, config
 from lit_sdk._processor import LitSpanProcessor
-from lit_sdk.openai_patch import OpenAIPatch
+from lit_sdk.openai_instrumentor import LitOpenAIInstrumentor
 from lit_sdk.sender import DeliveryCounts, SpanSender
 
 log = logging.getLogger("lit")
@@ -55,11 +55,12 @@ class Instrumentation:
         self.processor = LitSpanProcessor(self.sender.submit)
         self.provider.add_span_processor(self.processor)
         self.tracer = self.provider.get_tracer("lit_sdk")
-        self.openai_patch = OpenAIPatch(settings.llm_base_urls, self.processor, self.tracer)
+        self.openai_instrumentor = LitOpenAIInstrumentor()
+        self.openai_on = False
         self.instrumentors: list[Any] = []
 
     def start(self) -> None:
-        self.openai_patch.apply()
+        self._start_openai()
         for name in self.settings.frameworks:
             package, target, kwargs = _INSTRUMENTORS[name]
             if importlib.util.find_spec(package) is None:
@@ -85,9 +86,23 @@ class Instrumentation:
             except Exception:
                 log.exception("lit: could not turn off %s", type(instrumentor).__name__)
         self.instrumentors.clear()
-        self.openai_patch.remove()
+        if self.openai_on:
+            self.openai_on = False
+            if self.openai_instrumentor.is_instrumented_by_opentelemetry:
+                self.openai_instrumentor.uninstrument()
         self.provider.shutdown()
         return self.sender.shutdown(timeout=self.settings.flush_timeout_s)
+
+    def _start_openai(self) -> None:
+        """Turn on lit's openai instrumentor with these settings (skipped quietly when openai is not installed)."""
+        if importlib.util.find_spec("openai") is None:
+            log.debug("lit: openai is not installed; its client is not patched")
+            return
+        instrumentor = self.openai_instrumentor
+        if instrumentor.is_instrumented_by_opentelemetry:  # turned on outside lit.instrument(): these settings win
+            instrumentor.uninstrument()
+        instrumentor.instrument(llm_base_urls=self.settings.llm_base_urls, processor=self.processor, tracer=self.tracer)
+        self.openai_on = instrumentor.is_instrumented_by_opentelemetry
 
 
 def instrument(
@@ -111,36 +126,41 @@ def instrument(
     """
     settings = config.resolve(endpoint, frameworks, llm_base_urls, spool_dir, service_name, flush_timeout_s)
     with _lock:
-        current = _context.active()
+        current = _current()
         if current is not None:
             if current.settings == settings:
                 return current
             current.close()
-            _context.set_active(None)
+            _state.set_active(None)
         instrumentation = Instrumentation(settings)
         try:
             instrumentation.start()
         except Exception:
             instrumentation.close()
             raise
-        _context.set_active(instrumentation)
+        _state.set_active(instrumentation)
         return instrumentation
 
 
 def uninstrument() -> DeliveryCounts | None:
     """Undo ``instrument()``: original functions back, pending spans delivered or spooled. None if not on."""
     with _lock:
-        current = _context.active()
+        current = _current()
         if current is None:
             return None
-        _context.set_active(None)
+        _state.set_active(None)
         return current.close()
 
 
 def flush(timeout: float | None = None) -> DeliveryCounts | None:
     """Wait until every span ended so far is acknowledged by the trainer (or ``timeout`` passes); the counts."""
-    current = _context.active()
+    current = _current()
     if current is None:
         return None
     current.provider.force_flush()
     return current.sender.flush(timeout)
+
+
+def _current() -> Instrumentation | None:
+    # Only instrument() sets the state, always to an Instrumentation.
+    return cast("Instrumentation | None", _state.active())

@@ -5,14 +5,13 @@ lit opens the rollout's root span (a new trace, whatever span was current), reco
 and takes a numeric return value as the rollout's final reward. Nested ``@lit.trace`` functions inside a rollout
 open a child span that names their agent instead of a new rollout.
 
-Knows nothing of sockets or frameworks; spans go to whatever tracer ``instrument()`` set up.
+Spans go to whatever tracer ``instrument()`` set up.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import json
 import logging
 import math
 import numbers
@@ -22,12 +21,11 @@ from typing import Any, TypeVar, overload
 from opentelemetry import context as otel_context
 from opentelemetry import trace as otel_trace
 
-from lit_sdk import _context, semconv
+from lit_sdk import _context, _state, semconv
+from lit_sdk._spans import mark_failed, to_json
 
 F = TypeVar("F", bound=Callable[..., Any])
 log = logging.getLogger("lit")
-MAX_JSON_CHARS = 16_384
-"""Input and output are recorded as JSON up to this many characters (then cut, with a marker)."""
 _warned: set[str] = set()
 
 
@@ -84,7 +82,7 @@ def reward(value: float, name: str | None = None) -> None:
         raise TypeError(f"lit.reward() takes a real number, got {type(value).__name__}")
     if not math.isfinite(float(value)):
         raise ValueError(f"lit.reward() takes a finite number, got {value}")
-    state = _context.active()
+    state = _state.active()
     if state is None or _context.current_rollout() is None:
         _warn_once("reward", "lit.reward() called outside a @lit.trace rollout or before lit.instrument(): ignored")
         return
@@ -100,7 +98,7 @@ class _Scope:
     def __init__(self, span_name: str, agent: str | None, args: tuple, kwargs: dict):
         self.span: Any = None
         self.tokens: list[Any] = []
-        state = _context.active()
+        state = _state.active()
         if state is None:
             _warn_once("trace", "a @lit.trace function ran before lit.instrument(): the rollout is not recorded")
             return
@@ -153,23 +151,6 @@ class _Scope:
             self.span.end()
         except Exception:
             log.exception("lit: could not close the rollout span")
-
-
-def mark_failed(span: Any, exc: BaseException) -> None:
-    """Record the user's exception on a span and give the span error status (the exception itself is re-raised
-    by the caller, unchanged)."""
-    span.record_exception(exc)
-    span.set_status(otel_trace.Status(otel_trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
-
-
-def to_json(value: Any) -> str:
-    try:
-        text = json.dumps(value, default=repr, ensure_ascii=False)
-    except Exception:  # circular structures and the like
-        text = json.dumps(repr(value))
-    if len(text) > MAX_JSON_CHARS:
-        text = text[:MAX_JSON_CHARS] + "...[cut]"
-    return text
 
 
 def _warn_once(key: str, message: str) -> None:

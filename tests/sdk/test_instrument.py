@@ -1,4 +1,5 @@
-"""instrument()/uninstrument(): one patch however often it is called, and every original function back after."""
+"""instrument()/uninstrument(): one patch however often it is called, and every original function back after;
+lit's openai patch is an OpenTelemetry BaseInstrumentor."""
 
 from __future__ import annotations
 
@@ -6,10 +7,16 @@ import importlib
 import inspect
 
 import pytest
+from ack_server import AckServer
+from fake_llm import FakeLLM
+from openai import OpenAI
+from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
+from packaging.requirements import Requirement
 
 import lit_sdk as lit
-from lit_sdk import _context
-from lit_sdk.openai_patch import _TARGETS
+from lit_sdk import _state
+from lit_sdk import semconv as sc
+from lit_sdk.openai_instrumentor import _TARGETS, LitOpenAIInstrumentor
 
 PATCHED = [(getattr(importlib.import_module(m), c), "create") for m, c, _ in _TARGETS]
 FRAMEWORK_FUNCTIONS = [
@@ -34,9 +41,11 @@ def originals() -> dict[str, object]:
 
 @pytest.fixture
 def clean():
-    assert _context.active() is None, "an earlier test left lit instrumented"
+    assert _state.active() is None, "an earlier test left lit instrumented"
+    assert not LitOpenAIInstrumentor().is_instrumented_by_opentelemetry
     yield
     lit.uninstrument()
+    assert not LitOpenAIInstrumentor().is_instrumented_by_opentelemetry
 
 
 def test_twice_leaves_one_patch_and_uninstrument_restores_identity(clean, tmp_path):
@@ -54,7 +63,7 @@ def test_twice_leaves_one_patch_and_uninstrument_restores_identity(clean, tmp_pa
     lit.uninstrument()
     after = originals()
     assert all(after[k] is before[k] for k in before), "uninstrument restores every original"
-    assert _context.active() is None
+    assert _state.active() is None
     assert lit.uninstrument() is None  # a second uninstrument is harmless
 
 
@@ -93,7 +102,7 @@ def test_bad_settings_are_clear_errors(clean, monkeypatch):
     monkeypatch.setenv("LIT_FLUSH_TIMEOUT", "-1")
     with pytest.raises(ValueError, match="flush_timeout_s"):
         lit.instrument()
-    assert _context.active() is None
+    assert _state.active() is None
 
 
 def test_environment_fallbacks(clean, monkeypatch, tmp_path):
@@ -107,3 +116,74 @@ def test_environment_fallbacks(clean, monkeypatch, tmp_path):
     assert settings.frameworks == ("langchain", "openai")
     assert settings.llm_base_urls == ("http://a/v1", "http://b/v1/")
     assert settings.spool_dir == tmp_path and settings.service_name == "calc-worker"
+
+
+def test_the_openai_patch_is_an_opentelemetry_instrumentor_of_openai():
+    instrumentor = LitOpenAIInstrumentor()
+    assert isinstance(instrumentor, BaseInstrumentor)
+    assert instrumentor is LitOpenAIInstrumentor()  # one per process, like every BaseInstrumentor
+    (dependency,) = (Requirement(d) for d in instrumentor.instrumentation_dependencies())
+    assert dependency.name == "openai" and "1.60" in dependency.specifier
+
+
+def test_the_instrumentor_alone_round_trips_to_the_original_functions(clean):
+    before = {cls: cls.__dict__[name] for cls, name in PATCHED}
+    instrumentor = LitOpenAIInstrumentor()
+    instrumentor.instrument()  # no managed engine: every call passes through
+    try:
+        assert instrumentor.is_instrumented_by_opentelemetry
+        assert all(cls.__dict__[name].__wrapped__ is before[cls] for cls, name in PATCHED)
+        instrumentor.instrument()  # already on: a no-op, not a second layer
+        assert all(cls.__dict__[name].__wrapped__ is before[cls] for cls, name in PATCHED)
+    finally:
+        instrumentor.uninstrument()
+    assert all(cls.__dict__[name] is before[cls] for cls, name in PATCHED)
+    with pytest.raises(TypeError, match="processor= and tracer="):
+        instrumentor.instrument(llm_base_urls=["http://127.0.0.1:1/v1"])
+    assert not instrumentor.is_instrumented_by_opentelemetry
+    assert all(cls.__dict__[name] is before[cls] for cls, name in PATCHED)
+
+
+def _ask(base_url: str) -> None:
+    OpenAI(base_url=base_url, api_key="x").chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hi"}]
+    )
+
+
+def _llm_spans(server: AckServer) -> list[dict]:
+    counts = lit.flush(timeout=10)
+    assert counts is not None and counts.pending == 0 and counts.dropped == 0, counts
+    return [s for s in server.spans() if s["name"] == sc.LLM_SPAN]
+
+
+def test_instrument_twice_records_each_call_once(clean, tmp_path):
+    with FakeLLM() as llm, AckServer() as server:
+        for _ in range(2):
+            lit.instrument(endpoint=server.endpoint, llm_base_urls=[llm.base_url], spool_dir=tmp_path)
+
+        @lit.trace
+        def agent() -> None:
+            _ask(llm.base_url)
+
+        agent()
+        (span,) = _llm_spans(server)
+        assert len(llm.requests) == 1 and llm.requests[0]["return_token_ids"] is True
+        assert span["attributes"][sc.LLM_PROMPT_TOKEN_IDS] == llm.responses[0]["prompt_token_ids"]
+
+
+def test_reinstrument_with_other_base_urls_takes_effect(clean, tmp_path):
+    with FakeLLM() as first, FakeLLM() as second, AckServer() as server:
+        lit.instrument(endpoint=server.endpoint, llm_base_urls=[first.base_url], spool_dir=tmp_path)
+        lit.instrument(endpoint=server.endpoint, llm_base_urls=[second.base_url], spool_dir=tmp_path)
+        assert LitOpenAIInstrumentor().is_instrumented_by_opentelemetry
+
+        @lit.trace
+        def agent() -> None:
+            _ask(first.base_url)
+            _ask(second.base_url)
+
+        agent()
+        (span,) = _llm_spans(server)
+        assert "return_token_ids" not in first.requests[0], "the first engine is no longer managed"
+        assert second.requests[0]["return_token_ids"] is True
+        assert span["attributes"][sc.LLM_RESPONSE_TOKEN_IDS] == second.responses[0]["choices"][0]["token_ids"]

@@ -9,6 +9,7 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 import lit_sdk as lit
+from lit_sdk import _context
 from lit_sdk import semconv as sc
 
 
@@ -130,7 +131,7 @@ def test_assigned_rollout_ids_and_weight_version_are_used(tracing):
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
         return 1.0
 
-    with lit.assign("r-42", task_id="task-7", attempt=2, weight_version="v3"):
+    with _context.assign("r-42", task_id="task-7", attempt=2, weight_version="v3"):
         agent()
     spans = tracing.delivered()
     assert {s["rollout_id"] for s in spans} == {"r-42"}

@@ -11,7 +11,7 @@ import re
 import typing
 from collections.abc import Callable
 
-from lit_sdk.protocol import codec
+import lit_sdk.protocol.codec as codec
 from lit_sdk.protocol.codec import VERSION, ProtocolError, packer, unpackb
 from lit_sdk.protocol.spans import (
     PACKED_FIELDS,

@@ -1,4 +1,4 @@
-"""A wrapt patch of the ``openai`` client: the one place every framework's LLM calls pass through.
+"""lit's OpenTelemetry instrumentor of the ``openai`` client: the one place every framework's LLM calls pass through.
 
 For calls to a lit-managed engine (a base URL given to ``lit.instrument(llm_base_urls=...)``), it asks the engine
 for token ids (``return_token_ids``) and logprobs, and records on a ``lit.llm`` span what RL needs: the engine's
@@ -8,21 +8,30 @@ otherwise record no or wrong ids); calls to other endpoints pass through untouch
 
 The user's call is never changed beyond the two request fields, its exceptions pass through unchanged, and a
 failure of lit's own recording is logged and swallowed.
+
+``LitOpenAIInstrumentor`` is an OpenTelemetry ``BaseInstrumentor`` that wraps the ``create`` functions with wrapt;
+``uninstrument()`` puts the original functions back. It is distinct from openinference's ``OpenAIInstrumentor``
+(message text, no token ids), which ``lit.instrument(frameworks=[..., "openai"])`` may turn on beside it.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Collection
 from typing import Any
 
 import wrapt
 from opentelemetry import trace as otel_trace
+from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
 from lit_sdk import _agents, _context, semconv
-from lit_sdk.trace import mark_failed
+from lit_sdk._spans import mark_failed
 
 log = logging.getLogger("lit")
+
+INSTRUMENTS = ("openai >= 1.60",)
+"""The package this instrumentor patches (as in pyproject's ``frameworks`` extra)."""
 
 _TARGETS = (
     ("openai.resources.chat.completions.completions", "Completions", "chat"),
@@ -36,37 +45,61 @@ class LitStreamingError(ValueError):
     """A streamed call to a lit-managed engine: lit cannot record its token ids."""
 
 
-class OpenAIPatch:
-    """Holds the patch's state: which base URLs are managed, and which functions were replaced."""
+class LitOpenAIInstrumentor(BaseInstrumentor):
+    """Wraps the openai client's chat and text ``create`` functions (sync and async) to record engine token ids.
 
-    def __init__(self, llm_base_urls: tuple[str, ...], processor: Any, tracer: Any):
-        self.llm_base_urls = tuple(u.rstrip("/") for u in llm_base_urls)
+    ``instrument(llm_base_urls=..., processor=..., tracer=...)``: the base URLs of the lit-managed engines (others
+    pass through unrecorded; ``"*"`` manages all), the ``LitSpanProcessor`` that takes the token ids, and the
+    tracer the ``lit.llm`` spans start on (``lit.instrument()`` passes all three). Like every ``BaseInstrumentor``
+    it is one instance per process and a second ``instrument()`` while on is a no-op: to change the settings,
+    ``uninstrument()`` first.
+    """
+
+    _originals: tuple[tuple[type, Any], ...] = ()
+
+    def instrumentation_dependencies(self) -> Collection[str]:
+        return INSTRUMENTS
+
+    def _instrument(self, **kwargs: Any) -> None:
+        patch = _Patch(kwargs.get("llm_base_urls") or (), kwargs.get("processor"), kwargs.get("tracer"))
+        originals: list[tuple[type, Any]] = []
+        try:
+            for module_name, class_name, api in _TARGETS:
+                cls = getattr(importlib.import_module(module_name), class_name)
+                original = cls.__dict__["create"]
+                is_async = class_name.startswith("Async")
+                wrapper = patch.async_wrapper(api) if is_async else patch.sync_wrapper(api)
+                wrapt.wrap_function_wrapper(cls, "create", wrapper)
+                originals.append((cls, original))
+        except BaseException:
+            _restore(originals)  # all or nothing: BaseInstrumentor stays "off" when this raises
+            raise
+        self._originals = tuple(originals)
+
+    def _uninstrument(self, **kwargs: Any) -> None:
+        _restore(self._originals)
+        self._originals = ()
+
+
+def _restore(originals: Collection[tuple[type, Any]]) -> None:
+    """Put the saved functions back, so that each patched attribute is its original again (identity)."""
+    for cls, original in reversed(list(originals)):
+        setattr(cls, "create", original)
+
+
+class _Patch:
+    """One ``instrument()``'s settings and the wrappers that use them: which base URLs are managed, and where the
+    recorded calls go."""
+
+    def __init__(self, llm_base_urls: str | Collection[str], processor: Any, tracer: Any):
+        urls = (llm_base_urls,) if isinstance(llm_base_urls, str) else tuple(llm_base_urls)
+        if urls and (processor is None or tracer is None):
+            raise TypeError("LitOpenAIInstrumentor.instrument(llm_base_urls=...) also needs processor= and tracer=")
+        self.llm_base_urls = tuple(u.rstrip("/") for u in urls)
         self.processor = processor
         self.tracer = tracer
-        self.originals: list[tuple[type, Any]] = []
 
-    def apply(self) -> bool:
-        """Patch the openai client if it is importable; False when it is not installed."""
-        try:
-            importlib.import_module("openai")
-        except ImportError:
-            log.debug("lit: openai is not installed; its client is not patched")
-            return False
-        for module_name, class_name, api in _TARGETS:
-            cls = getattr(importlib.import_module(module_name), class_name)
-            original = cls.__dict__["create"]
-            is_async = class_name.startswith("Async")
-            wrapper = self._async_wrapper(api) if is_async else self._sync_wrapper(api)
-            wrapt.wrap_function_wrapper(cls, "create", wrapper)
-            self.originals.append((cls, original))
-        return True
-
-    def remove(self) -> None:
-        for cls, original in reversed(self.originals):
-            setattr(cls, "create", original)
-        self.originals.clear()
-
-    def _sync_wrapper(self, api: str):
+    def sync_wrapper(self, api: str):
         def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
             call = self._begin(instance, kwargs, api)
             if call is None:
@@ -81,7 +114,7 @@ class OpenAIPatch:
 
         return wrapper
 
-    def _async_wrapper(self, api: str):
+    def async_wrapper(self, api: str):
         async def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
             call = self._begin(instance, kwargs, api)
             if call is None:
@@ -127,7 +160,7 @@ class _Call:
 
     __slots__ = ("api", "kwargs", "processor", "span", "token")
 
-    def __init__(self, patch: OpenAIPatch, api: str, kwargs: dict):
+    def __init__(self, patch: _Patch, api: str, kwargs: dict):
         self.api = api
         self.processor = patch.processor
         self.kwargs = _with_token_ids(kwargs, api)
