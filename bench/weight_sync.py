@@ -16,9 +16,7 @@ Only one server runs at a time. Run: ``.venv/bin/python bench/weight_sync.py`` (
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -30,6 +28,7 @@ import requests
 import torch
 from transformers import AutoModelForCausalLM
 
+from lit_sdk.processes import start_child, stop_child
 from lit_trainer.engine.config import InferenceConfig, WeightSyncConfig
 from lit_trainer.engine.server import InferenceServer, build_env, pick_port
 from lit_trainer.engine.weight_sync import WeightSync
@@ -87,7 +86,7 @@ def bench_direct(args: argparse.Namespace, model_dir: str) -> dict[int, float]:
     cmd += ["--served-model-name", "direct", "--dtype", config.dtype, "--max-model-len", str(config.max_model_len)]
     env = build_env(config)
     log = open(os.path.join(tempfile.mkdtemp(prefix="vllm-direct-"), "vllm.log"), "wb")
-    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    process = start_child(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + config.startup_timeout_s
         while not _healthy(f"http://127.0.0.1:{port}/health"):
@@ -97,11 +96,7 @@ def bench_direct(args: argparse.Namespace, model_dir: str) -> dict[int, float]:
         print("direct vLLM up; measuring generation", flush=True)
         return throughput(f"http://127.0.0.1:{port}/v1", "direct", args)
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=30)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
+        stop_child(process, 30, name="direct vLLM")
         log.close()
 
 

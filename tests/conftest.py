@@ -25,7 +25,7 @@ def vllm_server(prepared_model: Path, tmp_path_factory: pytest.TempPathFactory):
     with InferenceServer(config) as server:
         pgid = server.process.pid
         yield server
-    from lit_trainer.engine.server import group_members
+    from lit_sdk.processes import group_members
 
     assert group_members(pgid) == [], f"vLLM processes survived the fixture: {group_members(pgid)}"
     assert os.path.exists(server.log_path)

@@ -16,8 +16,6 @@ so it works with vLLM installed in another environment (``InferenceConfig.python
 from __future__ import annotations
 
 import atexit
-import contextlib
-import ctypes
 import errno
 import importlib.metadata
 import json
@@ -34,6 +32,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lit_sdk.processes import start_child, stop_child
 from lit_trainer.engine.config import InferenceConfig
 from lit_trainer.engine.served_model import chat_template_for, untied_view
 from lit_trainer.models import cache_dir, resolve_model
@@ -43,7 +42,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 _OOM_MARKERS = (
     "out of memory",
     "outofmemoryerror",
@@ -173,23 +171,6 @@ def check_vllm_importable(python: str) -> None:
         )
 
 
-def _die_with_parent(parent_pid: int):
-    """A ``preexec_fn``: ask the kernel for SIGTERM when the parent dies (Linux), and give up if it already has.
-
-    libc is loaded here, in the parent: between fork and exec the child only makes two system calls. The signal
-    is tied to the parent *thread* that starts the server, so start it from a thread that lives as long as it.
-    """
-    prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
-
-    def preexec() -> None:
-        if prctl is not None:
-            prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent_pid:  # the parent died between fork and prctl
-            os._exit(1)
-
-    return preexec
-
-
 class InferenceServer:
     """One supervised vLLM server. Use as a context manager, or call ``start()`` and ``stop()``."""
 
@@ -240,14 +221,9 @@ class InferenceServer:
         with self.log_path.open("wb") as log_file:
             log_file.write((" ".join(cmd) + "\n").encode())
             log_file.flush()
-            self.process = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                env=build_env(self.config),
-                start_new_session=True,  # own process group: stop() kills vLLM's engine-core children too
-                preexec_fn=_die_with_parent(os.getpid()),
+            # Own process group (stop() kills vLLM's engine-core children too); SIGTERM when this thread dies.
+            self.process = start_child(
+                cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=build_env(self.config)
             )
         atexit.register(self.stop)
         log.info("vLLM starting (pid %d) on %s, log %s", self.process.pid, self.base_url, self.log_path)
@@ -321,42 +297,15 @@ class InferenceServer:
         return lines[-1][-60:] if lines else ""
 
     def stop(self) -> None:
-        """SIGTERM the server's process group, wait ``shutdown_timeout_s``, then SIGKILL it. Idempotent."""
+        """SIGTERM the server's process group, wait up to ``shutdown_timeout_s`` for it to go, then SIGKILL what is
+        left; return once no process of the group is left. Idempotent."""
         process, self.process = self.process, None
         atexit.unregister(self.stop)
         if process is None:
             return
-        pgid = process.pid  # start_new_session made the server its group's leader
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGTERM)
-        try:
-            process.wait(timeout=self.config.shutdown_timeout_s)
-        except subprocess.TimeoutExpired:
-            log.warning("vLLM did not stop within %.0f s: killing it", self.config.shutdown_timeout_s)
-        # The leader may be gone while engine-core children linger: kill what is left of the group.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=10)
-        # A killed process takes a moment to release gigabytes of memory: return only once none is left.
-        deadline = time.monotonic() + 10
-        while group_members(pgid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if group_members(pgid):
-            log.warning("vLLM processes %s outlived SIGKILL by 10 s", group_members(pgid))
-
-
-def group_members(pgid: int) -> list[int]:
-    """Pids of the processes still alive (zombies excluded) in process group ``pgid`` (Linux /proc)."""
-    alive = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            alive.append(int(stat.parent.name))
-    return alive
+        # The leader may be gone while engine-core children linger: stop_child kills what is left of the group, and
+        # returns only once none is left (a killed process takes a moment to release gigabytes of memory).
+        stop_child(process, self.config.shutdown_timeout_s, name="vLLM")
 
 
 class _Spinner:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from lit_sdk.processes import group_members
 from lit_trainer.engine.config import InferenceConfig, WeightSyncConfig
 from lit_trainer.engine.served_model import TOOL_TEMPLATE, chat_template_for, untied_view
 from lit_trainer.engine.server import (
@@ -30,7 +31,6 @@ from lit_trainer.engine.server import (
     build_command,
     build_env,
     cpu_list,
-    group_members,
     pick_port,
 )
 
