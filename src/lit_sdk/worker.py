@@ -4,15 +4,10 @@ function on them, with ``lit.instrument()`` on.
     lit worker --connect tcp://trainer-host:7374 examples.calc.agent:calc_agent --processes 2 --concurrency 16
 
 Each process holds one ZeroMQ DEALER socket to the trainer's dispatcher and runs up to ``concurrency`` rollouts at
-once on an asyncio loop (a sync agent function runs in a thread). The conversation (MessagePack maps, key ``t``):
-
-    worker → trainer   hello {slots, pid, host}     on connect, and again when the trainer asks (``who``)
-                       hb                           every ``heartbeat_s``: the trainer declares silent workers dead
-                       done {rollout_id, attempt, status, reward, error}
-    trainer → worker   welcome {spans_endpoint, llm_base_urls}
-                       run {rollout_id, task_id, attempt, task, llm, timeout_s, weight_version}
-                       who                          "I do not know you" (the trainer restarted)
-                       stop
+once on an asyncio loop (a sync agent function runs in a thread). It says hello on connect (and again when the
+trainer asks), sends a heartbeat every ``heartbeat_s``, runs what it is sent and reports each rollout done. The
+messages are the typed, versioned ones of ``lit_sdk/protocol/dispatch.py``, documented in docs/protocol.md
+("Dispatch"); a message that does not decode is logged and ignored.
 
 A rollout's status is ``succeeded`` when the function returned, ``failed`` when it raised and ``timed_out`` when it
 ran past ``timeout_s``. Before reporting, the worker flushes the rollout's spans, so the trainer finds them stored.
@@ -30,39 +25,40 @@ import importlib
 import inspect
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-import msgpack
 import zmq
 import zmq.asyncio
 
 from lit_sdk import _context
 from lit_sdk.instrument import flush, instrument
+from lit_sdk.processes import start_child, stop_children
+from lit_sdk.protocol.codec import ProtocolError
+from lit_sdk.protocol.dispatch import (
+    TO_WORKER,
+    Done,
+    Heartbeat,
+    Hello,
+    Run,
+    Stop,
+    ToWorker,
+    Welcome,
+    Who,
+    decode_dispatch,
+    encode_dispatch,
+)
 from lit_sdk.resources import LLM
 
 log = logging.getLogger("lit.worker")
 DEFAULT_DISPATCH_ENDPOINT = "tcp://127.0.0.1:7374"
 WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-
-
-def pack(message: dict[str, Any]) -> bytes:
-    return msgpack.packb(message, use_bin_type=True)
-
-
-def unpack(data: bytes) -> dict[str, Any]:
-    message = msgpack.unpackb(data, raw=False)
-    if not isinstance(message, dict) or not isinstance(message.get("t"), str):
-        raise ValueError("not a lit dispatch message (want a map with a string 't')")
-    return message
 
 
 def load_target(target: str) -> Callable[..., Any]:
@@ -123,9 +119,9 @@ class Worker:
                 if not await self.sock.poll(200):
                     continue
                 try:
-                    message = unpack(await self.sock.recv())
-                except ValueError as exc:
-                    log.warning("lit worker: ignoring a bad message from the trainer: %s", exc)
+                    message = decode_dispatch(await self.sock.recv(), accept=TO_WORKER)
+                except ProtocolError as exc:
+                    log.warning("lit worker: ignoring a bad message from the trainer (%s): %s", exc.kind, exc)
                     continue
                 await self._handle(message)
         finally:
@@ -137,42 +133,37 @@ class Worker:
         return self.completed
 
     async def _hello(self) -> None:
-        await self.sock.send(pack({"t": "hello", "slots": self.concurrency, "pid": os.getpid(),
-                                   "host": socket.gethostname()}))
+        await self.sock.send(encode_dispatch(Hello(self.concurrency, os.getpid(), socket.gethostname())))
 
     async def _heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_s)
-            await self.sock.send(pack({"t": "hb", "running": len(self.running)}))
+            await self.sock.send(encode_dispatch(Heartbeat(len(self.running))))
 
-    async def _handle(self, message: dict[str, Any]) -> None:
-        kind = message["t"]
-        if kind == "welcome":
-            spans = reachable(message["spans_endpoint"], self.trainer_host)
-            urls = [reachable(u, self.trainer_host) for u in message.get("llm_base_urls", [])]
+    async def _handle(self, message: ToWorker) -> None:
+        if isinstance(message, Welcome):
+            spans = reachable(message.spans_endpoint, self.trainer_host)
+            urls = [reachable(u, self.trainer_host) for u in message.llm_base_urls]
             instrument(endpoint=spans, llm_base_urls=urls)
-        elif kind == "run":
-            rid = message["rollout_id"]
-            self.running[rid] = asyncio.create_task(self._rollout(message))
-        elif kind == "who":
+        elif isinstance(message, Run):
+            self.running[message.rollout_id] = asyncio.create_task(self._rollout(message))
+        elif isinstance(message, Who):
             await self._hello()
-        elif kind == "stop":
+        elif isinstance(message, Stop):
             self._stop.set()
-        else:
-            log.warning("lit worker: ignoring unknown message kind %r", kind)
 
-    async def _rollout(self, m: dict[str, Any]) -> None:
-        rid, attempt = m["rollout_id"], int(m["attempt"])
-        llm = LLM.from_dict(m["llm"])
+    async def _rollout(self, m: Run) -> None:
+        rid, attempt = m.rollout_id, m.attempt
+        llm = LLM.from_dict(m.llm)
         llm = LLM.from_dict({**llm.to_dict(), "base_url": reachable(llm.base_url, self.trainer_host)})
         status, reward, error = "succeeded", None, None
         try:
-            with _context.assign(rid, m.get("task_id", ""), attempt, m.get("weight_version")):
-                result = await asyncio.wait_for(self._call(m["task"], llm), timeout=m.get("timeout_s"))
+            with _context.assign(rid, m.task_id, attempt, m.weight_version):
+                result = await asyncio.wait_for(self._call(m.task, llm), timeout=m.timeout_s)
             if isinstance(result, (int, float)) and not isinstance(result, bool):
                 reward = float(result)
         except TimeoutError:
-            status, error = "timed_out", f"the rollout ran past its timeout of {m.get('timeout_s')} s"
+            status, error = "timed_out", f"the rollout ran past its timeout of {m.timeout_s:g} s"
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the user's agent raised: report it, keep serving
@@ -183,8 +174,7 @@ class Worker:
         # The trainer reads the episode from the stored spans: deliver them before saying "done".
         await asyncio.to_thread(flush, 30.0)
         self.completed += 1
-        await self.sock.send(pack({"t": "done", "rollout_id": rid, "attempt": attempt, "status": status,
-                                   "reward": reward, "error": error}))
+        await self.sock.send(encode_dispatch(Done(rid, attempt, status, reward, error)))
 
     async def _call(self, task: Any, llm: LLM) -> Any:
         if inspect.iscoroutinefunction(self.fn):
@@ -200,19 +190,10 @@ def serve(target: str, connect: str, concurrency: int) -> int:
 
 def spawn(target: str, connect: str, concurrency: int, env: dict[str, str] | None = None,
           die_with_parent: bool = True) -> subprocess.Popen:
-    """Start one worker process (``python -m lit_sdk.worker``); it dies with this process when asked to."""
+    """Start one worker process (``python -m lit_sdk.worker``) in its own process group; on Linux it gets SIGTERM
+    when the calling thread dies (``die_with_parent``). Stop it with ``lit_sdk.processes.stop_child``."""
     cmd = [sys.executable, "-m", "lit_sdk.worker", "--connect", connect, "--concurrency", str(concurrency), target]
-    parent = os.getpid()
-
-    def preexec() -> None:
-        if die_with_parent and sys.platform.startswith("linux"):
-            import ctypes
-
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-            if os.getppid() != parent:
-                os._exit(0)
-
-    return subprocess.Popen(cmd, env=env, preexec_fn=preexec)
+    return start_child(cmd, env=env, die_with_parent=die_with_parent)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -243,13 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     children = [spawn(args.target, args.connect, args.concurrency) for _ in range(args.processes)]
     try:
         codes = [child.wait() for child in children]
-    except KeyboardInterrupt:
-        for child in children:
-            child.terminate()
-        deadline = time.monotonic() + 10
-        for child in children:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                child.wait(max(0.1, deadline - time.monotonic()))
+    except KeyboardInterrupt:  # the children have their own process groups: Ctrl-C reached only this one
+        stop_children(children, grace_s=10, name="lit worker processes")
         return 130
     return max(codes)
 

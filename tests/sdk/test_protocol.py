@@ -90,9 +90,10 @@ def repeated_spans() -> bytes:
     [
         (b"\xc1garbage", "decode", "not a MessagePack frame"),
         (b"", "decode", "not a MessagePack frame"),
-        (wire([1, 2]), "shape", "a frame is a map"),
+        (wire([1, 2]), "shape", "a frame is a map, got list"),
         (wire(good_frame(v=2)), "version", "version 2 is not supported"),
-        (wire({k: v for k, v in good_frame().items() if k != "v"}), "version", "None"),
+        (wire({k: v for k, v in good_frame().items() if k != "v"}), "version", "carries no protocol version 'v'"),
+        (wire(good_frame(v=True)), "version", "protocol version True is not supported"),
         (wire(good_frame(t="pickle")), "type", "unknown frame type 'pickle'"),
         (wire(good_frame(batch=7)), "shape", "'batch' must be a string"),
         (wire(good_frame(spans="x")), "shape", "needs 'sender'"),

@@ -7,6 +7,23 @@ typed records into bytes and bytes back into validated records, and says in word
 """
 
 from lit_sdk.protocol.codec import MAX_FRAME_BYTES, VERSION, ProtocolError
+from lit_sdk.protocol.dispatch import (
+    ROLLOUT_STATUSES,
+    TO_TRAINER,
+    TO_WORKER,
+    DispatchMessage,
+    Done,
+    Heartbeat,
+    Hello,
+    Run,
+    Stop,
+    ToTrainer,
+    ToWorker,
+    Welcome,
+    Who,
+    decode_dispatch,
+    encode_dispatch,
+)
 from lit_sdk.protocol.packed import decode_frame_packed
 from lit_sdk.protocol.spans import (
     ACK,
@@ -41,4 +58,7 @@ __all__ = [
     "AckFrame", "AttrValue", "Frame", "NackFrame", "PackedFrame", "PackedSpan", "PackedSpansFrame",
     "ProtocolError", "SpanRecord", "SpansFrame", "decode_frame", "decode_frame_packed", "encode_ack",
     "encode_nack", "encode_span_dicts", "encode_spans", "pack_span",
+    # dispatch
+    "ROLLOUT_STATUSES", "TO_TRAINER", "TO_WORKER", "DispatchMessage", "Done", "Heartbeat", "Hello", "Run", "Stop",
+    "ToTrainer", "ToWorker", "Welcome", "Who", "decode_dispatch", "encode_dispatch",
 ]

@@ -49,8 +49,17 @@ def decode_map(data: bytes) -> dict[str, Any]:
     except Exception as exc:  # msgpack raises several unrelated types for bad input
         raise ProtocolError("decode", f"not a MessagePack frame: {exc}") from None
     if not isinstance(obj, dict):
-        raise ProtocolError("shape", f"a frame is a map, got {type(obj).__name__}")
-    if obj.get("v") != VERSION:
-        raise ProtocolError("version", f"protocol version {obj.get('v')!r} is not supported (this side speaks "
-                                       f"{VERSION})")
+        raise ProtocolError("shape", f"a frame is a map, got {type(obj).__name__} {_short(obj)}")
+    if "v" not in obj:
+        raise ProtocolError("version", f"the frame carries no protocol version 'v' (is the other side a lit from "
+                                       f"before protocol version {VERSION}? upgrade it)")
+    version = obj["v"]
+    if type(version) is not int or version != VERSION:  # True == 1 in Python: a boolean is no version
+        raise ProtocolError("version", f"protocol version {version!r} is not supported (this side speaks "
+                                       f"{VERSION}); run the same lit version on both sides")
     return obj
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,7 +1,9 @@
 """The trainer's side of the agent workers: hands rollouts to whichever workers are connected, retries what
 fails, and keeps every attempt's status in the store.
 
-Workers (``lit_sdk/worker.py``, which documents the messages) connect to one ZeroMQ ROUTER socket from any host.
+Workers (``lit_sdk/worker.py``) connect to one ZeroMQ ROUTER socket from any host; the messages are those of
+``lit_sdk/protocol/dispatch.py`` (docs/protocol.md, "Dispatch"), and one that does not decode is counted in
+``Dispatcher.rejected``, logged once per kind and ignored.
 ``run(requests)`` gives each requested rollout up to ``max_attempts`` attempts. An attempt is one rollout row in the
 store (id ``<request>-a<attempt>``) that ends ``succeeded``, ``failed`` (the agent raised, or its worker went silent
 for ``worker_timeout_s``) or ``timed_out`` (past ``rollout_timeout_s``); a failed or timed-out attempt is retried
@@ -23,8 +25,21 @@ from typing import Any
 
 import zmq
 
+from lit_sdk.protocol.codec import ProtocolError
+from lit_sdk.protocol.dispatch import (
+    TO_TRAINER,
+    Done,
+    Hello,
+    Run,
+    Stop,
+    ToTrainer,
+    ToWorker,
+    Welcome,
+    Who,
+    decode_dispatch,
+    encode_dispatch,
+)
 from lit_sdk.resources import LLM
-from lit_sdk.worker import pack, unpack
 from lit_trainer.intake.store import RolloutRow, RolloutStatus, Store
 
 log = logging.getLogger("lit.dispatcher")
@@ -105,6 +120,8 @@ class Dispatcher:
         self.spans_endpoint = spans_endpoint
         self.llm_base_urls = list(llm_base_urls)
         self.workers: dict[bytes, _Worker] = {}
+        self.rejected: dict[str, int] = {}
+        """Messages from workers refused (malformed, wrong version...), by ``ProtocolError.kind``."""
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
         bind = endpoint[:-2] + ":*" if endpoint.endswith(":0") else endpoint
@@ -121,7 +138,7 @@ class Dispatcher:
         if self.sock.closed:
             return
         for identity in list(self.workers):
-            self._send(identity, {"t": "stop"})
+            self._send(identity, Stop())
         self.sock.close()
 
     def __enter__(self) -> Dispatcher:
@@ -165,13 +182,13 @@ class Dispatcher:
 
         while len(outcomes) < len(requests):
             for message, identity in self._drain(50):
-                if message["t"] == "done":
-                    attempt = running.get(message["rollout_id"])
+                if isinstance(message, Done):
+                    attempt = running.get(message.rollout_id)
                     if attempt is None or attempt.worker != identity:
                         continue  # a late report of an attempt already given up on
                     del running[attempt.rollout_id]
                     self.workers[identity].running.discard(attempt.rollout_id)
-                    finish(attempt, RolloutStatus(message["status"]), message.get("error"), message.get("reward"))
+                    finish(attempt, RolloutStatus(message.status), message.error, message.reward)
             now = time.monotonic()
             for attempt in [a for a in running.values() if now > a.deadline]:
                 del running[attempt.rollout_id]
@@ -213,48 +230,54 @@ class Dispatcher:
             running[attempt.rollout_id] = attempt
             self.store.set_rollout_status(attempt.rollout_id, RolloutStatus.RUNNING)
             r = attempt.request
-            self._send(worker.identity, {"t": "run", "rollout_id": attempt.rollout_id, "task_id": r.task_id,
-                                         "attempt": attempt.number, "task": r.task, "llm": r.llm.to_dict(),
-                                         "timeout_s": self.config.rollout_timeout_s})
+            self._send(worker.identity, Run(attempt.rollout_id, r.task_id, attempt.number, r.task, r.llm.to_dict(),
+                                            self.config.rollout_timeout_s))
 
     def _release(self, attempt: _Attempt) -> None:
         worker = self.workers.get(attempt.worker or b"")
         if worker is not None:
             worker.running.discard(attempt.rollout_id)
 
-    def _drain(self, timeout_ms: int) -> list[tuple[dict[str, Any], bytes]]:
+    def _drain(self, timeout_ms: int) -> list[tuple[ToTrainer, bytes]]:
         """Read every waiting message (waiting up to ``timeout_ms`` for the first); handle hellos and heartbeats
-        here and return the rest with the sender's identity."""
-        out = []
+        here and return the rest with the sender's identity. A bad message is rejected and ignored."""
+        out: list[tuple[ToTrainer, bytes]] = []
         wait = timeout_ms
         while self.sock.poll(wait):
             wait = 0
-            identity, data = self.sock.recv_multipart()
+            parts = self.sock.recv_multipart()
             try:
-                message = unpack(data)
-            except Exception as exc:
-                log.warning("lit: ignoring a bad message from a worker: %s", exc)
+                if len(parts) != 2:
+                    raise ProtocolError("parts", f"a worker's message is one ZeroMQ frame, got {len(parts) - 1}")
+                identity, data = parts
+                message = decode_dispatch(data, accept=TO_TRAINER)
+            except ProtocolError as exc:
+                self._reject(exc)
                 continue
             now = time.monotonic()
-            if message["t"] == "hello":
-                slots = max(1, int(message.get("slots", 1)))
-                label = f"{message.get('host', '?')}:{message.get('pid', '?')}"
-                self.workers[identity] = _Worker(identity, slots, now, label=label)
-                self._send(identity, {"t": "welcome", "spans_endpoint": self.spans_endpoint,
-                                      "llm_base_urls": self.llm_base_urls})
-                log.info("lit: worker %s connected (%d slots)", label, slots)
+            if isinstance(message, Hello):
+                label = f"{message.host}:{message.pid}"
+                self.workers[identity] = _Worker(identity, message.slots, now, label=label)
+                self._send(identity, Welcome(self.spans_endpoint, self.llm_base_urls))
+                log.info("lit: worker %s connected (%d slots)", label, message.slots)
                 continue
             worker = self.workers.get(identity)
             if worker is None:
-                self._send(identity, {"t": "who"})  # a worker of a previous trainer run: make it say hello
+                self._send(identity, Who())  # a worker of a previous trainer run: make it say hello
                 continue
             worker.last_seen = now
-            if message["t"] != "hb":
+            if isinstance(message, Done):
                 out.append((message, identity))
         return out
 
-    def _send(self, identity: bytes, message: dict[str, Any]) -> None:
+    def _reject(self, exc: ProtocolError) -> None:
+        n = self.rejected[exc.kind] = self.rejected.get(exc.kind, 0) + 1
+        if n == 1:
+            log.warning("lit: ignoring a bad message from a worker (%s): %s. Later ones of this kind are counted "
+                        "in Dispatcher.rejected, not logged", exc.kind, exc)
+
+    def _send(self, identity: bytes, message: ToWorker) -> None:
         try:
-            self.sock.send_multipart([identity, pack(message)], flags=zmq.NOBLOCK)
+            self.sock.send_multipart([identity, encode_dispatch(message)], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             log.debug("lit: could not send to a worker: %s", exc)
