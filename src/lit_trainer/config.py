@@ -27,6 +27,7 @@ from lit_trainer.engine.config import InferenceConfig, WeightSyncConfig
 from lit_trainer.learner.batching import BatchingConfig
 from lit_trainer.learner.policy import PolicyConfig
 from lit_trainer.rollouts.dispatcher import DispatchConfig
+from lit_trainer.rollouts.tasks import DataConfig
 
 
 class ConfigError(ValueError):
@@ -49,17 +50,6 @@ class AgentConfig:
     """Sampling temperature of validation (0: greedy)."""
     max_tokens: int = 128
     """Most tokens per LLM call."""
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    tasks: str = ""
-    """``module:function`` called as ``fn(split, n)`` returning a list of tasks (dicts with an ``id``), or a folder
-    with ``train.jsonl`` and ``validation.jsonl``."""
-    train_size: int = 2000
-    """Training tasks to load."""
-    val_size: int = 64
-    """Held-out tasks to validate on."""
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from pathlib import Path
 from lit_trainer.config import TrainConfig
 from lit_trainer.learner import checkpoint as ckpt
 from lit_trainer.metrics import MetricsLog
-from lit_trainer.rollouts.services import Services, services
 from lit_trainer.rollouts.tasks import load_tasks
+from lit_trainer.services import Services, services
 
 
 def validate(svc: Services, tasks: list[dict], log: MetricsLog, step: int, minutes: float) -> dict[str, float]:

@@ -35,8 +35,8 @@ from lit_trainer.learner.batching import MicroBatch, make_micro_batches
 from lit_trainer.metrics import MetricsLog, plot_curve, step_line
 from lit_trainer.metrics import read as read_metrics
 from lit_trainer.models import resolve_model
-from lit_trainer.rollouts.services import services
 from lit_trainer.rollouts.tasks import load_tasks, sample_tasks
+from lit_trainer.services import services
 
 
 def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:

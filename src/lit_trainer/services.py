@@ -1,6 +1,7 @@
-"""What rollouts need running, started together and stopped together: the store, the collector, the vLLM server,
-the dispatcher and the local agent workers. ``Services.rollouts`` runs a group of rollouts per task on the workers
-and turns the ones that succeeded into episodes; a failed rollout gives no episode, never a reward of 0.
+"""The services a run starts together and stops together: the store and the collector (intake), the vLLM server
+(engine), the dispatcher and the local agent workers (rollouts). ``Services.rollouts`` runs a group of rollouts per
+task on the workers and turns the ones that succeeded into episodes; a failed rollout gives no episode, never a
+reward of 0.
 """
 
 from __future__ import annotations
@@ -9,12 +10,12 @@ import collections
 import contextlib
 import os
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from lit_sdk.processes import stop_children, wait_children
 from lit_sdk.resources import LLM
 from lit_sdk.worker import load_target, spawn
 from lit_trainer.config import ConfigError, TrainConfig
@@ -25,6 +26,7 @@ from lit_trainer.intake.store import RolloutStatus, SqliteStore
 from lit_trainer.rollouts.dispatcher import Dispatcher, Outcome, RolloutRequest
 
 WORKER_START_TIMEOUT_S = 180.0
+WORKER_STOP_TIMEOUT_S = 15.0
 
 
 @dataclass
@@ -117,16 +119,8 @@ def gather_episodes(store: SqliteStore, outcomes: list[Outcome], agents: tuple[s
 
 
 def stop_workers(dispatcher: Dispatcher, workers: list) -> None:
-    """Ask every worker to stop (they deliver their last spans), then end the local ones that do not."""
+    """Ask every worker to stop (they deliver their last spans), give them 15 s, then end the local ones that do
+    not (and whatever their agents left running in their process groups)."""
     dispatcher.close()
-    deadline = time.monotonic() + 15
-    for p in workers:
-        with contextlib.suppress(Exception):
-            p.wait(max(0.1, deadline - time.monotonic()))
-        if p.poll() is None:
-            p.terminate()
-            try:
-                p.wait(5)
-            except Exception:
-                p.kill()
-                p.wait()
+    wait_children(workers, WORKER_STOP_TIMEOUT_S)
+    stop_children(workers, grace_s=5, name="agent workers")

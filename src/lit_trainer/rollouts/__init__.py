@@ -1,2 +1,2 @@
-"""Rollouts: the tasks of a run (``tasks``), the services a run starts (``services``: store, collector, vLLM,
-dispatcher, local workers) and the dispatcher that hands rollouts to agent workers (``dispatcher``)."""
+"""Rollouts: the tasks of a run (``tasks``) and the dispatcher that hands rollouts to agent workers on any host,
+retries what fails and records every attempt (``dispatcher``)."""

@@ -1,13 +1,25 @@
-"""The tasks of a run: the train and held-out splits from ``[data] tasks``, and which tasks each step samples."""
+"""The tasks of a run: the train and held-out splits from ``[data] tasks``, and which tasks each step samples.
+A wrong ``[data]`` section raises ValueError naming the key and the fix."""
 
 from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 from lit_sdk.worker import load_target
-from lit_trainer.config import ConfigError, DataConfig
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    tasks: str = ""
+    """``module:function`` called as ``fn(split, n)`` returning a list of tasks (dicts with an ``id``), or a folder
+    with ``train.jsonl`` and ``validation.jsonl``."""
+    train_size: int = 2000
+    """Training tasks to load."""
+    val_size: int = 64
+    """Held-out tasks to validate on."""
 
 
 def sample_tasks(tasks: list[dict], seed: int, step: int, n: int) -> list[dict]:
@@ -18,7 +30,7 @@ def sample_tasks(tasks: list[dict], seed: int, step: int, n: int) -> list[dict]:
 def load_tasks(data: DataConfig) -> tuple[list[dict], list[dict]]:
     """The train and validation tasks, from ``module:function`` or a folder of JSONL files."""
     if not data.tasks:
-        raise ConfigError("[data] tasks is not set: give module:function or a folder with train.jsonl")
+        raise ValueError("[data] tasks is not set: give module:function or a folder with train.jsonl")
     if ":" in data.tasks:
         make = load_target(data.tasks)
         splits = make("train", data.train_size), make("validation", data.val_size)
@@ -29,12 +41,12 @@ def load_tasks(data: DataConfig) -> tuple[list[dict], list[dict]]:
     for name, tasks in zip(("train", "validation"), splits, strict=True):
         ids = [t.get("id") if isinstance(t, dict) else None for t in tasks]
         if not tasks or None in ids or len(set(ids)) != len(ids):
-            raise ConfigError(f"[data] {data.tasks}: the {name} split must be a non-empty list of dicts with "
+            raise ValueError(f"[data] {data.tasks}: the {name} split must be a non-empty list of dicts with "
                               "unique 'id' values")
     return list(splits[0]), list(splits[1])
 
 
 def _read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
-        raise ConfigError(f"[data] no {path.name} in {path.parent}")
+        raise ValueError(f"[data] no {path.name} in {path.parent}")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

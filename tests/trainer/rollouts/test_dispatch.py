@@ -11,7 +11,7 @@ from lit_sdk.worker import spawn
 from lit_trainer.intake.collector import Collector
 from lit_trainer.intake.store import RolloutStatus, SqliteStore
 from lit_trainer.rollouts.dispatcher import DispatchConfig, Dispatcher, DispatchError, RolloutRequest
-from lit_trainer.rollouts.services import gather_episodes, stop_workers
+from lit_trainer.services import gather_episodes, stop_workers
 
 TESTS = Path(__file__).parents[2]
 NO_LLM = LLM("http://127.0.0.1:9/v1", "none")

@@ -1,0 +1,53 @@
+"""The architecture is checked, not narrated: the import-linter contracts in pyproject.toml hold for the code, and
+they break when a forbidden import is added (so they are not vacuous)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+LINT = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; "
+        "sys.exit(lint_imports_command())"]
+
+
+def lint(src: Path, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(src)}  # ahead of the installed lit: the tree under test is imported
+    return subprocess.run([*LINT, "--no-cache"], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_the_contracts_hold():
+    result = lint(ROOT / "src", ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 broken" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("module", "line", "contract"),
+    [
+        ("lit_sdk/semconv.py", "import torch", "lit_sdk stays light"),
+        ("lit_sdk/trace.py", "import lit_trainer.loop", "lit_sdk stays light"),
+        ("lit_sdk/_context.py", "import lit_sdk.instrument", "lit_sdk is layered"),
+        ("lit_trainer/intake/episodes.py", "import lit_trainer.learner.policy", "lit_trainer is layered"),
+        ("lit_trainer/engine/weight_sync.py", "import lit_trainer.learner.policy", "lit_trainer is layered"),
+        ("lit_trainer/algorithm/loss.py", "import zmq", "The algorithm is pure math"),
+        ("lit_trainer/intake/store.py", "import torch", "Intake turns bytes into episodes"),
+    ],
+)
+def test_a_forbidden_import_breaks_a_contract(tmp_path: Path, module: str, line: str, contract: str):
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "src", src, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    target = src / module
+    target.write_text(target.read_text() + f"\n{line}  # added by the test\n")
+    result = lint(src, tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    summary = result.stdout.split("Contracts:")[0].replace("\n", " ")  # "<contract name> KEPT|BROKEN" each
+    verdict = re.search(re.escape(contract) + r".*?\b(KEPT|BROKEN)\b", summary)
+    assert verdict is not None and verdict[1] == "BROKEN", result.stdout

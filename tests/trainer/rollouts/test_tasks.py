@@ -1,0 +1,64 @@
+"""Tasks: the splits come from ``module:function`` or a JSONL folder; each step's sample depends only on (seed,
+step), so a resumed run sees the same tasks; a wrong ``[data]`` section is an error that names it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lit_trainer.rollouts.tasks import DataConfig, load_tasks, sample_tasks
+
+
+def write_split(folder: Path, name: str, tasks: list[dict]) -> None:
+    (folder / f"{name}.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
+
+
+def test_a_step_samples_the_same_tasks_for_the_same_seed_and_step():
+    tasks = [{"id": i} for i in range(50)]
+    first = sample_tasks(tasks, seed=3, step=7, n=8)
+    assert first == sample_tasks(list(tasks), seed=3, step=7, n=8)
+    assert len({t["id"] for t in first}) == 8
+    assert first != sample_tasks(tasks, seed=3, step=8, n=8)
+    assert first != sample_tasks(tasks, seed=4, step=7, n=8)
+    assert sorted(t["id"] for t in sample_tasks(tasks[:5], seed=0, step=0, n=8)) == [0, 1, 2, 3, 4]
+
+
+def test_splits_load_from_a_jsonl_folder_cut_to_size(tmp_path: Path):
+    write_split(tmp_path, "train", [{"id": i, "q": f"t{i}"} for i in range(10)])
+    write_split(tmp_path, "validation", [{"id": f"v{i}"} for i in range(4)])
+    train, val = load_tasks(DataConfig(tasks=str(tmp_path), train_size=6, val_size=3))
+    assert [t["id"] for t in train] == [0, 1, 2, 3, 4, 5]
+    assert [t["id"] for t in val] == ["v0", "v1", "v2"]
+
+
+def test_splits_load_from_a_function(tmp_path: Path, monkeypatch):
+    (tmp_path / "my_tasks.py").write_text(
+        "def make(split, n):\n    return [{'id': f'{split}-{i}'} for i in range(n)]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    train, val = load_tasks(DataConfig(tasks="my_tasks:make", train_size=3, val_size=2))
+    assert [t["id"] for t in train] == ["train-0", "train-1", "train-2"]
+    assert [t["id"] for t in val] == ["validation-0", "validation-1"]
+
+
+@pytest.mark.parametrize(
+    ("train", "validation", "words"),
+    [
+        (None, [{"id": 1}], "no train.jsonl"),
+        ([{"id": 1}, {"id": 1}], [{"id": 2}], "the train split must be a non-empty list of dicts with unique 'id'"),
+        ([{"id": 1}], [{"q": "no id"}], "the validation split must be"),
+        ([{"id": 1}], [], "the validation split must be"),
+    ],
+)
+def test_a_wrong_data_section_names_the_problem(tmp_path: Path, train, validation, words):
+    if train is not None:
+        write_split(tmp_path, "train", train)
+    write_split(tmp_path, "validation", validation)
+    with pytest.raises(ValueError, match=words):
+        load_tasks(DataConfig(tasks=str(tmp_path)))
+
+
+def test_no_tasks_configured_says_how_to_set_them():
+    with pytest.raises(ValueError, match=r"\[data\] tasks is not set"):
+        load_tasks(DataConfig())
