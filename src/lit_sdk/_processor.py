@@ -1,8 +1,7 @@
 """The OpenTelemetry span processor that turns finished spans into wire records for the sender.
 
 It maps each trace to its rollout (set when the rollout's root span starts), keeps the live spans so that an LLM
-call can find the agent it runs in, and converts a finished span into a ``SpanRecord`` wire dict. It knows
-nothing of sockets (the sender does) or of frameworks (``_agents`` does).
+call can find the agent it runs in, and converts a finished span into a ``SpanRecord`` wire dict for the sender.
 """
 
 from __future__ import annotations

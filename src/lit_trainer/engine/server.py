@@ -4,13 +4,14 @@
 without CUDA, vllm with CUDA: the command is the same), waits for ``/health`` with a progress line on stderr, writes
 the server's output to a log file, and stops it on ``stop()``, at interpreter exit, on Ctrl-C and when the trainer
 dies: the server runs in its own process group (killed as a whole), an ``atexit`` hook stops it, and on Linux the
-kernel sends it SIGTERM when its parent dies (``PR_SET_PDEATHSIG``), so no orphan keeps the port and 5 GB of RAM.
+kernel sends it SIGTERM when its parent dies (``PR_SET_PDEATHSIG``), so no orphan keeps the port and gigabytes of
+RAM (``lit_sdk.processes`` does all three).
 
 For models whose chat template cannot render tools (SmolLM2), lit passes its own template
 (``templates/chatml_tools.jinja``: ChatML + Hermes ``<tool_call>``) with vLLM's ``hermes`` tool parser.
 
-This module knows nothing of training, weights or the SDK; it never imports vLLM itself (only its child does),
-so it works with vLLM installed in another environment (``InferenceConfig.python``).
+It never imports vLLM itself (only its child does), so it works with vLLM installed in another environment
+(``InferenceConfig.python``).
 """
 
 from __future__ import annotations
