@@ -49,7 +49,7 @@ def decode_map(data: bytes) -> dict[str, Any]:
     except Exception as exc:  # msgpack raises several unrelated types for bad input
         raise ProtocolError("decode", f"not a MessagePack frame: {exc}") from None
     if not isinstance(obj, dict):
-        raise ProtocolError("shape", f"a frame is a map, got {type(obj).__name__} {_short(obj)}")
+        raise ProtocolError("shape", f"a frame is a map, got {type(obj).__name__} {short_repr(obj)}")
     if "v" not in obj:
         raise ProtocolError("version", f"the frame carries no protocol version 'v' (is the other side a lit from "
                                        f"before protocol version {VERSION}? upgrade it)")
@@ -60,6 +60,7 @@ def decode_map(data: bytes) -> dict[str, Any]:
     return obj
 
 
-def _short(value: Any) -> str:
+def short_repr(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages about received values."""
     text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
-from lit_sdk.protocol.codec import VERSION, ProtocolError, decode_map, packb
+from lit_sdk.protocol.codec import VERSION, ProtocolError, decode_map, packb, short_repr
 
 ROLLOUT_STATUSES = ("succeeded", "failed", "timed_out")
 
@@ -227,7 +227,6 @@ def _describe(tp: Any) -> str:
 
 def _show(value: Any) -> str:
     """A value as an error message shows it: short, with its wire type."""
-    text = repr(value)
-    text = text if len(text) <= 60 else text[:57] + "..."
+    text = short_repr(value)
     what = _WORDS.get(type(value), type(value).__name__)
     return what if value is None or isinstance(value, (list, dict)) else f"{text} ({what})"

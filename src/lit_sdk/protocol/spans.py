@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lit_sdk.protocol.codec import VERSION, ProtocolError, decode_map, packb, unpackb
+from lit_sdk.protocol.codec import VERSION, ProtocolError, decode_map, packb, short_repr, unpackb
 
 SPANS, ACK, NACK = "spans", "ack", "nack"
 STATUS_UNSET, STATUS_OK, STATUS_ERROR = 0, 1, 2
@@ -193,11 +193,6 @@ def _span_from_wire(obj: Any, index: int) -> SpanRecord:
         if value is _MISSING:
             raise ProtocolError("span", f"span {index} lacks the field {name!r}")
         if not check(value):
-            raise ProtocolError("span", f"span {index}: {name!r} {need}, got {_short(value)}")
+            raise ProtocolError("span", f"span {index}: {name!r} {need}, got {short_repr(value)}")
         values.append(value)
     return SpanRecord(*values)
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
