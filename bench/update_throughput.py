@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from lit_trainer.algorithm.loss import LossConfig, policy_loss
+from lit_trainer.algorithm.loss import LossConfig, step_loss
 from lit_trainer.intake.episodes import Transition
 from lit_trainer.learner.batching import BatchingConfig, MicroBatch, make_micro_batches
 from lit_trainer.learner.policy import Policy, PolicyConfig
@@ -36,13 +36,6 @@ def make_batch(seed: int = 0) -> list[Transition]:
                    [-rng.random() * 3 for _ in range(RESPONSE)], None, "a", f"r{i}", "t", 0, "s")
         for i in range(ROWS)
     ]
-
-
-def lit_loss(config: LossConfig):
-    def loss_fn(logp: torch.Tensor, mb: MicroBatch, entropy: torch.Tensor | None):
-        return policy_loss(logp, mb.old_logprobs, mb.advantages, mb.response_mask.bool(), config, entropy=entropy)
-
-    return loss_fn
 
 
 def raw_step(policy: Policy, batches: list[MicroBatch]) -> None:
@@ -83,7 +76,7 @@ def main() -> None:
         batches = make_micro_batches(transitions, [1.0, -1.0] * (ROWS // 2),
                                      BatchingConfig(max_tokens_per_micro_batch=ROWS * (PROMPT + RESPONSE)), pad_id=2)
         raw = median_seconds(lambda p=policy, b=batches: raw_step(p, b), args.reps)
-        ours = median_seconds(lambda p=policy, b=batches: p.update(b, lit_loss(LossConfig())), args.reps)
+        ours = median_seconds(lambda p=policy, b=batches: p.update(b, step_loss(LossConfig(), b)), args.reps)
         rows.append((label, tokens / ours, tokens / raw))
         print(f"{label}: update {ours:.2f} s, raw forward+backward {raw:.2f} s", flush=True)
     print(f"\n{ROWS}x{PROMPT + RESPONSE}-token transitions ({tokens} response tokens), median of {args.reps}")

@@ -24,14 +24,14 @@ from typing import Any
 import torch
 
 from lit_trainer.algorithm.advantages import episode_advantages
-from lit_trainer.algorithm.loss import policy_loss
+from lit_trainer.algorithm.loss import step_loss
 from lit_trainer.config import ConfigError, TrainConfig
 from lit_trainer.engine.logprob_check import check_logprobs
 from lit_trainer.engine.weight_sync import WeightSync, WeightSyncError
 from lit_trainer.evaluate import validate
 from lit_trainer.intake.episodes import Episode
 from lit_trainer.learner import checkpoint as ckpt
-from lit_trainer.learner.batching import MicroBatch, make_micro_batches
+from lit_trainer.learner.batching import make_micro_batches
 from lit_trainer.metrics import MetricsLog, plot_curve, step_line
 from lit_trainer.metrics import read as read_metrics
 from lit_trainer.models import resolve_model
@@ -115,10 +115,7 @@ def update_policy(policy: Any, sync: Any, episodes: list[Episode], cfg: TrainCon
     t0 = time.perf_counter()
     batches = make_micro_batches([t for t, _ in pairs], [a for _, a in pairs], cfg.batching, pad_id)
 
-    def loss_fn(logp: torch.Tensor, mb: MicroBatch, entropy: torch.Tensor | None):
-        return policy_loss(logp, mb.old_logprobs, mb.advantages, mb.response_mask.bool(), cfg.loss, entropy=entropy)
-
-    metrics.update(policy.update(batches, loss_fn))
+    metrics.update(policy.update(batches, step_loss(cfg.loss, batches)))
     metrics["time/update"] = time.perf_counter() - t0
     metrics["time/sync"] = sync.push_weights(policy.state_dict(), version=version).total_s
     every = cfg.train.check_sync_every

@@ -16,8 +16,9 @@ and the scale of one sequence's contribution depends on the other sequences of t
 batch's token count). ``seq_mean_token_sum`` gives each sequence the sum of its tokens, so a long sequence also
 weighs more, but with a normaliser (the number of sequences) that does not depend on lengths: the gradient's scale
 grows with the mean length. Neither divides a sequence by its own length, so neither has GRPO's bias towards short
-correct and long wrong answers. Pass ``normalizer`` (the step's total response tokens, or sequences) when a step is
-split into micro-batches, so the accumulated gradient equals the one of the whole batch.
+correct and long wrong answers. When a step is split into micro-batches, each micro-batch's loss takes the whole
+step's denominator (``normalizer=step_normalizer(...)``), so the micro-batch losses, and their gradients, add up to
+those of the whole batch however its rows fall into micro-batches.
 
 The cap C (``ratio_cap``, > 1 + ε_high) bites only where PPO's clip leaves the ratio unbounded: A < 0 and ρ > C. There
 the token's value is C·A and its gradient C·A·∇log π_θ — dual-clip PPO's value, with truncated-IS's gradient (dual clip
@@ -34,7 +35,9 @@ objective with identical credit; the ratio cap and the choice of aggregation are
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -72,6 +75,32 @@ class LossConfig:
             raise ValueError(f"LossConfig.kl_beta must be finite and ≥ 0, got {self.kl_beta}")
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"LossConfig.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
+
+
+def step_normalizer(masks: Sequence[torch.Tensor], aggregation: str) -> float:
+    """The denominator of a whole step's loss, given the response masks (B_i, T_i) of its micro-batches: their
+    response tokens (``token_mean``) or their sequences with at least one (``seq_mean_token_sum``); at least 1."""
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    if aggregation == "token_mean":
+        count = sum(int(m.bool().sum()) for m in masks)
+    else:
+        count = sum(int(m.bool().any(dim=-1).sum()) for m in masks)
+    return float(max(count, 1))
+
+
+def step_loss(config: LossConfig, micro_batches: Sequence[Any]) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:
+    """The loss function of one step for ``Policy.update``: ``loss_fn(logp, micro_batch, entropy)`` is
+    ``policy_loss`` on that micro-batch with the whole step's ``step_normalizer``, so that the micro-batch losses add
+    up to the step's. ``micro_batches``: the learner's micro-batches (``response_mask`` and ``old_logprobs`` (B, T),
+    ``advantages`` (B,))."""
+    normalizer = step_normalizer([mb.response_mask for mb in micro_batches], config.aggregation)
+
+    def loss_fn(logp: torch.Tensor, mb: Any, entropy: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+        return policy_loss(logp, mb.old_logprobs, mb.advantages, mb.response_mask.bool(), config, entropy=entropy,
+                           normalizer=normalizer)
+
+    return loss_fn
 
 
 def _masked_log_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -177,5 +206,6 @@ def policy_loss(
         loss = loss + config.kl_beta * _aggregate(kl_tokens, mask, config.aggregation, normalizer)
 
     metrics = _metrics(ratio.detach(), log_ratio.detach(), adv, mask, config, kl_tokens, entropy)
-    metrics["loss/policy"] = float(loss_policy.detach())
+    # The micro-batch's own mean, whatever the normalizer: averaged by tokens over micro-batches, it is the step's.
+    metrics["loss/policy"] = float(_aggregate(policy_tokens.detach(), mask, config.aggregation, None))
     return loss, metrics

@@ -20,7 +20,9 @@ from lit_trainer.learner.batching import MicroBatch
 from lit_trainer.models import resolve_model
 
 LossFn = Callable[[torch.Tensor, MicroBatch, torch.Tensor | None], tuple[torch.Tensor, dict[str, float]]]
-"""``loss_fn(logprobs (B, T), batch, entropy (B, T) | None) -> (loss, metrics)`` for one micro-batch."""
+"""``loss_fn(logprobs (B, T), batch, entropy (B, T) | None) -> (loss, metrics)`` for one micro-batch. The loss is
+the micro-batch's term of the step's loss (normalised by the whole step, e.g. ``policy_loss(normalizer=
+step_normalizer(...))``): the terms of all micro-batches add up to the step's loss, whatever the micro-batching."""
 
 
 @dataclass(frozen=True)
@@ -43,8 +45,7 @@ class PolicyConfig:
     """Which linear layers get adapters."""
     compute_entropy: bool = False
     """Also give the loss each response token's entropy (the ``loss/entropy`` metric). It costs one more pass over
-    the response positions' logits: update throughput 0.83 of a raw forward+backward instead of 0.86
-    (bench/update_throughput.py), so it is off by default."""
+    the response positions' logits (bench/update_throughput.py measures how much), so it is off by default."""
 
     def __post_init__(self) -> None:
         if self.learning_rate <= 0:
@@ -74,7 +75,7 @@ class Policy:
                               target_modules=list(config.lora_target_modules), task_type="CAUSAL_LM")
             model = get_peft_model(model, lora)
         params = [p for p in model.parameters() if p.requires_grad]
-        try:  # the fused kernel steps 134M fp32 weights in 0.05 s on 2 CPU cores; the default loop takes 0.32 s
+        try:  # the fused kernel steps the weights several times faster on CPU than the default loop (bench/README.md)
             optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay, fused=True)
         except (RuntimeError, TypeError):  # a device or dtype without the fused kernel
             optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
@@ -107,8 +108,8 @@ class Policy:
         return logp, entropy
 
     def update(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step over all micro-batches (gradients accumulated). Each micro-batch's loss is weighted by
-        its share of the response tokens, so the step equals one ``token_mean`` loss over the whole batch."""
+        """One optimizer step over all micro-batches: the gradients of their loss terms add up (see ``LossFn``), so
+        the step is that of the whole batch as one. Metrics are averaged over micro-batches by response tokens."""
         assert micro_batches, "update() needs at least one micro-batch"
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -122,7 +123,7 @@ class Policy:
             loss, metrics = loss_fn(logp, mb, entropy)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"the loss is {loss.item()} on micro-batch rows {mb.index}")
-            self.accelerator.backward(loss * weight)
+            self.accelerator.backward(loss)
             mask = mb.response_mask.to(logp.device)
             gap_sum += ((logp.detach() - mb.old_logprobs.to(logp.device)).abs() * mask).sum().item()
             gap_tokens += int(mask.sum().item())

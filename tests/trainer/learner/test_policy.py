@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from lit_trainer.algorithm.loss import LossConfig, policy_loss
+from lit_trainer.algorithm.loss import LossConfig, step_loss
 from lit_trainer.engine.logprob_check import trainer_logprobs
 from lit_trainer.intake.episodes import Transition
 from lit_trainer.learner.batching import BatchingConfig, MicroBatch, make_micro_batches
@@ -18,8 +18,9 @@ PROMPTS = [[1, 4093, 314, 216, 28, 476, 28, 47], [1, 504, 3575, 282, 4649, 314],
 RESPONSES = [[216, 30, 2], [7042, 30, 2], [1232, 33]]
 
 
-def lightning_loss(logp: torch.Tensor, mb: MicroBatch, entropy: torch.Tensor | None):
-    return policy_loss(logp, mb.old_logprobs, mb.advantages, mb.response_mask.bool(), LossConfig(), entropy=entropy)
+def step(policy: Policy, micro_batches: list[MicroBatch], config: LossConfig | None = None) -> dict[str, float]:
+    """One update with the LightningRL loss, normalised over the whole step as ``lit train`` does."""
+    return policy.update(micro_batches, step_loss(config or LossConfig(), micro_batches))
 
 
 def batches(policy: Policy, advantages: list[float], old: list[list[float]] | None = None) -> list[MicroBatch]:
@@ -58,7 +59,7 @@ def test_one_update_changes_every_weight_and_raises_a_rewarded_response(prepared
     before_params = [p.detach().clone() for p in policy.trainable]
     before = response_logprobs(policy)
     # Behaviour logprobs = the policy's own: ratio 1, an on-policy step.
-    metrics = policy.update(batches(policy, [1.0, -1.0, 0.0], old=before), lightning_loss)
+    metrics = step(policy, batches(policy, [1.0, -1.0, 0.0], old=before))
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
     assert metrics["loss/clip_frac"] == 0.0 and metrics["policy/vllm_logprob_gap"] < 1e-4
     assert metrics["policy/response_tokens"] == 8.0 and metrics["policy/grad_norm"] > 0
@@ -77,7 +78,7 @@ def test_lora_trains_adapters_only(prepared_model):
     adapters = {n: p.detach().clone() for n, p in policy.unwrapped().named_parameters() if p.requires_grad}
     # LoRA's B matrices start at zero, so A gets no gradient on the first step; two steps move every adapter.
     for _ in range(2):
-        policy.update(batches(policy, [1.0, -1.0, 0.5], old=response_logprobs(policy)), lightning_loss)
+        step(policy, batches(policy, [1.0, -1.0, 0.5], old=response_logprobs(policy)))
     after = dict(policy.unwrapped().named_parameters())
     assert all(torch.equal(frozen[n], after[n].detach()) for n in frozen), "a frozen base weight changed"
     unchanged = [n for n in adapters if torch.equal(adapters[n], after[n].detach())]
@@ -89,10 +90,10 @@ def test_lora_trains_adapters_only(prepared_model):
 def test_vllm_logprob_gap_measures_the_behaviour_policy_distance(prepared_model):
     policy = Policy(PolicyConfig(model=str(prepared_model), learning_rate=1e-9, max_grad_norm=0))
     own = response_logprobs(policy)
-    same = policy.update(batches(policy, [0.0, 0.0, 0.0], old=own), lightning_loss)
+    same = step(policy, batches(policy, [0.0, 0.0, 0.0], old=own))
     assert same["policy/vllm_logprob_gap"] < 1e-4
     shifted = [[x - 0.5 for x in row] for row in own]
-    off = policy.update(batches(policy, [0.0, 0.0, 0.0], old=shifted), lightning_loss)
+    off = step(policy, batches(policy, [0.0, 0.0, 0.0], old=shifted))
     assert off["policy/vllm_logprob_gap"] == pytest.approx(0.5, abs=1e-3)
 
 
@@ -104,6 +105,6 @@ def test_gradient_checkpointing_gives_the_same_logprobs_and_still_trains(prepare
         assert_close(checkpointed.token_logprobs(mb)[0], plain.token_logprobs(mb)[0], atol=1e-5, rtol=0)
     before = [p.detach().clone() for p in checkpointed.trainable]
     own = response_logprobs(checkpointed)
-    checkpointed.update(batches(checkpointed, [1.0, -1.0, 0.0], old=own), lightning_loss)
+    step(checkpointed, batches(checkpointed, [1.0, -1.0, 0.0], old=own))
     assert all(not torch.equal(b, p.detach()) for b, p in zip(before, checkpointed.trainable, strict=True))
 
