@@ -31,7 +31,7 @@ from lit_trainer.engine.weight_sync import WeightSync, WeightSyncError
 from lit_trainer.evaluate import validate
 from lit_trainer.intake.episodes import Episode
 from lit_trainer.learner import checkpoint as ckpt
-from lit_trainer.learner.batching import make_micro_batches
+from lit_trainer.learner.batching import keep_usable, make_micro_batches
 from lit_trainer.metrics import MetricsLog, plot_curve, step_line
 from lit_trainer.metrics import read as read_metrics
 from lit_trainer.models import resolve_model
@@ -109,6 +109,8 @@ def update_policy(policy: Any, sync: Any, episodes: list[Episode], cfg: TrainCon
     metrics.update(adv_metrics)
     pairs = [(t, float(a)) for e, adv in zip(kept, advantages, strict=True)
              for t, a in zip(e.transitions, adv.tolist(), strict=True) if a != 0.0]
+    pairs, skipped = keep_usable(pairs, cfg.batching)  # a bad transition costs itself, not the step
+    metrics.update({f"update/skipped_{reason}": float(n) for reason, n in skipped.items()})
     metrics["update/transitions"] = float(len(pairs))
     if not pairs:
         return metrics  # every group was all-correct or all-wrong: nothing to learn from this step

@@ -8,17 +8,23 @@ shifts logits by one to produce the same token-space logprobs; see ``policy.toke
 
 A prompt longer than ``max_prompt_tokens`` is rejected with a message, unless ``truncate_prompt_left`` is set, in
 which case its oldest tokens are dropped (the behaviour logprobs then no longer describe exactly this context: that
-is why it is opt-in). Token ids and numbers in, tensors out.
+is why it is opt-in). The training loop first passes a step's transitions through ``keep_usable``, which skips and
+counts the ones that cannot be trained on (``unusable``: that prompt, missing logprobs...), so that one bad
+transition never aborts a run. Token ids and numbers in, tensors out.
 """
 
 from __future__ import annotations
 
+import collections
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from lit_trainer.intake.episodes import Transition
+
+log = logging.getLogger("lit")
 
 
 @dataclass(frozen=True)
@@ -80,25 +86,61 @@ def make_micro_batches(
     return [_collate(group, rows, adv, pad_id) for group in batches]
 
 
+def unusable(t: Transition, config: BatchingConfig) -> str | None:
+    """Why ``t`` cannot be trained on, as a metric name, or None: ``empty`` (no prompt or no response tokens),
+    ``no_logprobs`` (its engine returned no behaviour logprobs), ``logprobs_length`` (not one per response token),
+    ``prompt_too_long`` (over ``max_prompt_tokens`` without ``truncate_prompt_left``)."""
+    if not t.response_ids or not t.prompt_ids:
+        return "empty"
+    if t.logprobs is None:
+        return "no_logprobs"
+    if len(t.logprobs) != len(t.response_ids):
+        return "logprobs_length"
+    if len(t.prompt_ids) > config.max_prompt_tokens and not config.truncate_prompt_left:
+        return "prompt_too_long"
+    return None
+
+
+def explain(t: Transition, reason: str, config: BatchingConfig) -> str:
+    """``unusable``'s reason in words, naming the transition and what to change."""
+    where = f"transition {t.rollout_id}#{t.index}"
+    return {
+        "empty": f"{where} has an empty prompt or response",
+        "no_logprobs": f"{where} has no behaviour logprobs: its engine did not return them (lit asks vLLM for them; "
+                       "check that the agent's calls go to the lit-managed server)",
+        "logprobs_length": f"{where} has {len(t.logprobs or [])} behaviour logprobs for {len(t.response_ids)} "
+                           "response tokens",
+        "prompt_too_long": f"{where} has a {len(t.prompt_ids)}-token prompt, over BatchingConfig.max_prompt_tokens="
+                           f"{config.max_prompt_tokens}; raise it, or set truncate_prompt_left = true to drop the "
+                           "oldest tokens",
+    }[reason]
+
+
+def keep_usable(pairs: Sequence[tuple[Transition, float]], config: BatchingConfig
+                ) -> tuple[list[tuple[Transition, float]], collections.Counter[str]]:
+    """The (transition, advantage) pairs that can be trained on, and how many of the others were skipped, by
+    ``unusable``'s reason. One bad transition costs itself, never the step: the first of each reason is logged."""
+    kept: list[tuple[Transition, float]] = []
+    skipped: collections.Counter[str] = collections.Counter()
+    for t, advantage in pairs:
+        reason = unusable(t, config)
+        if reason is None:
+            kept.append((t, advantage))
+            continue
+        if not skipped[reason]:
+            log.warning("lit: skipping a transition this step (update/skipped_%s): %s", reason, explain(t, reason,
+                                                                                                      config))
+        skipped[reason] += 1
+    return kept, skipped
+
+
 def _row(t: Transition, config: BatchingConfig) -> tuple[list[int], int, list[float]]:
     """(ids, where the response starts, behaviour logprobs of the response)."""
-    if not t.response_ids or not t.prompt_ids:
-        raise ValueError(f"transition {t.rollout_id}#{t.index} has an empty prompt or response")
-    if t.logprobs is None:
-        raise ValueError(
-            f"transition {t.rollout_id}#{t.index} has no behaviour logprobs: its engine did not return them "
-            "(lit asks vLLM for them; check that the agent's calls go to the lit-managed server)"
-        )
-    prompt = list(t.prompt_ids)
-    if len(prompt) > config.max_prompt_tokens:
-        if not config.truncate_prompt_left:
-            raise PromptTooLong(
-                f"transition {t.rollout_id}#{t.index} has a {len(prompt)}-token prompt, over "
-                f"BatchingConfig.max_prompt_tokens={config.max_prompt_tokens}; raise it, or set "
-                "truncate_prompt_left = true to drop the oldest tokens"
-            )
-        prompt = prompt[-config.max_prompt_tokens :]
-    return prompt + list(t.response_ids), len(prompt), list(t.logprobs)
+    reason = unusable(t, config)
+    if reason is not None:
+        raise (PromptTooLong if reason == "prompt_too_long" else ValueError)(explain(t, reason, config))
+    prompt = list(t.prompt_ids)[-config.max_prompt_tokens :]
+    return prompt + list(t.response_ids), len(prompt), list(t.logprobs or [])
 
 
 def _collate(group: list[int], rows: list, adv: torch.Tensor, pad_id: int) -> MicroBatch:

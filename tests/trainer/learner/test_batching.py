@@ -7,7 +7,7 @@ import torch
 from torch.testing import assert_close
 
 from lit_trainer.intake.episodes import Transition
-from lit_trainer.learner.batching import BatchingConfig, PromptTooLong, make_micro_batches
+from lit_trainer.learner.batching import BatchingConfig, PromptTooLong, keep_usable, make_micro_batches
 
 PAD = 0
 
@@ -58,3 +58,24 @@ def test_missing_behaviour_logprobs_and_bad_inputs_are_clear_errors():
         make_micro_batches([tr([], [2])], [1.0], BatchingConfig(), PAD)
     with pytest.raises(ValueError, match="max_tokens_per_micro_batch"):
         BatchingConfig(max_tokens_per_micro_batch=1)
+
+
+def test_transitions_that_cannot_be_trained_on_are_skipped_and_counted_by_reason(caplog):
+    good = [tr([1, 2], [3, 4], index=0), tr([5], [6], index=1)]
+    bad = [tr([1] * 9, [2], index=2), tr([1] * 10, [2], index=3), tr([1], [2, 3], [-0.1], index=4),
+           Transition([1], [2], None, None, "a", "r", "t", 5, "s"), tr([], [2], index=6), tr([1], [], index=7)]
+    pairs = [(t, float(i + 1)) for i, t in enumerate(good + bad)]
+    config = BatchingConfig(max_prompt_tokens=8)
+    with caplog.at_level("WARNING", logger="lit"):
+        kept, skipped = keep_usable(pairs, config)
+    assert kept == pairs[:2]
+    assert skipped == {"prompt_too_long": 2, "logprobs_length": 1, "no_logprobs": 1, "empty": 2}
+    # One line per reason, with the first transition's words, however many were skipped.
+    assert sorted(r.getMessage().split("(update/skipped_")[1].split(")")[0] for r in caplog.records) == [
+        "empty", "logprobs_length", "no_logprobs", "prompt_too_long"]
+    assert any("r#2 has a 9-token prompt, over BatchingConfig.max_prompt_tokens=8" in r.getMessage()
+               for r in caplog.records)
+    (mb,) = make_micro_batches([t for t, _ in kept], [a for _, a in kept], config, PAD)  # the rest trains
+    assert mb.n_response_tokens == 3
+    truncating = BatchingConfig(max_prompt_tokens=8, truncate_prompt_left=True)
+    assert keep_usable(pairs[2:4], truncating)[1] == {}
