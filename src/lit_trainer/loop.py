@@ -113,10 +113,9 @@ def update_policy(policy: Any, sync: Any, episodes: list[Episode], cfg: TrainCon
     metrics.update({f"update/skipped_{reason}": float(n) for reason, n in skipped.items()})
     metrics["update/transitions"] = float(len(pairs))
     if not pairs:
-        return metrics  # every group was all-correct or all-wrong: nothing to learn from this step
+        return metrics  # all-correct or all-wrong groups (or only unusable transitions): nothing to learn from
     t0 = time.perf_counter()
     batches = make_micro_batches([t for t, _ in pairs], [a for _, a in pairs], cfg.batching, pad_id)
-
     metrics.update(policy.update(batches, step_loss(cfg.loss, batches)))
     metrics["time/update"] = time.perf_counter() - t0
     metrics["time/sync"] = sync.push_weights(policy.state_dict(), version=version).total_s
