@@ -38,12 +38,17 @@ def unpackb(data: bytes, *, strict_map_key: bool = True) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=strict_map_key)
 
 
+def check_size(data: bytes) -> None:
+    """Refuse a frame over ``MAX_FRAME_BYTES`` (ProtocolError ``too_large``) before anything decodes it."""
+    if len(data) > MAX_FRAME_BYTES:
+        raise ProtocolError("too_large", f"frame of {len(data)} bytes is over the {MAX_FRAME_BYTES} byte limit")
+
+
 def decode_map(data: bytes) -> dict[str, Any]:
     """The first checks of every frame, before anything is allocated for it: its size, that it decodes, that it
     is a map, and that it speaks this ``VERSION``. Raises ProtocolError (``too_large``, ``decode``, ``shape``,
     ``version``); each channel then checks its own fields."""
-    if len(data) > MAX_FRAME_BYTES:
-        raise ProtocolError("too_large", f"frame of {len(data)} bytes is over the {MAX_FRAME_BYTES} byte limit")
+    check_size(data)
     try:
         obj = unpackb(data)
     except Exception as exc:  # msgpack raises several unrelated types for bad input

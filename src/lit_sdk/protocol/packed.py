@@ -11,8 +11,7 @@ import re
 import typing
 from collections.abc import Callable
 
-import lit_sdk.protocol.codec as codec
-from lit_sdk.protocol.codec import VERSION, ProtocolError, packer, unpackb
+from lit_sdk.protocol.codec import VERSION, check_size, packer, unpackb
 from lit_sdk.protocol.spans import (
     PACKED_FIELDS,
     SPAN_FIELDS,
@@ -35,9 +34,7 @@ def decode_frame_packed(data: bytes) -> PackedFrame:
     common shape (what the SDK sends) and gives up on anything else, which then goes through ``decode_frame`` —
     so the fast path only needs to be no more lenient than it, never to word an error. Without msgspec (an
     agent-side install; the trainer extra has it) every frame takes the ``decode_frame`` path."""
-    if len(data) > codec.MAX_FRAME_BYTES:  # before the fast path, which would decode it
-        raise ProtocolError("too_large", f"frame of {len(data)} bytes is over the {codec.MAX_FRAME_BYTES} byte "
-                                         "limit")
+    check_size(data)  # before the fast path, which would decode it
     decode_fast = _fast_decoder()
     if decode_fast is not None:
         try:
