@@ -169,6 +169,7 @@ class _Call:
             semconv.LLM_API: api,
             semconv.AGENT_NAME: _agents.resolve_agent(patch.processor, parent),
         }
+        attrs.update(sampling_attributes(kwargs))
         rollout = _context.current_rollout()
         if rollout is not None and rollout.weight_version is not None:
             attrs[semconv.LLM_WEIGHT_VERSION] = rollout.weight_version
@@ -209,6 +210,31 @@ def _with_token_ids(kwargs: dict, api: str) -> dict:
     elif not isinstance(out.get("logprobs"), int) or isinstance(out.get("logprobs"), bool):
         out["logprobs"] = 0  # completions: 0 = the sampled token's logprob only
     return out
+
+
+# Sampling settings that reshape the distribution beyond temperature, with the value that leaves it as it is.
+_NEUTRAL_SAMPLING = {"top_p": 1.0, "top_k": (0, -1), "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                     "repetition_penalty": 1.0, "logit_bias": ({}, None)}
+
+
+def sampling_attributes(kwargs: dict) -> dict[str, Any]:
+    """The span attributes of a request's sampling settings (top level or in ``extra_body``): its temperature, and
+    the settings beyond temperature that reshape the distribution (``semconv.LLM_SAMPLING_UNSUPPORTED``)."""
+    extra = kwargs.get("extra_body")
+    settings = {**(extra if isinstance(extra, dict) else {}), **{k: v for k, v in kwargs.items() if v is not None}}
+    attrs: dict[str, Any] = {}
+    temperature = settings.get("temperature")
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
+        attrs[semconv.LLM_TEMPERATURE] = float(temperature)
+    unsupported = []
+    for name, neutral in _NEUTRAL_SAMPLING.items():
+        value = settings.get(name)
+        if value is None or value in (neutral if isinstance(neutral, tuple) else (neutral,)):
+            continue
+        unsupported.append(f"{name}={value!r}" if isinstance(value, (dict, str)) else f"{name}={value}")
+    if unsupported:
+        attrs[semconv.LLM_SAMPLING_UNSUPPORTED] = ",".join(unsupported)
+    return attrs
 
 
 def _parsed(result: Any) -> Any:

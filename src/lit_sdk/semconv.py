@@ -49,6 +49,13 @@ LLM_RESPONSE_LOGPROBS = "lit.llm.response_logprobs"
 """The engine's logprob of each sampled response token (same length as the response token ids)."""
 LLM_FINISH_REASON = "lit.llm.finish_reason"
 """Why the engine stopped: ``stop``, ``length``, ``tool_calls``..."""
+LLM_TEMPERATURE = "lit.llm.temperature"
+"""The sampling temperature the request asked for (a float); absent when it set none (the engine's default, 1.0 on
+a lit-managed vLLM). The trainer computes its logprobs at this temperature."""
+LLM_SAMPLING_UNSUPPORTED = "lit.llm.sampling_unsupported"
+"""The request's other settings that reshape the sampled distribution, as ``name=value`` pairs (``top_p=0.9,
+top_k=20``): top-p, top-k, min-p, presence/frequency/repetition penalties, logit bias. Absent when none is set.
+lit trains only on plain temperature sampling and refuses calls that carry any of these."""
 LLM_CHOICES = "lit.llm.choices"
 """How many choices the engine returned; only choice 0's ids are recorded."""
 LLM_TOKEN_IDS_MISSING = "lit.llm.token_ids_missing"

@@ -187,3 +187,23 @@ def test_reinstrument_with_other_base_urls_takes_effect(clean, tmp_path):
         assert "return_token_ids" not in first.requests[0], "the first engine is no longer managed"
         assert second.requests[0]["return_token_ids"] is True
         assert span["attributes"][sc.LLM_RESPONSE_TOKEN_IDS] == second.responses[0]["choices"][0]["token_ids"]
+
+
+def test_the_sampling_temperature_and_unsupported_settings_are_recorded(clean, tmp_path):
+    with FakeLLM() as llm, AckServer() as server:
+        lit.instrument(endpoint=server.endpoint, llm_base_urls=[llm.base_url], spool_dir=tmp_path)
+        client = OpenAI(base_url=llm.base_url, api_key="x")
+        messages = [{"role": "user", "content": "hi"}]
+
+        @lit.trace
+        def agent() -> None:
+            client.chat.completions.create(model="m", messages=messages)
+            client.chat.completions.create(model="m", messages=messages, temperature=0.7, top_p=1.0)
+            client.chat.completions.create(model="m", messages=messages, temperature=0.5, top_p=0.9,
+                                           extra_body={"top_k": 20, "repetition_penalty": 1.0})
+
+        agent()
+        default, tempered, nucleus = (s["attributes"] for s in _llm_spans(server))
+    assert sc.LLM_TEMPERATURE not in default and sc.LLM_SAMPLING_UNSUPPORTED not in default
+    assert tempered[sc.LLM_TEMPERATURE] == 0.7 and sc.LLM_SAMPLING_UNSUPPORTED not in tempered  # top_p=1 is neutral
+    assert nucleus[sc.LLM_TEMPERATURE] == 0.5 and nucleus[sc.LLM_SAMPLING_UNSUPPORTED] == "top_p=0.9,top_k=20"

@@ -7,6 +7,11 @@ dies: the server runs in its own process group (killed as a whole), an ``atexit`
 kernel sends it SIGTERM when its parent dies (``PR_SET_PDEATHSIG``), so no orphan keeps the port and gigabytes of
 RAM (``lit_sdk.processes`` does all three).
 
+Behaviour logprobs are those of the distribution sampled from (``--logprobs-mode processed_logprobs``: after
+the request's temperature), and a request's unset sampling fields take vLLM's neutral defaults
+(``--generation-config vllm``), so that the trainer, which computes softmax(logits / temperature), sees the same
+distribution.
+
 For models whose chat template cannot render tools (SmolLM2), lit passes its own template
 (``templates/chatml_tools.jinja``: ChatML + Hermes ``<tool_call>``) with vLLM's ``hermes`` tool parser.
 
@@ -108,6 +113,9 @@ def build_command(
         cmd += ["--hf-overrides", json.dumps({"tie_word_embeddings": False})]
     cmd += ["--served-model-name", config.served_model_name, "--host", config.host, "--port", str(port)]
     cmd += ["--dtype", config.dtype, "--max-model-len", str(config.max_model_len)]
+    # Logprobs of the distribution actually sampled (after temperature), not the raw T=1 ones, and vLLM's neutral
+    # defaults (T=1, no top-p/top-k) for what a request leaves unset, not the model's generation_config.json.
+    cmd += ["--logprobs-mode", "processed_logprobs", "--generation-config", "vllm"]
     template = chat_template_for(config, model_dir)
     if template is not None:
         cmd += ["--chat-template", str(template)]

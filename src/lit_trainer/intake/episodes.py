@@ -54,6 +54,14 @@ class Transition:
     other_errors: int = 0
     """Other spans with error status in the same interval (not counting skipped LLM calls)."""
     finish_reason: str = ""
+    """Why the engine stopped: ``stop``, ``length`` (cut by ``max_tokens``), ``tool_calls``..."""
+    temperature: float = 1.0
+    """The sampling temperature of the call (1.0 when the request set none: the engine's default). The behaviour
+    logprobs are those of softmax(logits / temperature) (lit's vLLM runs with ``--logprobs-mode
+    processed_logprobs``), and the trainer computes its own at the same temperature."""
+    sampling_unsupported: str = ""
+    """The call's other sampling settings that reshape the distribution (``top_p=0.9``...); lit refuses to train
+    on such a call (``unsupported_sampling``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +229,19 @@ def _transitions(
                 tool_errors=tool_errors[i],
                 other_errors=other_errors[i],
                 finish_reason=str(attrs.get(sc.LLM_FINISH_REASON, "")),
+                temperature=_temperature(attrs.get(sc.LLM_TEMPERATURE)),
+                sampling_unsupported=str(attrs.get(sc.LLM_SAMPLING_UNSUPPORTED, "")),
             )
         )
     return transitions
+
+
+def _temperature(value: object) -> float:
+    """A call's recorded temperature; 1.0 (the engine's default) when it set none."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 1.0
+
+
+def unsupported_sampling(episodes: Iterable[Episode]) -> Transition | None:
+    """The first transition sampled with settings beyond temperature (top-p, top-k, penalties...), or None. The
+    trainer cannot compute the logprobs of such a distribution, so it refuses to train on it."""
+    return next((t for e in episodes for t in e.transitions if t.sampling_unsupported), None)

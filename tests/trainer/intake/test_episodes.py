@@ -14,7 +14,7 @@ import pytest
 
 from lit_sdk import semconv as sc
 from lit_sdk.protocol import STATUS_ERROR, STATUS_OK, SpanRecord
-from lit_trainer.intake.episodes import Episode, Unusable, UnusableRollout, build_episode
+from lit_trainer.intake.episodes import Episode, Unusable, UnusableRollout, build_episode, unsupported_sampling
 
 GOLDEN = Path(__file__).parent / "golden"
 TRACE = "ab" * 16
@@ -210,3 +210,18 @@ def test_inconsistent_logprobs_are_dropped_not_misaligned():
     span.attributes[sc.LLM_RESPONSE_LOGPROBS] = [-0.1]
     (transition,) = build_episode(t.spans).transitions
     assert transition.response_ids == [1, 2, 3] and transition.logprobs is None
+
+
+def test_each_call_keeps_its_sampling_temperature_and_unsupported_settings_are_found():
+    t = Tree()
+    root = t.root()
+    plain, tempered, nucleus = t.llm(root, 10), t.llm(root, 20), t.llm(root, 30)
+    spans = {s.span_id: s for s in t.spans}
+    spans[tempered].attributes[sc.LLM_TEMPERATURE] = 0.7
+    spans[nucleus].attributes[sc.LLM_TEMPERATURE] = 0.5
+    spans[nucleus].attributes[sc.LLM_SAMPLING_UNSUPPORTED] = "top_p=0.9"
+    episode = build_episode(t.spans)
+    assert [tr.temperature for tr in episode.transitions] == [1.0, 0.7, 0.5]  # none recorded: the engine's 1.0
+    assert unsupported_sampling([episode]) is episode.transitions[2]
+    assert unsupported_sampling([build_episode(t.spans[:3])]) is None
+    assert Episode.from_dict(json.loads(json.dumps(episode.to_dict()))) == episode
