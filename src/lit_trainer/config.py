@@ -6,7 +6,7 @@ from the command line.
     [data]     tasks = "examples.calc.tasks:make_tasks"
     [train]    steps = 20   tasks_per_step = 8   group_size = 8   output_dir = "runs/calc"
     [policy]   learning_rate = 1e-5
-    [inference] [weight_sync] [loss] [credit] [advantages] [batching] [dispatch] [collector]
+    [inference] [weight_sync] [loss] [update] [credit] [advantages] [batching] [dispatch] [collector]
 
 Every key maps onto a field of a config dataclass (each documents its own); an unknown key or a value of the wrong
 type is an error that names the key, the file and the expected type, before anything starts.
@@ -26,6 +26,7 @@ from lit_trainer.algorithm.loss import LossConfig
 from lit_trainer.engine.config import InferenceConfig, WeightSyncConfig
 from lit_trainer.learner.batching import BatchingConfig
 from lit_trainer.learner.policy import PolicyConfig
+from lit_trainer.learner.schedule import UpdateConfig
 from lit_trainer.rollouts.dispatcher import DispatchConfig
 from lit_trainer.rollouts.tasks import DataConfig
 
@@ -101,6 +102,7 @@ class TrainConfig:
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    update: UpdateConfig = field(default_factory=UpdateConfig)
     credit: CreditConfig = field(default_factory=CreditConfig)
     advantages: AdvantageConfig = field(default_factory=AdvantageConfig)
     batching: BatchingConfig = field(default_factory=BatchingConfig)
@@ -109,6 +111,17 @@ class TrainConfig:
     collector: EndpointConfig = field(default_factory=EndpointConfig)
     source: str = ""
     """The file this config was read from (set by ``load``)."""
+
+    def __post_init__(self) -> None:
+        # Settings of one section that only make sense with another section's.
+        if self.loss.is_correction != "none" and not self.update.recompute_old_logprobs:
+            raise ValueError(f"loss.is_correction = {self.loss.is_correction!r} corrects π_old (the trainer's "
+                             "recomputed logprobs) towards vLLM's: set update.recompute_old_logprobs = true, or "
+                             "loss.is_correction = 'none'")
+        if self.weight_sync.mode == "lora":
+            raise ValueError("weight_sync.mode = 'lora' is not supported by lit train: a LoRA policy "
+                             "(policy.lora_rank > 0) is pushed as merged full weights, the fast path on CPU; "
+                             "leave weight_sync.mode = 'full'")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

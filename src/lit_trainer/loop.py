@@ -6,9 +6,11 @@ run ``group_size`` rollouts of each on the agent workers → rebuild episodes fr
 validate and checkpoint when due. Generation and training alternate: vLLM idles during the update and the trainer
 idles during the rollouts, so on a 2-core machine neither slows the other.
 
-Transitions whose advantage is 0 (a group where every rollout got the same return) are left out of the update:
-they add nothing to the gradient and would cost a forward and backward pass each. Rollouts that fail after every
-retry give no episode, never a reward of 0; a task left with fewer than ``min_group_size`` episodes is skipped.
+Transitions whose advantage is 0 (a group where every rollout got the same return) add nothing to the policy
+gradient and are not trained on (learner/schedule.py says when they are, and how they count in the normaliser).
+Rollouts that fail after every retry give no episode, never a reward of 0; a task left with fewer than
+``min_group_size`` episodes is skipped. A call sampled with settings lit cannot reproduce (top-p, top-k,
+penalties) stops the run with a message: its importance ratios would be wrong.
 """
 
 from __future__ import annotations
@@ -24,14 +26,14 @@ from typing import Any
 import torch
 
 from lit_trainer.algorithm.advantages import episode_advantages
-from lit_trainer.algorithm.loss import step_loss
 from lit_trainer.config import ConfigError, TrainConfig
 from lit_trainer.engine.logprob_check import check_logprobs
 from lit_trainer.engine.weight_sync import WeightSync, WeightSyncError
 from lit_trainer.evaluate import validate
-from lit_trainer.intake.episodes import Episode
+from lit_trainer.intake.episodes import Episode, unsupported_sampling
 from lit_trainer.learner import checkpoint as ckpt
-from lit_trainer.learner.batching import keep_usable, make_micro_batches
+from lit_trainer.learner.batching import keep_usable
+from lit_trainer.learner.schedule import mask_overlong, run_update
 from lit_trainer.metrics import MetricsLog, plot_curve, step_line
 from lit_trainer.metrics import read as read_metrics
 from lit_trainer.models import resolve_model
@@ -58,9 +60,11 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
     torch.manual_seed(cfg.train.seed)
     base_dir = resolve_model(cfg.model)
-    policy_cfg = replace(cfg.policy, model=str(start.model_dir)) if start else cfg.policy
+    # A LoRA policy resumes as the base model plus the checkpoint's adapter (ckpt.restore loads it).
+    policy_cfg = replace(cfg.policy, model=str(start.model_dir)) if start and not cfg.policy.lora_rank else cfg.policy
     with services(cfg, out / "lit.sqlite") as svc:
-        policy = Policy(policy_cfg, cfg.train.trackers, project_dir=str(out))
+        policy = Policy(policy_cfg, cfg.train.trackers, project_dir=str(out),
+                        reference=str(base_dir) if cfg.loss.kl_beta > 0 else None)  # KL to the initial weights
 
         sync = WeightSync(svc.server.base_url, cfg.weight_sync)
         state = ckpt.restore(start, policy) if start else {"step": 0, "minutes": 0.0}
@@ -77,7 +81,7 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
             tasks = sample_tasks(train_tasks, cfg.train.seed, step, cfg.train.tasks_per_step)
             episodes, metrics = svc.rollouts(tasks, cfg.train.group_size, cfg.agent.temperature, step, f"s{step}")
             metrics["time/rollout"] = time.perf_counter() - t0
-            metrics.update(update_policy(policy, sync, episodes, cfg, pad_id, version=str(step + 1)))
+            metrics.update(update_policy(policy, sync, episodes, cfg, pad_id, step + 1))
             step += 1
             minutes += (time.perf_counter() - t0) / 60
             metrics["minutes"] = minutes
@@ -98,25 +102,35 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
 
 
 def update_policy(policy: Any, sync: Any, episodes: list[Episode], cfg: TrainConfig, pad_id: int,
-                  version: str) -> dict[str, float]:
-    """LightningRL on one step's episodes, the optimizer step, and the weight sync; their metrics."""
+                  step: int) -> dict[str, float]:
+    """LightningRL on the episodes of training step ``step`` (from 1), the optimizer steps, and the weight sync
+    (weight version ``step``); their metrics."""
+    version = str(step)
     groups = collections.Counter(e.task_id for e in episodes)
     kept = [e for e in episodes if groups[e.task_id] >= cfg.train.min_group_size]
     metrics: dict[str, float] = {"rollouts/small_groups_dropped": float(len(episodes) - len(kept))}
     if not kept:
         return metrics
+    bad = unsupported_sampling(kept)
+    if bad is not None:
+        raise ConfigError(f"transition {bad.rollout_id}#{bad.index} (agent {bad.agent!r}) was sampled with "
+                          f"{bad.sampling_unsupported}: lit computes the trainer's logprobs of softmax(logits / "
+                          "temperature) only, so it cannot train on calls with top-p, top-k, min-p, penalties or a "
+                          "logit bias. Remove them from the agent's LLM settings (temperature alone is supported)")
     advantages, adv_metrics = episode_advantages(kept, cfg.credit, cfg.advantages)
     metrics.update(adv_metrics)
     pairs = [(t, float(a)) for e, adv in zip(kept, advantages, strict=True)
-             for t, a in zip(e.transitions, adv.tolist(), strict=True) if a != 0.0]
+             for t, a in zip(e.transitions, adv.tolist(), strict=True)]
     pairs, skipped = keep_usable(pairs, cfg.batching)  # a bad transition costs itself, not the step
     metrics.update({f"update/skipped_{reason}": float(n) for reason, n in skipped.items()})
-    metrics["update/transitions"] = float(len(pairs))
-    if not pairs:
+    pairs, overlong = mask_overlong(pairs, cfg.update)
+    metrics["update/overlong_masked"] = float(overlong)
+    metrics["update/transitions"] = float(sum(1 for _, a in pairs if a != 0.0))
+    if not pairs or (cfg.loss.kl_beta == 0 and not any(a != 0.0 for _, a in pairs)):
         return metrics  # all-correct or all-wrong groups (or only unusable transitions): nothing to learn from
     t0 = time.perf_counter()
-    batches = make_micro_batches([t for t, _ in pairs], [a for _, a in pairs], cfg.batching, pad_id)
-    metrics.update(policy.update(batches, step_loss(cfg.loss, batches)))
+    metrics.update(run_update(policy, pairs, cfg.update, cfg.loss, cfg.batching, pad_id,
+                              seed=cfg.train.seed * 100_003 + step))
     metrics["time/update"] = time.perf_counter() - t0
     metrics["time/sync"] = sync.push_weights(policy.state_dict(), version=version).total_s
     every = cfg.train.check_sync_every

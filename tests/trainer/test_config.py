@@ -47,6 +47,11 @@ def test_overrides_take_toml_values_or_bare_words(tmp_path):
     ("train = 3\n", [], r"expected a section"),
     ("[train\n", [], r"not valid TOML"),
     ("", ["steps"], r"must look like section.key=value"),
+    ("[update]\nppo_epochs = 0\n", [], r"ppo_epochs must be at least 1"),
+    ("[update]\noverlong = 'cut'\n", [], r"overlong must be one of"),
+    ("[loss]\nnormalizer = 'tokens'\n", [], r"normalizer must be one of"),
+    ("[loss]\nis_correction = 'truncate'\n", [], r"set update.recompute_old_logprobs = true"),
+    ("[weight_sync]\nmode = 'lora'\n", [], r"pushed as merged full weights"),
 ])
 def test_mistakes_name_the_key(tmp_path, text, overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -2,14 +2,26 @@
 from, with a cap on large importance ratios and an optional KL term to a frozen reference model.
 
 Every response token t of transition b carries its transition's advantage A_b; prompt and padding tokens are masked
-(m_{b,t} = 0). With ρ = exp(log π_θ − log μ), μ the behaviour logprobs vLLM returned, sg the stop-gradient::
+(m_{b,t} = 0). μ is the behaviour policy vLLM sampled from (its logprobs at the call's temperature), π_old the
+"old" policy of the ratio, sg the stop-gradient::
 
-    ℓ_{b,t} = −min( ρ̃ A_b,  clip(ρ, 1 − ε_low, 1 + ε_high) A_b ) + β · k3_{b,t}
+    ℓ_{b,t} = −w_{b,t} · min( ρ̃ A_b,  clip(ρ, 1 − ε_low, 1 + ε_high) A_b ) + β · k3_{b,t}
+    ρ       = exp(log π_θ − log π_old)
     ρ̃      = ρ · sg(min(1, C / ρ))            value min(ρ, C), gradient min(ρ, C) · ∇log π_θ
     k3      = exp(log π_ref − log π_θ) − (log π_ref − log π_θ) − 1
+    π_old   = μ (default), or the trainer's own logprobs before the step (``recompute_old_logprobs``)
+    w       = 1 (π_old = μ, or is_correction = none)
+            = sg(min(π_old / μ, C_is))                   is_correction = truncate  (truncated IS)
+            = 1[1 / C_is ≤ π_old / μ ≤ C_is]             is_correction = mask      (masked IS)
 
-    token_mean:          L = Σ_{b,t} m ℓ / Σ_{b,t} m
-    seq_mean_token_sum:  L = Σ_b (Σ_t m ℓ) / #{b : Σ_t m > 0}
+    token_mean:          L = Σ_{b,t} m ℓ / N_tokens
+    seq_mean_token_sum:  L = Σ_b (Σ_t m ℓ) / N_sequences
+
+N (``normalizer``): ``batch`` counts the response tokens (or sequences) of every usable transition of the step,
+including those whose advantage is 0, which are left out of the forward pass because they add nothing to the
+policy gradient (as verl does: every token of the step weighs 1/N, so a step where few groups carry signal takes a
+proportionally smaller step); ``kept`` counts only the transitions trained on, so the step size grows as fewer
+groups carry signal (Dr. GRPO's objection to per-batch normalisers). bench/normalizer.py measures both.
 
 Length biases. ``token_mean`` weighs every token equally: a sequence's share of the gradient grows with its length,
 and the scale of one sequence's contribution depends on the other sequences of the batch (its normaliser is the
@@ -17,19 +29,22 @@ batch's token count). ``seq_mean_token_sum`` gives each sequence the sum of its 
 weighs more, but with a normaliser (the number of sequences) that does not depend on lengths: the gradient's scale
 grows with the mean length. Neither divides a sequence by its own length, so neither has GRPO's bias towards short
 correct and long wrong answers. When a step is split into micro-batches, each micro-batch's loss takes the whole
-step's denominator (``normalizer=step_normalizer(...)``), so the micro-batch losses, and their gradients, add up to
-those of the whole batch however its rows fall into micro-batches.
+step's denominator (``normalizer=``), so the micro-batch losses, and their gradients, add up to those of the whole
+batch however its rows fall into micro-batches.
 
 The cap C (``ratio_cap``, > 1 + ε_high) bites only where PPO's clip leaves the ratio unbounded: A < 0 and ρ > C. There
 the token's value is C·A and its gradient C·A·∇log π_θ — dual-clip PPO's value, with truncated-IS's gradient (dual clip
 zeroes it). For A > 0 and ρ > 1 + ε_high the clipped branch already wins. Log-ratios are clamped to ±20 before exp
 (ρ ≤ 4.9e8), so a mismatched token gives a finite loss; the clamp zeroes that token's gradient.
 
-Departures. From PPO: the "old" policy is vLLM's behaviour policy, not the trainer's own snapshot, so ρ also absorbs
-the engine/trainer numerical mismatch (hence the cap); ε_low and ε_high may differ (DAPO's clip-higher); no value or
-entropy loss terms. From GRPO: advantages are per call, not per completion; aggregation is token-level (DAPO), not
-the per-sequence mean of GRPO; KL is the same k3 estimator, added per token. From the paper: it uses this
-objective with identical credit; the ratio cap and the choice of aggregation are lit's options.
+Departures. From PPO: by default the "old" policy is vLLM's behaviour policy, not the trainer's own snapshot, so ρ
+also absorbs the engine/trainer numerical mismatch (hence the cap); ``recompute_old_logprobs`` restores PPO's
+snapshot and moves the mismatch into w, as verl's and SkyRL's per-token truncated/masked importance sampling do;
+ε_low and ε_high may differ (DAPO's clip-higher); no value or entropy loss terms. From GRPO: advantages are per
+call, not per completion; aggregation is token-level (DAPO), not the per-sequence mean of GRPO; KL is the same k3
+estimator to a frozen reference (the initial weights), added per token. From the paper: it uses this objective with
+identical credit; the ratio cap, the normaliser, the importance-sampling correction and the choice of aggregation
+are lit's options.
 """
 
 from __future__ import annotations
@@ -42,6 +57,8 @@ from typing import Any
 import torch
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_sum")
+NORMALIZERS = ("batch", "kept")
+IS_CORRECTIONS = ("none", "truncate", "mask")
 LOG_RATIO_LIMIT = 20.0
 
 
@@ -60,6 +77,15 @@ class LossConfig:
     """β ≥ 0: weight of the k3 KL estimate to the reference model; > 0 needs ``ref_logprobs``."""
     aggregation: str = "token_mean"
     """``token_mean`` or ``seq_mean_token_sum`` (module docstring, with their length biases)."""
+    normalizer: str = "batch"
+    """N: ``batch`` (the tokens or sequences of every usable transition of the step, those with advantage 0
+    included, as verl) or ``kept`` (only the transitions with a nonzero advantage). Module docstring."""
+    is_correction: str = "none"
+    """w, the correction for the trainer-vs-engine mismatch when ``update.recompute_old_logprobs`` is on: ``none``,
+    ``truncate`` (w = min(π_old/μ, is_threshold)) or ``mask`` (w = 0 where π_old/μ is outside [1/is_threshold,
+    is_threshold]). The mismatch itself is reported every step (``mismatch/*``)."""
+    is_threshold: float = 2.0
+    """C_is > 1 of ``is_correction``."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.clip_eps_low < 1.0:
@@ -75,6 +101,12 @@ class LossConfig:
             raise ValueError(f"LossConfig.kl_beta must be finite and ≥ 0, got {self.kl_beta}")
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"LossConfig.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
+        if self.normalizer not in NORMALIZERS:
+            raise ValueError(f"LossConfig.normalizer must be one of {NORMALIZERS}, got {self.normalizer!r}")
+        if self.is_correction not in IS_CORRECTIONS:
+            raise ValueError(f"LossConfig.is_correction must be one of {IS_CORRECTIONS}, got {self.is_correction!r}")
+        if not (math.isfinite(self.is_threshold) and self.is_threshold > 1.0):
+            raise ValueError(f"LossConfig.is_threshold must be finite and > 1, got {self.is_threshold}")
 
 
 def step_normalizer(masks: Sequence[torch.Tensor], aggregation: str) -> float:
@@ -89,16 +121,29 @@ def step_normalizer(masks: Sequence[torch.Tensor], aggregation: str) -> float:
     return float(max(count, 1))
 
 
-def step_loss(config: LossConfig, micro_batches: Sequence[Any]) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:
-    """The loss function of one step for ``Policy.update``: ``loss_fn(logp, micro_batch, entropy)`` is
-    ``policy_loss`` on that micro-batch with the whole step's ``step_normalizer``, so that the micro-batch losses add
-    up to the step's. ``micro_batches``: the learner's micro-batches (``response_mask`` and ``old_logprobs`` (B, T),
-    ``advantages`` (B,))."""
-    normalizer = step_normalizer([mb.response_mask for mb in micro_batches], config.aggregation)
+def normalizer_of(response_lengths: Sequence[int], aggregation: str) -> float:
+    """N of a step from the response lengths of the transitions it counts: their tokens (``token_mean``) or the
+    transitions with at least one (``seq_mean_token_sum``); at least 1."""
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    count = sum(response_lengths) if aggregation == "token_mean" else sum(1 for n in response_lengths if n > 0)
+    return float(max(count, 1))
 
-    def loss_fn(logp: torch.Tensor, mb: Any, entropy: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
-        return policy_loss(logp, mb.old_logprobs, mb.advantages, mb.response_mask.bool(), config, entropy=entropy,
-                           normalizer=normalizer)
+
+def step_loss(config: LossConfig, micro_batches: Sequence[Any], normalizer: float | None = None
+              ) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:
+    """The loss function of one optimizer step for ``Policy.update``: ``loss_fn(logp, micro_batch, entropy, ref)``
+    is ``policy_loss`` on that micro-batch with the whole step's N (``normalizer``, by default
+    ``step_normalizer`` of the micro-batches), so that the micro-batch losses add up to the step's.
+    ``micro_batches``: the learner's micro-batches (``response_mask``, ``old_logprobs`` and, when recomputed,
+    ``prox_logprobs`` (B, T); ``advantages`` (B,))."""
+    if normalizer is None:
+        normalizer = step_normalizer([mb.response_mask for mb in micro_batches], config.aggregation)
+
+    def loss_fn(logp: torch.Tensor, mb: Any, entropy: torch.Tensor | None = None, ref: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, dict[str, float]]:
+        return policy_loss(logp, mb.old_logprobs, mb.advantages, mb.response_mask.bool(), config, ref_logprobs=ref,
+                           entropy=entropy, normalizer=normalizer, prox_logprobs=getattr(mb, "prox_logprobs", None))
 
     return loss_fn
 
@@ -154,6 +199,28 @@ def _metrics(
     return metrics
 
 
+@torch.no_grad()
+def _is_weight(prox: torch.Tensor | None, behaviour: torch.Tensor, mask: torch.Tensor, config: LossConfig
+               ) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """w of the module docstring (None when it is 1 everywhere) and the mismatch metrics between π_old and μ."""
+    if prox is None:
+        return None, {}
+    log_r = _masked_log_diff(prox, behaviour, mask)  # (B, T): log π_old/μ
+    r = torch.exp(log_r)  # (B, T)
+    metrics = {"mismatch/k3": _masked_mean(r - 1.0 - log_r, mask), "mismatch/ratio_max": float(r[mask].max())
+               if bool(mask.any()) else 0.0}
+    if config.is_correction == "none":
+        return None, metrics
+    c = config.is_threshold
+    if config.is_correction == "truncate":
+        weight = r.clamp(max=c)
+        metrics["mismatch/truncated_frac"] = _masked_mean((r > c).to(r.dtype), mask)
+    else:
+        weight = ((r >= 1.0 / c) & (r <= c)).to(r.dtype)
+        metrics["mismatch/masked_frac"] = _masked_mean(1.0 - weight, mask)
+    return weight, metrics
+
+
 def policy_loss(
     new_logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -163,12 +230,14 @@ def policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     normalizer: float | None = None,
+    prox_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss L (module docstring) and its metrics.
 
-    new_logprobs (B, T) from the policy (with grad), old_logprobs (B, T) the behaviour logprobs from vLLM, advantages
-    (B,) one per transition, mask (B, T) bool with True on response tokens, ref_logprobs (B, T) for the KL term,
-    entropy (B, T) for the metric only. ``normalizer`` replaces the aggregation's denominator (see module docstring).
+    new_logprobs (B, T) from the policy (with grad), old_logprobs (B, T) the behaviour logprobs μ from vLLM,
+    advantages (B,) one per transition, mask (B, T) bool with True on response tokens, ref_logprobs (B, T) for the
+    KL term, entropy (B, T) for the metric only, prox_logprobs (B, T) the recomputed π_old (None: π_old = μ).
+    ``normalizer`` replaces the aggregation's denominator (see module docstring).
     """
     assert new_logprobs.dim() == 2, f"new_logprobs must be (B, T), got {tuple(new_logprobs.shape)}"
     shape = new_logprobs.shape
@@ -177,6 +246,7 @@ def policy_loss(
         ("mask", mask),
         ("ref_logprobs", ref_logprobs),
         ("entropy", entropy),
+        ("prox_logprobs", prox_logprobs),
     ):
         assert t is None or t.shape == shape, f"{name} has shape {tuple(t.shape)}, want {tuple(shape)}"
     assert advantages.shape == shape[:1], f"advantages has shape {tuple(advantages.shape)}, want ({shape[0]},)"
@@ -185,8 +255,10 @@ def policy_loss(
     if config.kl_beta > 0.0 and ref_logprobs is None:
         raise ValueError("LossConfig.kl_beta > 0 needs ref_logprobs (a reference model), or set kl_beta = 0")
 
-    log_ratio = _masked_log_diff(new_logprobs, old_logprobs.detach(), mask)  # (B, T)
+    old = old_logprobs.detach() if prox_logprobs is None else prox_logprobs.detach()  # (B, T): π_old
+    log_ratio = _masked_log_diff(new_logprobs, old, mask)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
+    weight, is_metrics = _is_weight(prox_logprobs, old_logprobs, mask, config)  # (B, T) or None
     adv = advantages.detach().to(new_logprobs.dtype)[:, None].expand(shape)  # (B, T)
     lo, hi = 1.0 - config.clip_eps_low, 1.0 + config.clip_eps_high
     weighted = ratio
@@ -194,7 +266,7 @@ def policy_loss(
         # ρ̃: value min(ρ, C); the detached factor keeps the gradient ∝ min(ρ, C) instead of ρ.
         weighted = ratio * (config.ratio_cap / ratio).clamp(max=1.0).detach()
     surrogate = torch.minimum(weighted * adv, ratio.clamp(lo, hi) * adv)  # (B, T)
-    policy_tokens = -surrogate  # (B, T)
+    policy_tokens = -surrogate if weight is None else -weight * surrogate  # (B, T)
     loss_policy = _aggregate(policy_tokens, mask, config.aggregation, normalizer)
 
     kl_tokens = None
@@ -205,7 +277,7 @@ def policy_loss(
     if config.kl_beta > 0.0:
         loss = loss + config.kl_beta * _aggregate(kl_tokens, mask, config.aggregation, normalizer)
 
-    metrics = _metrics(ratio.detach(), log_ratio.detach(), adv, mask, config, kl_tokens, entropy)
+    metrics = _metrics(ratio.detach(), log_ratio.detach(), adv, mask, config, kl_tokens, entropy) | is_metrics
     # The micro-batch's own mean, whatever the normalizer: averaged by tokens over micro-batches, it is the step's.
     metrics["loss/policy"] = float(_aggregate(policy_tokens.detach(), mask, config.aggregation, None))
     return loss, metrics

@@ -19,8 +19,10 @@ import torch
 from lit_trainer.learner.batching import MicroBatch
 from lit_trainer.models import resolve_model
 
-LossFn = Callable[[torch.Tensor, MicroBatch, torch.Tensor | None], tuple[torch.Tensor, dict[str, float]]]
-"""``loss_fn(logprobs (B, T), batch, entropy (B, T) | None) -> (loss, metrics)`` for one micro-batch. The loss is
+LossFn = Callable[[torch.Tensor, MicroBatch, torch.Tensor | None, torch.Tensor | None],
+                  tuple[torch.Tensor, dict[str, float]]]
+"""``loss_fn(logprobs (B, T), batch, entropy (B, T) | None, ref_logprobs (B, T) | None) -> (loss, metrics)`` for one
+micro-batch (``ref_logprobs``: the reference policy's, when the policy has one). The loss is
 the micro-batch's term of the step's loss (normalised by the whole step, e.g. ``policy_loss(normalizer=
 step_normalizer(...))``): the terms of all micro-batches add up to the step's loss, whatever the micro-batching."""
 
@@ -57,8 +59,14 @@ class PolicyConfig:
 
 
 class Policy:
-    def __init__(self, config: PolicyConfig, trackers: Sequence[str] = (), project_dir: str | None = None):
-        """``trackers`` (e.g. ``["tensorboard"]``) go to accelerate's ``log_with``, logging under ``project_dir``."""
+    def __init__(self, config: PolicyConfig, trackers: Sequence[str] = (), project_dir: str | None = None,
+                 reference: str | None = None):
+        """``trackers`` (e.g. ``["tensorboard"]``) go to accelerate's ``log_with``, logging under ``project_dir``.
+
+        ``reference``: a model folder (or ``smollm2-135m``) whose frozen logprobs the loss's KL term compares with
+        (``loss.kl_beta > 0``; the training loop passes the initial weights). With LoRA the reference is the base
+        model under the adapter, computed with the adapter switched off: no extra memory, and ``reference`` only
+        has to be given to turn it on."""
         from accelerate import Accelerator
         from transformers import AutoModelForCausalLM
 
@@ -80,32 +88,21 @@ class Policy:
         except (RuntimeError, TypeError):  # a device or dtype without the fused kernel
             optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        self.reference: torch.nn.Module | None = None
+        self.has_reference = reference is not None
+        if reference is not None and not config.lora_rank:
+            frozen = AutoModelForCausalLM.from_pretrained(resolve_model(reference), dtype=torch.float32)
+            self.reference = frozen.to(self.accelerator.device).eval().requires_grad_(False)
 
     @property
     def trainable(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def token_logprobs(self, batch: MicroBatch, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Per-token logprobs in token space (position t: log p(token t | tokens < t); position 0 is 0), and
-        optionally the entropy of the distribution each response token was drawn from (0 elsewhere). Both (B, T)."""
-        device = self.accelerator.device
-        input_ids = batch.input_ids.to(device)  # (B, T)
-        logits = self.model(input_ids=input_ids, attention_mask=batch.attention_mask.to(device)).logits  # (B, T, V)
-        # The logits at position t-1 predict token t: drop the last position, shift the targets left by one.
-        logp_all = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # (B, T-1, V)
-        picked = logp_all.gather(-1, input_ids[:, 1:, None])[..., 0]  # (B, T-1)
-        zero = torch.zeros_like(picked[:, :1])  # (B, 1): token 0 has no prediction
-        logp = torch.cat([zero, picked], dim=1)  # (B, T)
-        entropy = None
-        if with_entropy:
-            # A metric, never differentiated: computed without autograd (which would keep a (B, T, V) copy for
-            # the backward pass) and only where the mask says a response token sits.
-            with torch.no_grad():
-                entropy = torch.zeros_like(logp)  # (B, T)
-                where = batch.response_mask.to(device).bool()  # (B, T)
-                rows = logp_all[where[:, 1:]]  # (N, V): distributions that produced response tokens
-                entropy[where] = -(rows.exp() * rows).sum(-1)
-        return logp, entropy
+        """Per-token logprobs in token space (position t: log p(token t | tokens < t) at the row's sampling
+        temperature; 0 where no response token sits), and optionally the entropy of the distribution each response
+        token was drawn from (0 elsewhere). Both (B, T)."""
+        return _model_logprobs(self.model, batch, self.accelerator.device, with_entropy)
 
     def update(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step over all micro-batches: the gradients of their loss terms add up (see ``LossFn``), so
@@ -120,7 +117,7 @@ class Policy:
         for mb in micro_batches:
             weight = mb.n_response_tokens / total_tokens
             logp, entropy = self.token_logprobs(mb, with_entropy=self.config.compute_entropy)
-            loss, metrics = loss_fn(logp, mb, entropy)
+            loss, metrics = loss_fn(logp, mb, entropy, self.reference_logprobs(mb) if self.has_reference else None)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"the loss is {loss.item()} on micro-batch rows {mb.index}")
             self.accelerator.backward(loss)
@@ -134,6 +131,17 @@ class Policy:
         self.optimizer.zero_grad(set_to_none=True)
         return {**sums, "policy/grad_norm": grad_norm, "policy/vllm_logprob_gap": gap_sum / max(gap_tokens, 1),
                 "policy/response_tokens": float(total_tokens)}
+
+    @torch.no_grad()
+    def reference_logprobs(self, batch: MicroBatch) -> torch.Tensor:
+        """The reference policy's token logprobs (B, T) for the KL term: the frozen copy, or with LoRA the base
+        model with the adapter switched off."""
+        if not self.has_reference:
+            raise RuntimeError("this Policy has no reference model: build it with reference=<model folder>")
+        if self.reference is None:  # LoRA: the base weights are the reference
+            with self.unwrapped().disable_adapter():
+                return self.token_logprobs(batch)[0]
+        return _model_logprobs(self.reference, batch, self.accelerator.device)[0]
 
     def _clip(self) -> float:
         if self.config.max_grad_norm > 0:
@@ -153,3 +161,22 @@ class Policy:
                 "instead of full weights"
             )
         return self.unwrapped().state_dict()
+
+
+def _model_logprobs(model: torch.nn.Module, batch: MicroBatch, device: torch.device, with_entropy: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    input_ids = batch.input_ids.to(device)  # (B, T)
+    logits = model(input_ids=input_ids, attention_mask=batch.attention_mask.to(device)).logits  # (B, T, V)
+    # The logits at position t-1 predict token t: drop the last position, shift the targets left by one.
+    logp_all = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # (B, T-1, V)
+    picked = logp_all.gather(-1, input_ids[:, 1:, None])[..., 0]  # (B, T-1)
+    zero = torch.zeros_like(picked[:, :1])  # (B, 1): token 0 has no prediction
+    logp = torch.cat([zero, picked], dim=1)  # (B, T)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = torch.zeros_like(logp)  # (B, T)
+            where = batch.response_mask.to(device).bool()  # (B, T)
+            rows = logp_all[where[:, 1:]]  # (N, V): distributions that produced response tokens
+            entropy[where] = -(rows.exp() * rows).sum(-1)
+    return logp, entropy

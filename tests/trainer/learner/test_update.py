@@ -16,19 +16,7 @@ from lit_trainer.intake.episodes import Transition
 from lit_trainer.learner.batching import BatchingConfig, make_micro_batches
 from lit_trainer.learner.policy import Policy, PolicyConfig
 
-VOCAB = 64
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
+VOCAB = 64  # the tiny_model fixture's (conftest.py)
 
 
 def transitions() -> tuple[list[Transition], list[float]]:

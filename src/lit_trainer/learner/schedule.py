@@ -1,0 +1,136 @@
+"""One training step's update schedule: which transitions are trained on, in how many optimizer steps, how often.
+
+    for epoch in 1..ppo_epochs:                       (the step's transitions, reshuffled each epoch)
+        for each of mini_batches parts:               (one optimizer step each; micro-batches accumulate inside)
+            Policy.update(part, loss with the part's normaliser N)
+
+With the defaults (1 epoch, 1 mini-batch) a training step is one optimizer step on all its transitions and the
+PPO ratio starts at about 1, so clipping only acts on the engine/trainer mismatch. More epochs or mini-batches reuse
+the same rollouts for several optimizer steps (PPO): the policy moves away from the one that sampled them, and the
+clip and the ratio cap bound how far. ``recompute_old_logprobs`` takes π_old from the trainer's own weights at the
+start of the step (one more forward pass over the step, without gradients) instead of vLLM's logprobs; the loss then
+corrects for the engine/trainer mismatch with ``loss.is_correction`` (algorithm/loss.py).
+
+Transitions with advantage 0 add nothing to the policy gradient: they are left out of the forward and backward
+passes, and counted in N only with ``loss.normalizer = "batch"``. With ``loss.kl_beta > 0`` they carry the KL term's
+gradient, so they are trained on too. Responses cut by ``max_tokens`` (finish reason ``length``) are trained on
+(``overlong = "train"``) or left out of the loss and of N (``"mask"``); to penalise them instead, use the credit
+assignment's automatic reward (``credit.auto_reward_weight``: p_k counts a ``length`` finish as one signal).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lit_trainer.algorithm.loss import LossConfig, normalizer_of, step_loss
+from lit_trainer.intake.episodes import Transition
+from lit_trainer.learner.batching import BatchingConfig, MicroBatch, make_micro_batches
+
+OVERLONG = ("train", "mask")
+
+
+@dataclass(frozen=True)
+class UpdateConfig:
+    """How a training step's transitions become optimizer steps."""
+
+    ppo_epochs: int = 1
+    """Passes over the step's transitions; each pass reshuffles them (seeded by ``train.seed`` and the step)."""
+    mini_batches: int = 1
+    """Optimizer steps per pass: the transitions are split into this many parts of (nearly) equal size."""
+    recompute_old_logprobs: bool = False
+    """π_old of the PPO ratio from the trainer's weights at the start of the step (one no-grad forward pass) instead
+    of vLLM's behaviour logprobs; pair it with ``loss.is_correction`` for the mismatch between the two."""
+    overlong: str = "train"
+    """Responses cut by ``max_tokens``: ``train`` on them like any other, or ``mask`` them out of the loss and N
+    (counted as ``update/overlong_masked``)."""
+
+    def __post_init__(self) -> None:
+        if self.ppo_epochs < 1:
+            raise ValueError(f"UpdateConfig.ppo_epochs must be at least 1, got {self.ppo_epochs}")
+        if self.mini_batches < 1:
+            raise ValueError(f"UpdateConfig.mini_batches must be at least 1, got {self.mini_batches}")
+        if self.overlong not in OVERLONG:
+            raise ValueError(f"UpdateConfig.overlong must be one of {OVERLONG}, got {self.overlong!r}")
+
+
+def split(n: int, parts: int, seed: int) -> list[list[int]]:
+    """Indices 0..n-1 in ``parts`` nearly equal parts (sizes differ by at most 1; none empty unless n < parts), in
+    a random order fixed by ``seed``; with one part, the natural order."""
+    order = list(range(n))
+    if parts > 1:
+        random.Random(seed).shuffle(order)
+    size, extra = divmod(n, parts)
+    out, start = [], 0
+    for p in range(parts):
+        end = start + size + (1 if p < extra else 0)
+        out.append(order[start:end])
+        start = end
+    return [part for part in out if part]
+
+
+def mask_overlong(pairs: Sequence[tuple[Transition, float]], config: UpdateConfig
+                  ) -> tuple[list[tuple[Transition, float]], int]:
+    """The pairs to train on and how many were masked for ending at ``max_tokens`` (``overlong = "mask"``)."""
+    if config.overlong == "train":
+        return list(pairs), 0
+    kept = [(t, a) for t, a in pairs if t.finish_reason != "length"]
+    return kept, len(pairs) - len(kept)
+
+
+def run_update(policy: Any, pairs: Sequence[tuple[Transition, float]], update: UpdateConfig, loss: LossConfig,
+               batching: BatchingConfig, pad_id: int, seed: int) -> dict[str, float]:
+    """Every optimizer step of one training step (module docstring) on ``policy``; their metrics, averaged over
+    the optimizer steps by the response tokens each trained on, plus ``update/optimizer_steps``."""
+    prox = _old_logprobs(policy, pairs, batching, pad_id) if update.recompute_old_logprobs else None
+    sums: dict[str, float] = {}
+    tokens, steps = 0.0, 0
+    for epoch in range(update.ppo_epochs):
+        for part in split(len(pairs), update.mini_batches, seed * 1000 + epoch):
+            chosen = [pairs[i] for i in part]
+            counted = chosen if loss.normalizer == "batch" else [(t, a) for t, a in chosen if a != 0.0]
+            normalizer = normalizer_of([len(t.response_ids) for t, _ in counted], loss.aggregation)
+            train = [i for i in part if pairs[i][1] != 0.0 or loss.kl_beta > 0.0]
+            if not train:
+                continue
+            batches = make_micro_batches([pairs[i][0] for i in train], [pairs[i][1] for i in train], batching,
+                                         pad_id)
+            if prox is not None:  # mb.index counts rows of ``train``
+                for mb in batches:
+                    mb.prox_logprobs = _rows(mb, [prox[i] for i in train])
+            metrics = policy.update(batches, step_loss(loss, batches, normalizer=normalizer))
+            weight = metrics["policy/response_tokens"]
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + value * weight
+            tokens += weight
+            steps += 1
+    out = {key: value / max(tokens, 1.0) for key, value in sums.items()}
+    out["policy/response_tokens"] = tokens
+    out["update/optimizer_steps"] = float(steps)
+    return out
+
+
+@torch.no_grad()
+def _old_logprobs(policy: Any, pairs: Sequence[tuple[Transition, float]], batching: BatchingConfig, pad_id: int
+                  ) -> list[list[float]]:
+    """The trainer's logprobs of every pair's response tokens under its current weights, in ``pairs``' order."""
+    out: list[list[float]] = [[] for _ in pairs]
+    batches = make_micro_batches([t for t, _ in pairs], [a for _, a in pairs], batching, pad_id)
+    for mb in batches:
+        logp, _ = policy.token_logprobs(mb)
+        for b, i in enumerate(mb.index):
+            out[i] = logp[b][mb.response_mask[b].bool()].tolist()
+    return out
+
+
+def _rows(mb: MicroBatch, responses: list[list[float]]) -> torch.Tensor:
+    """(B, T) token-space tensor holding ``responses[mb.index[b]]`` at row b's response positions, 0 elsewhere."""
+    out = torch.zeros_like(mb.old_logprobs)  # (B, T)
+    for b, i in enumerate(mb.index):
+        where = mb.response_mask[b].bool()  # (T,)
+        out[b, where] = torch.tensor(responses[i], dtype=out.dtype)
+    return out

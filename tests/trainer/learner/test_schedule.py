@@ -1,0 +1,145 @@
+"""The update schedule on a tiny real Llama: the normaliser counts zero-advantage transitions (``batch``), PPO epochs
+and mini-batches take several optimizer steps, recomputed old logprobs and importance-sampling corrections, overlong
+responses, and the KL term against a frozen reference (full fine-tune and LoRA)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from lit_trainer.algorithm.loss import LossConfig
+from lit_trainer.intake.episodes import Transition
+from lit_trainer.learner.batching import BatchingConfig, make_micro_batches
+from lit_trainer.learner.policy import Policy, PolicyConfig
+from lit_trainer.learner.schedule import UpdateConfig, mask_overlong, run_update, split
+
+VOCAB = 64  # the tiny_model fixture's (conftest.py)
+BATCHING = BatchingConfig()
+
+
+def rows(shapes: list[tuple[int, int]], seed: int = 5, finish: str = "stop") -> list[Transition]:
+    rng = random.Random(seed)
+    return [Transition(prompt_ids=[rng.randrange(1, VOCAB) for _ in range(p)],
+                       response_ids=[rng.randrange(1, VOCAB) for _ in range(r)],
+                       logprobs=[-rng.uniform(2.0, 5.0) for _ in range(r)], reward=None, agent="a",
+                       rollout_id=f"r{i}", task_id="t", index=0, span_id="s", finish_reason=finish)
+            for i, (p, r) in enumerate(shapes)]
+
+
+def first_gradient(policy: Policy) -> list[torch.Tensor]:
+    """Makes ``policy`` record the gradient of each optimizer step into the returned list."""
+    grads: list[torch.Tensor] = []
+    step = policy.optimizer.step
+
+    def capture(*args, **kwargs):
+        grads.append(torch.cat([p.grad.flatten() for p in policy.trainable]))
+        return step(*args, **kwargs)
+
+    policy.optimizer.step = capture
+    return grads
+
+
+def with_own_logprobs(policy: Policy, pairs: list[tuple[Transition, float]], shifts: list[float]
+                      ) -> list[tuple[Transition, float]]:
+    """The pairs with behaviour logprobs set to ``policy``'s own minus ``shifts[i]`` (π_old/μ = e^shift)."""
+    mb = make_micro_batches([t for t, _ in pairs], [a for _, a in pairs], BATCHING, pad_id=0)[0]
+    with torch.no_grad():
+        own = policy.token_logprobs(mb)[0]  # (B, T)
+    out = list(pairs)
+    for b, i in enumerate(mb.index):
+        t, adv = pairs[i]
+        fields = {f: getattr(t, f) for f in t.__slots__}
+        out[i] = (Transition(**{**fields, "logprobs": (own[b][mb.response_mask[b].bool()] - shifts[i]).tolist()}), adv)
+    return out
+
+
+def test_split_gives_near_equal_seeded_parts():
+    parts = split(10, 3, seed=1)
+    assert sorted(len(p) for p in parts) == [3, 3, 4] and sorted(sum(parts, [])) == list(range(10))
+    assert parts == split(10, 3, seed=1) and parts != split(10, 3, seed=2)
+    assert split(4, 1, seed=9) == [[0, 1, 2, 3]]
+    assert split(2, 3, seed=0) and all(split(2, 3, seed=0))  # no empty parts
+
+
+@pytest.mark.parametrize("normalizer", ["batch", "kept"])
+def test_zero_advantage_tokens_count_in_the_batch_normaliser(tiny_model: Path, normalizer: str):
+    """Defect 6: dropping the zero-advantage transitions used to drop their tokens from N too (``kept``); ``batch``
+    keeps them in N, so the same informative transitions take a step smaller by kept/all tokens."""
+    a, zero, c = rows([(4, 3), (5, 6), (3, 2)])
+    loss = LossConfig(normalizer=normalizer)
+    policy = Policy(PolicyConfig(model=str(tiny_model), max_grad_norm=0.0))
+    grads = first_gradient(policy)
+    run_update(policy, [(a, 1.0), (zero, 0.0), (c, -1.0)], UpdateConfig(), loss, BATCHING, pad_id=0, seed=0)
+    alone = Policy(PolicyConfig(model=str(tiny_model), max_grad_norm=0.0))
+    alone_grads = first_gradient(alone)
+    run_update(alone, [(a, 1.0), (c, -1.0)], UpdateConfig(), loss, BATCHING, pad_id=0, seed=0)
+    scale = (3 + 2) / (3 + 6 + 2) if normalizer == "batch" else 1.0
+    assert alone_grads[0].abs().sum() > 0
+    assert_close(grads[0], alone_grads[0] * scale, atol=1e-7, rtol=1e-4)
+    assert LossConfig().normalizer == "batch"
+
+
+def test_ppo_epochs_and_mini_batches_take_several_steps_and_the_ratio_moves(tiny_model: Path):
+    pairs = list(zip(rows([(4, 3), (5, 6), (3, 2), (6, 4)]), [1.0, -1.0, 0.5, -0.5], strict=True))
+    policy = Policy(PolicyConfig(model=str(tiny_model), learning_rate=5e-2))
+    pairs = with_own_logprobs(policy, pairs, [0.0] * 4)  # the first optimizer step's ratio is exactly 1
+    grads = first_gradient(policy)
+    metrics = run_update(policy, pairs, UpdateConfig(ppo_epochs=2, mini_batches=2), LossConfig(), BATCHING, 0, 0)
+    assert len(grads) == 4 and metrics["update/optimizer_steps"] == 4.0
+    assert metrics["loss/ratio_max"] > 1.0 + 1e-3  # later optimizer steps see a policy that moved away
+    assert metrics["policy/response_tokens"] == 2 * (3 + 6 + 2 + 4)
+
+
+def test_recomputed_old_logprobs_and_importance_sampling_corrections(tiny_model: Path):
+    policy = Policy(PolicyConfig(model=str(tiny_model), learning_rate=1e-9))  # a step that changes nothing
+    # vLLM's logprobs 2 nats below the trainer's on the first row (π_old/μ = e² > 2), equal on the second.
+    pairs = with_own_logprobs(policy, list(zip(rows([(4, 3), (5, 6)]), [1.0, -1.0], strict=True)), [2.0, 0.0])
+    update = UpdateConfig(recompute_old_logprobs=True)
+    plain = run_update(policy, pairs, update, LossConfig(), BATCHING, 0, 0)
+    # π_old is the trainer's own: the ratio starts at 1 however far vLLM's logprobs are; the gap is reported.
+    assert plain["loss/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert plain["mismatch/k3"] == pytest.approx(3 * (2.718281828**2 - 1 - 2) / 9, rel=1e-4)
+    masked = run_update(policy, pairs, update, LossConfig(is_correction="mask", is_threshold=2.0), BATCHING, 0, 0)
+    assert masked["mismatch/masked_frac"] == pytest.approx(3 / 9)
+    truncated = run_update(policy, pairs, update, LossConfig(is_correction="truncate"), BATCHING, 0, 0)
+    assert truncated["mismatch/truncated_frac"] == pytest.approx(3 / 9)
+    # ρ = 1, so ℓ = −w·A: the first row's 3 tokens (A = 1) weigh 1 (none), 0 (mask) or C_is = 2 (truncate), the
+    # second row's 6 tokens (A = −1) weigh 1.
+    assert plain["loss/policy"] == pytest.approx(-(3 - 6) / 9, abs=1e-5)
+    assert masked["loss/policy"] == pytest.approx(-(0 - 6) / 9, abs=1e-5)
+    assert truncated["loss/policy"] == pytest.approx(-(3 * 2 - 6) / 9, abs=1e-5)
+
+
+def test_overlong_responses_are_masked_on_request():
+    cut, done = rows([(2, 2)], finish="length") + rows([(2, 2)])
+    pairs = [(cut, 1.0), (done, -1.0)]
+    assert mask_overlong(pairs, UpdateConfig()) == (pairs, 0)
+    assert mask_overlong(pairs, UpdateConfig(overlong="mask")) == ([(done, -1.0)], 1)
+
+
+def test_kl_to_a_frozen_reference_starts_at_zero_and_grows(tiny_model: Path):
+    """Defect 2: kl_beta > 0 used to crash (no reference logprobs); the policy now carries a frozen reference."""
+    pairs = list(zip(rows([(4, 3), (5, 6)]), [1.0, -1.0], strict=True))
+    policy = Policy(PolicyConfig(model=str(tiny_model), learning_rate=5e-2), reference=str(tiny_model))
+    loss = LossConfig(kl_beta=0.1)
+    first = run_update(policy, pairs, UpdateConfig(), loss, BATCHING, 0, 0)
+    second = run_update(policy, pairs, UpdateConfig(), loss, BATCHING, 0, 0)
+    assert first["loss/kl"] == pytest.approx(0.0, abs=1e-6) and second["loss/kl"] > 1e-4
+    assert all(not p.requires_grad for p in policy.reference.parameters())
+
+
+def test_lora_reference_is_the_base_under_the_adapter(tiny_model: Path):
+    pairs = list(zip(rows([(4, 3), (5, 6)]), [1.0, -1.0], strict=True))
+    base = Policy(PolicyConfig(model=str(tiny_model)))
+    lora = Policy(PolicyConfig(model=str(tiny_model), lora_rank=4, learning_rate=5e-2), reference=str(tiny_model))
+    assert lora.reference is None  # no copy: the adapter is switched off instead
+    mb = make_micro_batches([t for t, _ in pairs], [a for _, a in pairs], BATCHING, pad_id=0)[0]
+    for _ in range(3):
+        run_update(lora, pairs, UpdateConfig(), LossConfig(kl_beta=0.1), BATCHING, 0, 0)
+    mask = mb.response_mask.bool()
+    assert_close(lora.reference_logprobs(mb)[mask], base.token_logprobs(mb)[0].detach()[mask], atol=1e-5, rtol=0)
+    assert not torch.allclose(lora.token_logprobs(mb)[0].detach()[mask], base.token_logprobs(mb)[0].detach()[mask])
