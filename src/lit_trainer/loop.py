@@ -34,7 +34,7 @@ from lit_trainer.intake.episodes import Episode, unsupported_sampling
 from lit_trainer.learner import checkpoint as ckpt
 from lit_trainer.learner.batching import keep_usable
 from lit_trainer.learner.schedule import mask_overlong, run_update
-from lit_trainer.metrics import MetricsLog, plot_curve, step_line
+from lit_trainer.metrics import MetricsLog, memory_gb, plot_curve, step_line
 from lit_trainer.metrics import read as read_metrics
 from lit_trainer.models import resolve_model
 from lit_trainer.rollouts.tasks import load_tasks, sample_tasks
@@ -85,6 +85,7 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
             step += 1
             minutes += (time.perf_counter() - t0) / 60
             metrics["minutes"] = minutes
+            metrics.update(memory_gb(svc.server.process.pid if svc.server.process else None))
             log.log(step, metrics)
             print(step_line(step, cfg.train.steps, metrics), flush=True)
             last_step = step >= cfg.train.steps or (cfg.train.max_minutes and minutes >= cfg.train.max_minutes)

@@ -7,10 +7,28 @@ from __future__ import annotations
 
 import json
 import math
+import resource
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+
+def memory_gb(server_pid: int | None = None) -> dict[str, float]:
+    """``memory/trainer_peak_gb``: the peak resident set of this process so far; ``memory/vllm_gb``: the resident
+    set now of the largest process among the vLLM server ``server_pid`` and its children (its engine core). GiB."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    out = {"memory/trainer_peak_gb": peak / (2**30 if sys.platform == "darwin" else 2**20)}
+    if server_pid is not None:
+        import psutil
+
+        try:
+            server = psutil.Process(server_pid)
+            out["memory/vllm_gb"] = max(p.memory_info().rss for p in [server, *server.children(recursive=True)]) / 2**30
+        except psutil.Error:
+            pass  # the server is gone: the loop's health checks say so
+    return out
 
 
 class MetricsLog:

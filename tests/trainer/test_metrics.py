@@ -9,7 +9,7 @@ import pytest
 from accelerate import Accelerator
 from accelerate.tracking import GeneralTracker
 
-from lit_trainer.metrics import MetricsLog, plot_curve, read, step_line
+from lit_trainer.metrics import MetricsLog, memory_gb, plot_curve, read, step_line
 
 
 def test_step_line_formats_each_figure_and_marks_missing_ones():
@@ -96,3 +96,17 @@ def test_plot_curve_writes_a_png_and_nothing_without_data(tmp_path):
     png = plot_curve(path, tmp_path / "curve.png", title="t")
     assert png == tmp_path / "curve.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_memory_figures_are_this_process_peak_and_a_server_s_largest_process():
+    import os
+
+    import psutil
+
+    ballast = bytearray(64 * 2**20)  # 64 MiB touched: the peak is at least that much
+    mine = memory_gb(os.getpid())
+    assert mine["memory/trainer_peak_gb"] >= 64 / 1024
+    assert 0 < mine["memory/vllm_gb"] <= mine["memory/trainer_peak_gb"] * 1.05  # current <= peak, up to accounting
+    assert mine["memory/vllm_gb"] == pytest.approx(psutil.Process().memory_info().rss / 2**30, rel=0.2)
+    assert "memory/vllm_gb" not in memory_gb(None)
+    del ballast

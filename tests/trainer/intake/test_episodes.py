@@ -215,7 +215,8 @@ def test_inconsistent_logprobs_are_dropped_not_misaligned():
 def test_each_call_keeps_its_sampling_temperature_and_unsupported_settings_are_found():
     t = Tree()
     root = t.root()
-    plain, tempered, nucleus = t.llm(root, 10), t.llm(root, 20), t.llm(root, 30)
+    t.llm(root, 10)  # no temperature recorded
+    tempered, nucleus = t.llm(root, 20), t.llm(root, 30)
     spans = {s.span_id: s for s in t.spans}
     spans[tempered].attributes[sc.LLM_TEMPERATURE] = 0.7
     spans[nucleus].attributes[sc.LLM_TEMPERATURE] = 0.5
