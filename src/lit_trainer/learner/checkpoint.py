@@ -3,8 +3,13 @@ needs to continue exactly: the optimizer state, the step, the RNG states and the
 
     <output_dir>/checkpoints/step-000012/
         model/               config.json, model.safetensors, tokenizer files
+        adapter/             LoRA only: adapter_config.json, adapter_model.safetensors (peft's format)
         trainer_state.pt     optimizer, step, rng, data position, weight version
         DONE                 written last: a folder without it is an interrupted save and is ignored
+
+With LoRA (``policy.lora_rank > 0``) ``model/`` is the full model with the adapter merged in, so ``lit eval
+--checkpoint``, vLLM and transformers load it as a plain model, like a full fine-tune's; ``--resume`` instead
+rebuilds the policy from the base model and loads ``adapter/`` on top (the optimizer state is the adapter's).
 
 A checkpoint is written into a temporary folder and renamed into place, so a kill mid-save leaves the previous
 checkpoint as the latest.
@@ -21,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lit_trainer.learner import lora
 from lit_trainer.learner.policy import Policy
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
@@ -35,6 +41,12 @@ class Checkpoint:
     @property
     def model_dir(self) -> Path:
         return self.path / "model"
+
+    @property
+    def adapter_dir(self) -> Path | None:
+        """The LoRA adapter of a LoRA run's checkpoint; None for a full fine-tune's."""
+        adapter = self.path / "adapter"
+        return adapter if adapter.is_dir() else None
 
     def state(self) -> dict[str, Any]:
         return torch.load(self.path / "trainer_state.pt", weights_only=False)
@@ -73,7 +85,11 @@ def save(output_dir: str | Path, step: int, policy: Policy, base_model_dir: Path
     tmp = root / f".tmp-step-{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "model").mkdir(parents=True)
-    policy.unwrapped().save_pretrained(tmp / "model", safe_serialization=True)
+    if policy.config.lora_rank:
+        lora.save_merged(policy.unwrapped(), tmp / "model")
+        lora.save_adapter(policy.unwrapped(), tmp / "adapter")
+    else:
+        policy.unwrapped().save_pretrained(tmp / "model", safe_serialization=True)
     for name in TOKENIZER_FILES:
         if (base_model_dir / name).exists():
             shutil.copy2(base_model_dir / name, tmp / "model" / name)
@@ -94,10 +110,35 @@ def save(output_dir: str | Path, step: int, policy: Policy, base_model_dir: Path
 
 
 def restore(checkpoint: Checkpoint, policy: Policy) -> dict[str, Any]:
-    """Load the optimizer and RNG states into a policy built from ``checkpoint.model_dir``; the saved state."""
+    """Load the training state into ``policy`` and the RNG states; the saved state.
+
+    The caller builds the policy first, with the run's ``PolicyConfig``:
+    - full fine-tune: ``PolicyConfig.model = checkpoint.model_dir`` (the weights are loaded there);
+    - LoRA (``lora_rank > 0``): ``PolicyConfig.model`` = the run's original base model, NOT ``checkpoint.model_dir``
+      (which has the adapter merged in already); this loads the adapter from ``checkpoint.adapter_dir`` into it.
+    Then the optimizer state (the adapter's, with LoRA). A LoRA checkpoint into a full policy, or the reverse,
+    raises ValueError."""
+    _check_kind(checkpoint, policy)
+    if checkpoint.adapter_dir is not None:
+        lora.load_adapter(policy.unwrapped(), checkpoint.adapter_dir)
     state = checkpoint.state()
     policy.optimizer.load_state_dict(state["optimizer"])
     random.setstate(state["rng"]["python"])
     np.random.set_state(state["rng"]["numpy"])
     torch.set_rng_state(state["rng"]["torch"])
     return state
+
+
+def _check_kind(checkpoint: Checkpoint, policy: Policy) -> None:
+    rank = policy.config.lora_rank
+    if rank and checkpoint.adapter_dir is None:
+        raise ValueError(f"{checkpoint.path} is a full fine-tune's checkpoint (no adapter/) but policy.lora_rank = "
+                         f"{rank}: resume it with policy.lora_rank = 0")
+    if not rank and checkpoint.adapter_dir is not None:
+        raise ValueError(f"{checkpoint.path} is a LoRA run's checkpoint (it holds adapter/) but policy.lora_rank = 0: "
+                         "resume it with the run's policy.lora_rank, from the base model")
+    if rank:
+        base = policy.unwrapped().peft_config["default"].base_model_name_or_path
+        if base and Path(base).resolve() == checkpoint.model_dir.resolve():
+            raise ValueError(f"the LoRA policy was built from {checkpoint.model_dir}, which has the adapter merged "
+                             "in: build it from the run's base model, restore() loads the adapter on top")

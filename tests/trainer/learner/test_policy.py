@@ -83,8 +83,11 @@ def test_lora_trains_adapters_only(prepared_model):
     assert all(torch.equal(frozen[n], after[n].detach()) for n in frozen), "a frozen base weight changed"
     unchanged = [n for n in adapters if torch.equal(adapters[n], after[n].detach())]
     assert unchanged == [], f"adapters that did not train: {unchanged[:3]}"
-    with pytest.raises(RuntimeError, match="push_lora"):
-        policy.state_dict()
+    # Defect 3: the weight sync used to raise here; it now gets the base weights with the adapter merged in.
+    merged = policy.state_dict()
+    assert set(merged) == set(Policy(PolicyConfig(model=str(prepared_model))).unwrapped().state_dict())
+    assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"],
+                           frozen["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"])
 
 
 def test_vllm_logprob_gap_measures_the_behaviour_policy_distance(prepared_model):

@@ -1,0 +1,111 @@
+"""Checkpoints on the tiny real Llama (conftest.py): a LoRA run's checkpoint holds the merged model (a plain Hugging
+Face model) and the adapter, and resumes into a policy built from the base model with the same adapter and
+optimizer state; a full fine-tune's is unchanged; the two kinds are not mixed up."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from lit_trainer.learner import checkpoint as ckpt
+from lit_trainer.learner.policy import Policy, PolicyConfig
+
+VOCAB = 64  # the tiny_model fixture's (conftest.py)
+
+
+def input_ids() -> torch.Tensor:
+    return torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))  # (B, T)
+
+
+def train_step(policy: Policy) -> None:
+    """One optimizer step on a stand-in loss: moves every trainable weight and fills the optimizer state."""
+    policy.model.train()
+    policy.optimizer.zero_grad(set_to_none=True)
+    logits = policy.model(input_ids=input_ids()).logits  # (B, T, V)
+    policy.accelerator.backward(torch.log_softmax(logits, -1)[..., 3].mean())
+    policy.optimizer.step()
+
+
+def trained(config: PolicyConfig, steps: int = 2) -> Policy:
+    torch.manual_seed(0)
+    policy = Policy(config)
+    for _ in range(steps):  # LoRA's B starts at 0, so A gets no gradient on the first step
+        train_step(policy)
+    return policy
+
+
+def trainable(policy: Policy) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in policy.unwrapped().named_parameters() if p.requires_grad}
+
+
+def logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(input_ids=input_ids()).logits  # (B, T, V)
+
+
+@pytest.fixture
+def lora_config(tiny_model: Path) -> PolicyConfig:
+    return PolicyConfig(model=str(tiny_model), lora_rank=4, learning_rate=1e-2)
+
+
+def test_lora_checkpoint_holds_the_merged_model_and_resumes_the_adapter(lora_config: PolicyConfig, tmp_path: Path,
+                                                                        tiny_model: Path):
+    from transformers import AutoModelForCausalLM
+
+    policy = trained(lora_config)
+    saved = ckpt.save(tmp_path, 2, policy, tiny_model, {"minutes": 1.5})
+    found = ckpt.resolve(tmp_path)
+    assert found == saved and found.adapter_dir == found.path / "adapter"
+    assert (found.adapter_dir / "adapter_config.json").exists()
+    assert not (found.model_dir / "adapter_config.json").exists(), "model/ must be a plain model, not an adapter"
+
+    merged = AutoModelForCausalLM.from_pretrained(found.model_dir, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    assert set(merged.state_dict()) == set(base.state_dict())
+    expected = logits(policy.unwrapped())
+    assert (expected - logits(base)).abs().max() > 1e-3, "training should have moved the model"
+    assert_close(logits(merged), expected, atol=1e-5, rtol=1e-5)
+
+    torch.manual_seed(123)  # a different init: restore must overwrite it
+    fresh = Policy(lora_config)
+    state = ckpt.restore(found, fresh)
+    assert state["step"] == 2 and state["minutes"] == 1.5
+    adapters, restored = trainable(policy), trainable(fresh)
+    assert sorted(adapters) == sorted(restored)
+    assert all(torch.equal(adapters[n], restored[n]) for n in adapters)
+    # The same optimizer state: one more step from each gives the same weights.
+    train_step(policy)
+    train_step(fresh)
+    after, after_fresh = trainable(policy), trainable(fresh)
+    assert all(torch.equal(after[n], after_fresh[n]) for n in after)
+
+
+def test_full_checkpoint_has_no_adapter_and_restores(tiny_model: Path, tmp_path: Path):
+    config = PolicyConfig(model=str(tiny_model), learning_rate=1e-2)
+    policy = trained(config, steps=1)
+    found = ckpt.save(tmp_path, 1, policy, tiny_model, {})
+    assert found.adapter_dir is None
+    resumed = Policy(replace(config, model=str(found.model_dir)))
+    ckpt.restore(found, resumed)
+    train_step(policy)
+    train_step(resumed)
+    after, after_resumed = trainable(policy), trainable(resumed)
+    assert all(torch.equal(after[n], after_resumed[n]) for n in after)
+
+
+def test_lora_and_full_checkpoints_are_not_mixed_up(lora_config: PolicyConfig, tiny_model: Path, tmp_path: Path):
+    lora_ckpt = ckpt.save(tmp_path / "lora", 1, trained(lora_config, steps=1), tiny_model, {})
+    full_config = replace(lora_config, lora_rank=0)
+    full_ckpt = ckpt.save(tmp_path / "full", 1, trained(full_config, steps=1), tiny_model, {})
+    with pytest.raises(ValueError, match="LoRA run's checkpoint .* policy.lora_rank = 0"):
+        ckpt.restore(lora_ckpt, Policy(full_config))
+    with pytest.raises(ValueError, match="full fine-tune's checkpoint .* policy.lora_rank = 4"):
+        ckpt.restore(full_ckpt, Policy(lora_config))
+    with pytest.raises(ValueError, match="adapter merged in: build it from the run's base model"):
+        ckpt.restore(lora_ckpt, Policy(replace(lora_config, model=str(lora_ckpt.model_dir))))
+    with pytest.raises(ValueError, match="r: saved 4, model 8"):
+        ckpt.restore(lora_ckpt, Policy(replace(lora_config, lora_rank=8)))
