@@ -4,7 +4,12 @@ Each transition becomes one row ``prompt_ids + response_ids``, right-padded. All
 space*: position t describes token ``input_ids[t]``, so ``old_logprobs[b, t]`` is the behaviour policy's logprob of
 that token given the tokens before it, and ``response_mask[b, t]`` is 1 exactly where ``input_ids[b, t]`` is a
 response token. Prompt tokens and padding are masked: only the tokens the policy chose are trained on. (The policy
-shifts logits by one to produce the same token-space logprobs; see ``policy.token_logprobs``.)
+shifts logits by one to produce the same token-space logprobs; see ``logprobs.token_logprobs``.)
+
+Rows with the same prompt (a GRPO group's rollouts of one task) go into the same micro-batch, next to each other:
+``logprobs.token_logprobs`` runs such a prompt once for all of them. The token budget counts what that forward
+computes: each distinct prompt once plus every row's response, padded to the micro-batch's longest group (a group
+of one row is just that row, so distinct prompts count as before: rows x padded length).
 
 A prompt longer than ``max_prompt_tokens`` is rejected with a message, unless ``truncate_prompt_left`` is set, in
 which case its oldest tokens are dropped (the behaviour logprobs then no longer describe exactly this context: that
@@ -18,7 +23,7 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,7 +35,8 @@ log = logging.getLogger("lit")
 @dataclass(frozen=True)
 class BatchingConfig:
     max_tokens_per_micro_batch: int = 2048
-    """Budget of one micro-batch: rows x padded length stays at or under it (a single longer row gets its own)."""
+    """Budget of one micro-batch: its prompt groups x the longest group's tokens (the prompt once plus every row's
+    response) stays at or under it; a group over the budget is split, and a single longer row gets its own."""
     max_prompt_tokens: int = 1536
     """Longest prompt accepted; longer ones are rejected unless ``truncate_prompt_left``."""
     truncate_prompt_left: bool = False
@@ -56,6 +62,16 @@ class MicroBatch:
     advantages: torch.Tensor  # (B,) float
     index: list[int]
     """Which of the input transitions each row is (for metrics and debugging)."""
+    temperature: torch.Tensor = field(default=None)  # (B,) float
+    """Each row's sampling temperature, as recorded (None: 1.0 for every row). Its logprobs are those of
+    softmax(logits / temperature), except a greedy call's (<= 1e-5): those of T = 1
+    (``logprobs.effective_temperature``)."""
+
+    def __post_init__(self) -> None:
+        if self.temperature is None:
+            self.temperature = torch.ones(self.input_ids.shape[0], dtype=torch.float32)  # (B,)
+        assert self.temperature.shape == self.input_ids.shape[:1], (
+            f"temperature has shape {tuple(self.temperature.shape)}, want ({self.input_ids.shape[0]},)")
 
     @property
     def n_response_tokens(self) -> int:
@@ -67,23 +83,57 @@ def make_micro_batches(
     advantages: Sequence[float] | torch.Tensor,
     config: BatchingConfig,
     pad_id: int,
+    *,
+    share_prompts: bool = True,
 ) -> list[MicroBatch]:
-    """Pack transitions (with one advantage each) into micro-batches; rows of similar length go together."""
+    """Pack transitions (with one advantage each) into micro-batches: rows with the same prompt together, groups of
+    similar size together. A group costs its prompt once plus its rows' responses (module docstring); a micro-batch
+    costs its groups x its costliest group. ``share_prompts=False`` costs every row whole (rows x padded length),
+    for a forward pass that runs each row in full (``logprobs.plain_token_logprobs``)."""
     assert len(transitions) == len(advantages), f"{len(transitions)} transitions, {len(advantages)} advantages"
     rows = [_row(t, config) for t in transitions]
-    order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
-    batches, current, longest = [], [], 0
-    for i in order:
-        length = len(rows[i][0])
-        if current and max(longest, length) * (len(current) + 1) > config.max_tokens_per_micro_batch:
+    if share_prompts:
+        units = _prompt_groups(rows, config.max_tokens_per_micro_batch)
+    else:
+        units = [[i] for i in range(len(rows))]
+    costs = [_cost(unit, rows) for unit in units]
+    order = sorted(range(len(units)), key=lambda u: costs[u])
+    batches, current, count, longest = [], [], 0, 0
+    for u in order:
+        if current and max(longest, costs[u]) * (count + 1) > config.max_tokens_per_micro_batch:
             batches.append(current)
-            current, longest = [], 0
-        current.append(i)
-        longest = max(longest, length)
+            current, count, longest = [], 0, 0
+        current += units[u]
+        count += 1
+        longest = max(longest, costs[u])
     if current:
         batches.append(current)
     adv = torch.as_tensor(advantages, dtype=torch.float32)  # (N,)
     return [_collate(group, rows, adv, pad_id) for group in batches]
+
+
+def _prompt_groups(rows: list, budget: int) -> list[list[int]]:
+    """The rows' indices grouped by prompt, in input order; a group costlier than ``budget`` is cut into parts
+    that fit (each part then runs its prompt once), with at least one row each."""
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for i, (ids, start, _, _) in enumerate(rows):
+        by_prompt.setdefault(tuple(ids[:start]), []).append(i)
+    groups = []
+    for members in by_prompt.values():
+        part: list[int] = []
+        for i in members:
+            if part and _cost([*part, i], rows) > budget:
+                groups.append(part)
+                part = []
+            part.append(i)
+        groups.append(part)
+    return groups
+
+
+def _cost(unit: list[int], rows: list) -> int:
+    """Tokens the forward pass runs for rows sharing one prompt: the prompt once plus each row's response."""
+    start = rows[unit[0]][1]
+    return start + sum(len(rows[i][0]) - rows[i][1] for i in unit)
 
 
 def unusable(t: Transition, config: BatchingConfig) -> str | None:
@@ -134,13 +184,13 @@ def keep_usable(pairs: Sequence[tuple[Transition, float]], config: BatchingConfi
     return kept, skipped
 
 
-def _row(t: Transition, config: BatchingConfig) -> tuple[list[int], int, list[float]]:
-    """(ids, where the response starts, behaviour logprobs of the response)."""
+def _row(t: Transition, config: BatchingConfig) -> tuple[list[int], int, list[float], float]:
+    """(ids, where the response starts, behaviour logprobs of the response, sampling temperature)."""
     reason = unusable(t, config)
     if reason is not None:
         raise (PromptTooLong if reason == "prompt_too_long" else ValueError)(explain(t, reason, config))
     prompt = list(t.prompt_ids)[-config.max_prompt_tokens :]
-    return prompt + list(t.response_ids), len(prompt), list(t.logprobs or [])
+    return prompt + list(t.response_ids), len(prompt), list(t.logprobs or []), float(t.temperature)
 
 
 def _collate(group: list[int], rows: list, adv: torch.Tensor, pad_id: int) -> MicroBatch:
@@ -150,10 +200,11 @@ def _collate(group: list[int], rows: list, adv: torch.Tensor, pad_id: int) -> Mi
     attention = torch.zeros((n, width), dtype=torch.long)  # (B, T)
     response = torch.zeros((n, width), dtype=torch.float32)  # (B, T)
     old = torch.zeros((n, width), dtype=torch.float32)  # (B, T)
+    temperature = torch.tensor([rows[i][3] for i in group], dtype=torch.float32)  # (B,)
     for b, i in enumerate(group):
-        ids, start, logprobs = rows[i]
+        ids, start, logprobs, _ = rows[i]
         input_ids[b, : len(ids)] = torch.tensor(ids)
         attention[b, : len(ids)] = 1
         response[b, start : len(ids)] = 1.0
         old[b, start : len(ids)] = torch.tensor(logprobs)
-    return MicroBatch(input_ids, attention, response, old, adv[group], list(group))
+    return MicroBatch(input_ids, attention, response, old, adv[group], list(group), temperature)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lit_trainer.learner import lora
+from lit_trainer.learner import logprobs, lora
 from lit_trainer.learner.batching import MicroBatch
 from lit_trainer.models import resolve_model
 
@@ -103,7 +103,7 @@ class Policy:
         """Per-token logprobs in token space (position t: log p(token t | tokens < t) at the row's sampling
         temperature; 0 where no response token sits), and optionally the entropy of the distribution each response
         token was drawn from (0 elsewhere). Both (B, T)."""
-        return _model_logprobs(self.model, batch, self.accelerator.device, with_entropy)
+        return logprobs.token_logprobs(self.model, batch, with_entropy=with_entropy)
 
     def update(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step over all micro-batches: the gradients of their loss terms add up (see ``LossFn``), so
@@ -142,7 +142,7 @@ class Policy:
         if self.reference is None:  # LoRA: the base weights are the reference
             with self.unwrapped().disable_adapter():
                 return self.token_logprobs(batch)[0]
-        return _model_logprobs(self.reference, batch, self.accelerator.device)[0]
+        return logprobs.token_logprobs(self.reference, batch)[0]
 
     def _clip(self) -> float:
         if self.config.max_grad_norm > 0:
@@ -162,21 +162,3 @@ class Policy:
             return lora.merged_state_dict(self.unwrapped())
         return self.unwrapped().state_dict()
 
-
-def _model_logprobs(model: torch.nn.Module, batch: MicroBatch, device: torch.device, with_entropy: bool = False
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    input_ids = batch.input_ids.to(device)  # (B, T)
-    logits = model(input_ids=input_ids, attention_mask=batch.attention_mask.to(device)).logits  # (B, T, V)
-    # The logits at position t-1 predict token t: drop the last position, shift the targets left by one.
-    logp_all = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # (B, T-1, V)
-    picked = logp_all.gather(-1, input_ids[:, 1:, None])[..., 0]  # (B, T-1)
-    zero = torch.zeros_like(picked[:, :1])  # (B, 1): token 0 has no prediction
-    logp = torch.cat([zero, picked], dim=1)  # (B, T)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = torch.zeros_like(logp)  # (B, T)
-            where = batch.response_mask.to(device).bool()  # (B, T)
-            rows = logp_all[where[:, 1:]]  # (N, V): distributions that produced response tokens
-            entropy[where] = -(rows.exp() * rows).sum(-1)
-    return logp, entropy

@@ -7,7 +7,7 @@ import torch
 from torch.testing import assert_close
 
 from lit_trainer.intake.episodes import Transition
-from lit_trainer.learner.batching import BatchingConfig, PromptTooLong, keep_usable, make_micro_batches
+from lit_trainer.learner.batching import BatchingConfig, MicroBatch, PromptTooLong, keep_usable, make_micro_batches
 
 PAD = 0
 
@@ -79,3 +79,31 @@ def test_transitions_that_cannot_be_trained_on_are_skipped_and_counted_by_reason
     assert mb.n_response_tokens == 3
     truncating = BatchingConfig(max_prompt_tokens=8, truncate_prompt_left=True)
     assert keep_usable(pairs[2:4], truncating)[1] == {}
+
+
+def test_rows_with_one_prompt_go_together_and_the_budget_counts_the_prompt_once():
+    a, b = [1, 2, 3, 4], [9] * 10
+    ts = [tr(a, [5, 6], index=0), tr(b, [7, 8], index=1), tr(a, [6, 5], index=2), tr(a, [5, 5], index=3)]
+    # Shared: prompt a once + three 2-token responses = 10 tokens, b's row 12; under a budget of 12 they split.
+    shared = make_micro_batches(ts, [1.0] * 4, BatchingConfig(max_tokens_per_micro_batch=12), PAD)
+    assert [mb.index for mb in shared] == [[0, 2, 3], [1]]
+    assert shared[0].input_ids[:, :4].tolist() == [a] * 3
+    # Rows counted whole (6, 12, 6, 6 tokens): the same budget fits two of a's rows.
+    whole = make_micro_batches(ts, [1.0] * 4, BatchingConfig(max_tokens_per_micro_batch=12), PAD, share_prompts=False)
+    assert [mb.index for mb in whole] == [[0, 2], [3], [1]]
+    assert all(mb.input_ids.numel() <= 12 for mb in whole)
+
+
+def test_a_group_over_the_budget_is_split_into_parts_that_each_run_the_prompt():
+    ts = [tr([1, 2, 3, 4], [5, 6, 7]) for _ in range(5)]  # the whole group costs 4 + 5 * 3 = 19 tokens
+    batches = make_micro_batches(ts, [1.0] * 5, BatchingConfig(max_tokens_per_micro_batch=10), PAD)
+    assert [mb.index for mb in batches] == [[4], [0, 1], [2, 3]]  # parts of 7, 10 and 10 tokens
+
+
+def test_rows_carry_their_sampling_temperature():
+    ts = [Transition([1, 2], [3], [-0.1], None, "a", "r", "t", i, "s", temperature=temp)
+          for i, temp in enumerate([0.7, 0.0, 1.0])]
+    (mb,) = make_micro_batches(ts, [1.0] * 3, BatchingConfig(), PAD)
+    assert_close(mb.temperature, torch.tensor([0.7, 0.0, 1.0])[mb.index])
+    default = MicroBatch(mb.input_ids, mb.attention_mask, mb.response_mask, mb.old_logprobs, mb.advantages, mb.index)
+    assert default.temperature.tolist() == [1.0, 1.0, 1.0]

@@ -1,0 +1,287 @@
+"""Per-token logprobs of a micro-batch under the policy, computed only where the loss reads them.
+
+Position t of a row holds log p_T(token t | tokens < t), with p_T = softmax(logits / T) at the row's sampling
+temperature T (the distribution vLLM sampled from and returned logprobs of), and 0 wherever ``response_mask`` is 0.
+The straightforward way (``plain_token_logprobs``) runs the whole model on every padded row and takes a (B, T, V)
+fp32 log-softmax, of which the loss reads only the response positions; on a 49k-token vocabulary those logits and
+their copies dominate the update's memory, and the rows of a GRPO group repeat one prompt. ``token_logprobs`` gives
+the same values and the same gradients with less of both:
+
+* Prompt sharing. Rows whose prompts (the tokens before their first response token) are equal form a group, packed
+  into one sequence: the prompt once, then each row's response (less its last token, which predicts nothing). A
+  4D attention mask lets each response see the prompt and itself only, and position ids restart every response
+  where its prompt ends, so each token sees exactly the context it has in its own row: a group of 8 rollouts of one
+  task runs its prompt once instead of 8 times. The hidden state of the prompt's last token predicts every row's
+  first response token; its gradient is the sum over the rows, as in the plain path.
+* Head on response positions only. The decoder trunk gives hidden states; only those that predict a response
+  token go through the LM head and the log-softmax, ``chunk_tokens`` positions at a time, each chunk recomputed in
+  the backward pass (activation checkpointing), so at most one (chunk_tokens, V) block of logits lives at a time.
+
+``token_logprobs`` calls the model's submodules (``get_decoder()``, ``get_output_embeddings()``) instead of its
+``forward``: a wrapper that works through ``forward`` would be bypassed. So a torch DDP/FSDP/DataParallel wrapper
+(multi-process training is future work) or accelerate's mixed-precision autocast (which wraps ``forward``) makes
+``token_logprobs`` fall back to the plain path, as does a model whose head is more than a linear map (logit
+soft-capping or scaling). Attention kernels that cannot take a custom 4D mask (anything but ``sdpa`` and
+``eager``) and sliding-window layers keep the head-on-response-positions part and run every row whole. Works with
+peft LoRA (the adapters sit inside the base model's modules), tied embeddings (lm_head is embed_tokens' weight: the
+gradients add up in one tensor) and gradient checkpointing (no KV cache is involved, which gradient checkpointing
+would turn off).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from lit_trainer.learner.batching import MicroBatch
+
+GREEDY_TEMPERATURE = 1e-5
+"""At or below this temperature a call was greedy: vLLM then reports the logprobs of softmax(logits), T = 1."""
+MASK_ATTENTIONS = ("sdpa", "eager")
+"""Attention implementations that take the custom 4D mask of a packed group."""
+
+
+def effective_temperature(temperature: torch.Tensor) -> torch.Tensor:
+    """(B,) sampling temperatures -> (B,) temperatures of the logprobs vLLM reported: greedy calls count as 1."""
+    return torch.where(temperature <= GREEDY_TEMPERATURE, torch.ones_like(temperature), temperature)
+
+
+def plain_token_logprobs(model: torch.nn.Module, batch: MicroBatch, *, with_entropy: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The reference: the model's full forward on every padded row, a (B, T-1, V) log-softmax of the tempered
+    logits, the response tokens picked out. Returns logprobs (B, T) and, with ``with_entropy``, the entropy (B, T)
+    of the distribution each response token was drawn from (a metric: no gradient); both 0 off the response."""
+    device = next(model.parameters()).device
+    input_ids = batch.input_ids.to(device)  # (B, T)
+    mask = batch.response_mask.to(device).bool()  # (B, T)
+    temperature = effective_temperature(batch.temperature.to(device).float())  # (B,)
+    logits = model(input_ids=input_ids, attention_mask=batch.attention_mask.to(device)).logits  # (B, T, V)
+    # The logits at position t-1 predict token t: drop the last position, shift the targets left by one.
+    scaled = logits[:, :-1].float()  # (B, T-1, V)
+    if bool((temperature != 1.0).any()):
+        scaled = scaled / temperature[:, None, None]
+    logp_all = torch.log_softmax(scaled, dim=-1)  # (B, T-1, V)
+    picked = logp_all.gather(-1, input_ids[:, 1:, None])[..., 0]  # (B, T-1)
+    logp = torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)  # (B, T): token 0 has no prediction
+    logp = torch.where(mask, logp, torch.zeros_like(logp))
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():  # a (B, T, V) autograd copy for a metric is not worth it
+            entropy = torch.zeros_like(logp)  # (B, T)
+            rows = logp_all[mask[:, 1:]]  # (N, V): the distributions that produced response tokens
+            entropy[mask] = -(rows.exp() * rows).sum(-1)
+    return logp, entropy
+
+
+def token_logprobs(model: torch.nn.Module, batch: MicroBatch, *, with_entropy: bool = False,
+                   chunk_tokens: int = 1024) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``plain_token_logprobs``'s logprobs (B, T) and entropy (B, T) or None, equal up to fp32 reassociation, with
+    the same gradients, computed with each shared prompt once and the LM head on response positions only (module
+    docstring). ``model``: a Hugging Face causal LM or a peft model around one; any other wrapper falls back to the
+    plain path. At most ``chunk_tokens`` positions of logits (chunk_tokens, V) exist at a time."""
+    assert chunk_tokens > 0, f"chunk_tokens must be > 0, got {chunk_tokens}"
+    parts = _trunk_and_head(model)
+    if parts is None:
+        return plain_token_logprobs(model, batch, with_entropy=with_entropy)
+    trunk, head, share = parts
+    device = head.weight.device
+    layout = pack_rows(batch) if share else _unpacked_rows(batch)
+    if layout.source.numel() == 0:  # no response token: nothing to gain, and the plain path gives the zeros
+        return plain_token_logprobs(model, batch, with_entropy=with_entropy)
+    if share:
+        attention = _group_mask(layout.segment.to(device), head.weight.dtype, trunk.config._attn_implementation)
+    else:
+        attention = batch.attention_mask.to(device)  # (B, T): the model builds its causal padding mask
+    hidden = trunk(input_ids=layout.input_ids.to(device), attention_mask=attention,
+                   position_ids=layout.position_ids.to(device), use_cache=False).last_hidden_state  # (G, L, H)
+    states = hidden.reshape(-1, hidden.shape[-1]).index_select(0, layout.source.to(device))  # (N, H)
+    temperature = effective_temperature(batch.temperature.to(device).float())  # (B,)
+    picked, entropy = _head_logprobs(head, states, layout.target.to(device),
+                                     temperature[layout.dest.to(device) // batch.input_ids.shape[1]],
+                                     chunk_tokens, with_entropy)  # (N,), (N,) or None
+    dest = layout.dest.to(device)  # (N,)
+    numel = batch.input_ids.numel()
+    logp = picked.new_zeros(numel).index_copy(0, dest, picked).view_as(batch.input_ids)  # (B, T)
+    if entropy is not None:
+        entropy = entropy.new_zeros(numel).index_copy(0, dest, entropy).view_as(batch.input_ids)  # (B, T)
+    return logp, entropy
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """What the trunk runs on and where its outputs go: G sequences of length L (the packed prompt groups, or the
+    rows themselves), and for each of the N response tokens the hidden state that predicts it."""
+
+    input_ids: torch.Tensor  # (G, L) long
+    position_ids: torch.Tensor  # (G, L) long: each token's position in its own row
+    segment: torch.Tensor  # (G, L) long: -1 prompt, b the response of row b, < -1 padding (one value per position)
+    source: torch.Tensor  # (N,) long: flat index into the trunk's (G * L) hidden states
+    target: torch.Tensor  # (N,) long: the response token it predicts
+    dest: torch.Tensor  # (N,) long: flat index of that token into the micro-batch's (B * T)
+
+
+def prompt_lengths(batch: MicroBatch) -> torch.Tensor:
+    """(B,) each row's prompt length: the position of its first response token (its length when it has none)."""
+    response = batch.response_mask.bool()  # (B, T)
+    lengths = batch.attention_mask.sum(dim=1)  # (B,)
+    first = response.int().argmax(dim=1)  # (B,)
+    return torch.where(response.any(dim=1), first, lengths)
+
+
+def pack_rows(batch: MicroBatch) -> PackedRows:
+    """Group the rows by prompt and pack each group into one sequence: its prompt, then every row's response but
+    the last token. Position t-1 of a row predicts its token t; for t-1 in the prompt that is the group's last
+    prompt token, shared by all of the group's rows. Rows without response tokens are left out."""
+    ids, lengths, starts = _checked_rows(batch)
+    response = batch.response_mask.bool().tolist()
+    width = batch.input_ids.shape[1]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for b in range(len(ids)):
+        if starts[b] < lengths[b]:
+            groups.setdefault(tuple(ids[b][: starts[b]]), []).append(b)
+    sequences, source, target, dest = [], [], [], []
+    for g, (prompt, rows) in enumerate(groups.items()):
+        p = len(prompt)
+        tokens, positions, segments = list(prompt), list(range(p)), [-1] * p
+        for b in rows:
+            at = len(tokens)  # the packed position of this row's token p (its first response token)
+            tokens += ids[b][p : lengths[b] - 1]
+            positions += range(p, lengths[b] - 1)
+            segments += [b] * (lengths[b] - 1 - p)
+            for t in range(p, lengths[b]):
+                if response[b][t]:  # predicted at row position t - 1: the shared prompt end, or in the segment
+                    source.append((g, p - 1 if t == p else at + t - 1 - p))
+                    target.append(ids[b][t])
+                    dest.append(b * width + t)
+        sequences.append((tokens, positions, segments))
+    return _stack(sequences, source, target, dest)
+
+
+def _unpacked_rows(batch: MicroBatch) -> PackedRows:
+    """Every row as its own sequence (no prompt sharing), for attention kernels without custom masks."""
+    ids, lengths, _ = _checked_rows(batch)
+    sequences, source, target, dest = [], [], [], []
+    width = batch.input_ids.shape[1]
+    response = batch.response_mask.bool().tolist()
+    for b in range(len(ids)):
+        sequences.append((ids[b], list(range(len(ids[b]))), [b] * len(ids[b])))
+        for t in range(1, lengths[b]):
+            if response[b][t]:
+                source.append((b, t - 1))
+                target.append(ids[b][t])
+                dest.append(b * width + t)
+    return _stack(sequences, source, target, dest)
+
+
+def _checked_rows(batch: MicroBatch) -> tuple[list[list[int]], list[int], list[int]]:
+    """The rows' token ids, lengths and prompt lengths, after checking the layout ``batching`` makes: right
+    padding, response tokens only among real tokens, and never at position 0 (which nothing predicts)."""
+    attention = batch.attention_mask.bool()  # (B, T)
+    response = batch.response_mask.bool()  # (B, T)
+    lengths = attention.sum(dim=1)  # (B,)
+    columns = torch.arange(attention.shape[1])  # (T,)
+    assert torch.equal(attention, columns[None, :] < lengths[:, None]), "rows must be right-padded"
+    assert not (response & ~attention).any(), "response_mask marks padding"
+    assert not response[:, 0].any(), "a response token at position 0 has no context to be predicted from"
+    return batch.input_ids.tolist(), lengths.tolist(), prompt_lengths(batch).tolist()
+
+
+def _stack(sequences: list[tuple[list[int], list[int], list[int]]], source: list[tuple[int, int]],
+           target: list[int], dest: list[int]) -> PackedRows:
+    """Right-pad the sequences to one length L and turn (sequence, position) sources into flat indices."""
+    length = max((len(s[0]) for s in sequences), default=1)
+    g = max(len(sequences), 1)
+    input_ids = torch.zeros((g, length), dtype=torch.long)  # (G, L): padding is token 0, never read
+    position_ids = torch.zeros((g, length), dtype=torch.long)  # (G, L)
+    segment = -2 - torch.arange(length).repeat(g, 1)  # (G, L): each padding position its own segment
+    for i, (tokens, positions, segments) in enumerate(sequences):
+        n = len(tokens)
+        input_ids[i, :n] = torch.tensor(tokens, dtype=torch.long)
+        position_ids[i, :n] = torch.tensor(positions, dtype=torch.long)
+        segment[i, :n] = torch.tensor(segments, dtype=torch.long)
+    flat = torch.tensor([s * length + p for s, p in source], dtype=torch.long)  # (N,)
+    return PackedRows(input_ids, position_ids, segment, flat, torch.tensor(target, dtype=torch.long),
+                      torch.tensor(dest, dtype=torch.long))
+
+
+def _group_mask(segment: torch.Tensor, dtype: torch.dtype, attention: str) -> torch.Tensor:
+    """(G, 1, L, L) attention mask of packed groups from their segments (G, L): query q sees key k <= q when k is
+    a prompt token or in q's own segment. Every query sees at least itself, so no softmax row is empty."""
+    length = segment.shape[1]
+    positions = torch.arange(length, device=segment.device)  # (L,)
+    causal = positions[None, :] <= positions[:, None]  # (L, L): [query, key]
+    visible = (segment[:, None, :] == -1) | (segment[:, :, None] == segment[:, None, :])  # (G, L, L)
+    allowed = (causal & visible)[:, None]  # (G, 1, L, L)
+    if attention == "sdpa":
+        return allowed  # True where attention is allowed
+    # eager adds the mask to the attention scores
+    return torch.zeros(allowed.shape, dtype=dtype, device=segment.device).masked_fill(~allowed,
+                                                                                       torch.finfo(dtype).min)
+
+
+def _head_logprobs(head: torch.nn.Module, states: torch.Tensor, target: torch.Tensor, temperature: torch.Tensor,
+                   chunk_tokens: int, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The tempered logprob of each target (N,) from its hidden state (N, H) with temperature (N,), and the
+    distribution's entropy (N,) when asked (no gradient), through the LM head ``chunk_tokens`` rows at a time."""
+    picked, entropies = [], []
+    recompute = torch.is_grad_enabled() and (states.requires_grad or any(p.requires_grad for p in head.parameters()))
+    for start in range(0, states.shape[0], chunk_tokens):
+        end = start + chunk_tokens
+        first_pass = [True]  # backward's recomputation of the chunk must not record the entropy again
+
+        def chunk(h: torch.Tensor, tgt: torch.Tensor, temp: torch.Tensor, first_pass: list[bool] = first_pass
+                  ) -> torch.Tensor:
+            logits = head(h).float()  # (n, V)
+            if bool((temp != 1.0).any()):
+                logits = logits / temp[:, None]
+            logp = torch.log_softmax(logits, dim=-1)  # (n, V)
+            if with_entropy and first_pass[0]:
+                with torch.no_grad():
+                    entropies.append(-(logp.exp() * logp).sum(-1))  # (n,)
+            return logp.gather(-1, tgt[:, None])[:, 0]  # (n,)
+
+        args = (states[start:end], target[start:end], temperature[start:end])
+        # Checkpointed: only the chunk's hidden states are kept for backward, not its (n, V) log-softmax.
+        picked.append(checkpoint(chunk, *args, use_reentrant=False) if recompute else chunk(*args))
+        first_pass[0] = False
+    if not picked:
+        empty = states.new_zeros(0, dtype=torch.float32)
+        return empty, (empty if with_entropy else None)
+    return torch.cat(picked), (torch.cat(entropies) if with_entropy else None)
+
+
+def _trunk_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module, bool] | None:
+    """(decoder trunk, LM head, whether prompt groups can be packed), or None when only the model's own forward
+    computes its logits correctly (module docstring)."""
+    wrappers = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
+    if isinstance(model, wrappers) or type(model).__name__ == "FullyShardedDataParallel":
+        return None
+    if hasattr(model, "_original_forward"):  # accelerate wrapped forward (autocast): submodules would skip it
+        return None
+    base = model
+    if hasattr(model, "get_base_model") and hasattr(model, "peft_config"):  # a peft model
+        if getattr(model.active_peft_config, "is_prompt_learning", False):  # virtual tokens added in forward
+            return None
+        base = model.get_base_model()
+    head, trunk = base.get_output_embeddings(), base.get_decoder()
+    config = base.config
+    if head is None or trunk is base or not hasattr(head, "weight") or _scales_logits(config):
+        return None
+    return trunk, head, config._attn_implementation in MASK_ATTENTIONS and not _has_sliding_window(config)
+
+
+def _scales_logits(config) -> bool:
+    """Whether the model's forward does more to the head's output than returning it (Gemma's soft-capping,
+    Cohere's and Granite's scales)."""
+    return bool(getattr(config, "final_logit_softcapping", None)) or any(
+        getattr(config, name, None) not in (None, 1, 1.0) for name in ("logit_scale", "logits_scaling"))
+
+
+def _has_sliding_window(config) -> bool:
+    """Whether some layer attends to a window only: the packed mask would have to encode it."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return any(kind != "full_attention" for kind in layer_types)
+    return bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True)
