@@ -1,5 +1,5 @@
-"""Fixtures shared by all test folders: the prepared default model and ONE vLLM server for the whole session
-(start-up takes about a minute on 2 cores)."""
+"""Fixtures shared by all test folders: the prepared default model, its trainer-side copy, and ONE vLLM server for
+the whole session (start-up takes about a minute on 2 cores)."""
 
 import os
 from pathlib import Path
@@ -13,6 +13,15 @@ def prepared_model():
     from lit_trainer.models import prepare_default_model
 
     return prepare_default_model().path
+
+
+@pytest.fixture(scope="session")
+def trainer_model(prepared_model: Path):
+    """The default model loaded with transformers in float32, as the trainer holds it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(prepared_model, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")

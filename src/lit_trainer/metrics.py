@@ -18,8 +18,7 @@ from typing import Any
 def memory_gb(server_pid: int | None = None) -> dict[str, float]:
     """``memory/trainer_peak_gb``: the peak resident set of this process so far; ``memory/vllm_gb``: the resident
     set now of the largest process among the vLLM server ``server_pid`` and its children (its engine core). GiB."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    out = {"memory/trainer_peak_gb": peak / (2**30 if sys.platform == "darwin" else 2**20)}
+    out = {"memory/trainer_peak_gb": _peak_rss() / 2**30}
     if server_pid is not None:
         import psutil
 
@@ -29,6 +28,19 @@ def memory_gb(server_pid: int | None = None) -> dict[str, float]:
         except psutil.Error:
             pass  # the server is gone: the loop's health checks say so
     return out
+
+
+def _peak_rss() -> float:
+    """This process's peak resident set in bytes: Linux's VmHWM (ru_maxrss may carry a parent's peak over a fork),
+    else ru_maxrss (bytes on macOS)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return float(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return float(peak if sys.platform == "darwin" else peak * 1024)
 
 
 class MetricsLog:

@@ -6,6 +6,8 @@ decode to the text the agent saw, and the trainer's model gives the same logprob
 from __future__ import annotations
 
 import threading
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -78,3 +80,55 @@ def test_rollout_on_vllm_becomes_an_episode_with_the_engines_ids(vllm_server, pr
             ours = trainer_logprobs(model, transition.prompt_ids, transition.response_ids)
             gap = (ours - torch.tensor(transition.logprobs)).abs().max().item()
             assert gap < 0.02, f"vLLM's recorded logprobs differ from the trainer's by {gap:.4f} nats"
+
+
+def test_logprobs_at_the_sampling_temperature_match_the_trainers(vllm_server, trainer_model, tmp_path):
+    """Defect 1: rollouts sampled at T=0.7 used to carry vLLM's raw (T=1) logprobs, and the trainer computed T=1
+    logprobs too: both described a distribution nobody sampled from. Now vLLM returns the tempered distribution's
+    logprobs and the trainer divides the logits by each call's recorded temperature: at T=0.7 the two agree as
+    closely as at T=1, and both differ from the T=1 values of the same tokens."""
+    import torch
+
+    from lit_trainer.learner.batching import BatchingConfig, make_micro_batches
+    from lit_trainer.learner.logprobs import plain_token_logprobs
+
+    client = OpenAI(base_url=vllm_server.openai_url, api_key="unused")
+
+    @lit.trace(agent="solver")
+    def sample(question: str, temperature: float) -> float:
+        for _ in range(3):
+            client.chat.completions.create(model=vllm_server.model_name, max_tokens=24, temperature=temperature,
+                                           messages=[{"role": "user", "content": question}])
+        return 1.0
+
+    roots: list[str] = []
+    with SqliteStore(tmp_path / "lit.db") as store, Collector(store, "tcp://127.0.0.1:0", roots.append) as collector:
+        lit.instrument(endpoint=collector.endpoint, llm_base_urls=[vllm_server.openai_url], frameworks=[],
+                       spool_dir=tmp_path / "spool")
+        try:
+            for temperature in (1.0, 0.7):
+                sample("Tell me about the sea.", temperature)
+            counts = lit.flush(timeout=30)
+        finally:
+            lit.uninstrument()
+        assert counts.pending == 0 and counts.dropped == 0
+        deadline = time.monotonic() + 10
+        while len(roots) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        episodes = [build_episode(store.spans_of_rollout(r)) for r in roots]
+
+    gaps, untempered = {}, {}
+    for episode in episodes:
+        transitions = episode.transitions
+        (temperature,) = {t.temperature for t in transitions}
+        batch = make_micro_batches(transitions, [0.0] * len(transitions), BatchingConfig(), pad_id=0)[0]
+        mask = batch.response_mask.bool()
+        with torch.no_grad():
+            ours = plain_token_logprobs(trainer_model, batch)[0]
+            raw = plain_token_logprobs(trainer_model, replace(batch, temperature=torch.ones_like(batch.temperature)))[0]
+        gaps[temperature] = (ours - batch.old_logprobs)[mask].abs().mean().item()
+        untempered[temperature] = (raw - batch.old_logprobs)[mask].abs().mean().item()
+    assert sorted(gaps) == [0.7, 1.0]
+    tolerance = max(3 * gaps[1.0], 1e-4)  # the fp32 agreement measured at T=1 in the same run
+    assert gaps[0.7] <= tolerance, (gaps, tolerance)
+    assert untempered[0.7] > 100 * tolerance, untempered  # T=1 logprobs of T=0.7 samples are far off

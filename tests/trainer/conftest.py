@@ -1,20 +1,11 @@
-"""Fixtures for the trainer tests: the trainer-side copy of the default model and the consistency check's prompts
-(the shared vLLM server fixture lives in tests/conftest.py)."""
+"""Fixtures for the trainer tests: the consistency check's prompts (the trainer-side copy of the default model and
+the shared vLLM server fixture live in tests/conftest.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-
-
-@pytest.fixture(scope="session")
-def trainer_model(prepared_model: Path):
-    """The default model loaded with transformers in float32, as the trainer holds it."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(prepared_model, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")
