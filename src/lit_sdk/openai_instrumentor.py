@@ -224,17 +224,23 @@ def sampling_attributes(kwargs: dict) -> dict[str, Any]:
     settings = {**(extra if isinstance(extra, dict) else {}), **{k: v for k, v in kwargs.items() if v is not None}}
     attrs: dict[str, Any] = {}
     temperature = settings.get("temperature")
-    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
+    if _is_number(temperature):
         attrs[semconv.LLM_TEMPERATURE] = float(temperature)
     unsupported = []
     for name, neutral in _NEUTRAL_SAMPLING.items():
         value = settings.get(name)
-        if value is None or value in (neutral if isinstance(neutral, tuple) else (neutral,)):
+        # Only real values count: frameworks pass the client's NOT_GIVEN / Omit sentinels for unset fields.
+        given = isinstance(value, dict) if name == "logit_bias" else _is_number(value)
+        if not given or value in (neutral if isinstance(neutral, tuple) else (neutral,)):
             continue
-        unsupported.append(f"{name}={value!r}" if isinstance(value, (dict, str)) else f"{name}={value}")
+        unsupported.append(f"{name}={value!r}" if isinstance(value, dict) else f"{name}={value}")
     if unsupported:
         attrs[semconv.LLM_SAMPLING_UNSUPPORTED] = ",".join(unsupported)
     return attrs
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _parsed(result: Any) -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import inspect
 
+import openai
 import pytest
 from ack_server import AckServer
 from fake_llm import FakeLLM
@@ -198,7 +199,8 @@ def test_the_sampling_temperature_and_unsupported_settings_are_recorded(clean, t
         @lit.trace
         def agent() -> None:
             client.chat.completions.create(model="m", messages=messages)
-            client.chat.completions.create(model="m", messages=messages, temperature=0.7, top_p=1.0)
+            client.chat.completions.create(model="m", messages=messages, temperature=0.7, top_p=1.0,
+                                           presence_penalty=openai.NOT_GIVEN, frequency_penalty=openai.omit)
             client.chat.completions.create(model="m", messages=messages, temperature=0.5, top_p=0.9,
                                            extra_body={"top_k": 20, "repetition_penalty": 1.0})
 
