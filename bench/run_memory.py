@@ -35,9 +35,11 @@ def label(proc: psutil.Process) -> str:
         return "vLLM API server"
     if "EngineCore" in name or "EngineCore" in cmd:
         return "vLLM engine core"
+    if "VLLM" in name:
+        return f"vLLM {name}"
     if "multiprocessing" in cmd or "lit_sdk" in cmd:
         return "agent worker"
-    return f"{name}: {cmd[:60]}"
+    return f"{name}: {cmd[:60]}".replace("\n", " ")
 
 
 def main() -> None:
@@ -51,7 +53,8 @@ def main() -> None:
     print("running:", " ".join(cmd), flush=True)
     root = subprocess.Popen(cmd)
     trainer = psutil.Process(root.pid)
-    peaks: dict[tuple[int, str], float] = {}
+    peaks: dict[int, float] = {}
+    names: dict[int, str] = {}
     while root.poll() is None:
         try:
             procs = [trainer, *trainer.children(recursive=True)]
@@ -62,17 +65,17 @@ def main() -> None:
                 rss = proc.memory_info().rss / 2**30
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
-            key = (proc.pid, "trainer" if proc.pid == root.pid else label(proc))
-            peaks[key] = max(peaks.get(key, 0.0), rss)
+            names[proc.pid] = "trainer" if proc.pid == root.pid else label(proc)  # a process may rename itself
+            peaks[proc.pid] = max(peaks.get(proc.pid, 0.0), rss)
         time.sleep(0.5)
     if root.returncode:
         sys.exit(f"lit train failed with exit code {root.returncode}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     updates = [r["time/update"] for r in records if r.get("kind") == "train" and "time/update" in r]
     print("\n| process | peak RSS (GiB) |\n|---|---|")
-    for (pid, name), peak in sorted(peaks.items(), key=lambda kv: -kv[1]):
+    for pid, peak in sorted(peaks.items(), key=lambda kv: -kv[1]):
         if peak > 0.05:
-            print(f"| {name} (pid {pid}) | {peak:.2f} |")
+            print(f"| {names[pid]} (pid {pid}) | {peak:.2f} |")
     if updates:
         print(f"\nupdate seconds per step: median {statistics.median(updates):.1f}, "
               f"min {min(updates):.1f}, max {max(updates):.1f} over {len(updates)} steps")

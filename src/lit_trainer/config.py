@@ -56,7 +56,7 @@ class AgentConfig:
 @dataclass(frozen=True)
 class TrainLoopConfig:
     steps: int = 20
-    """Training steps (each: rollouts, one optimizer step, one weight sync)."""
+    """Training steps (each: rollouts, the optimizer steps of ``[update]`` (one by default), one weight sync)."""
     tasks_per_step: int = 8
     """Distinct tasks per step."""
     group_size: int = 8

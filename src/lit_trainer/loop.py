@@ -2,7 +2,7 @@
 
 One step: sample ``tasks_per_step`` tasks (the same ones for the same seed and step, also after ``--resume``) →
 run ``group_size`` rollouts of each on the agent workers → rebuild episodes from the stored spans → LightningRL
-(credit → group advantages → clipped token loss) → one optimizer step → push the weights into vLLM → log →
+(credit → group advantages → clipped token loss) → optimizer step(s) (``[update]``) → push the weights into vLLM → log →
 validate and checkpoint when due. Generation and training alternate: vLLM idles during the update and the trainer
 idles during the rollouts, so on a 2-core machine neither slows the other.
 

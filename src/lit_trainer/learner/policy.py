@@ -41,7 +41,9 @@ class PolicyConfig:
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory for more compute (bench/README.md)."""
     lora_rank: int = 0
-    """0 trains every weight; > 0 trains LoRA adapters of this rank only (peft)."""
+    """0 trains every weight; > 0 trains LoRA adapters of this rank only (peft): W' = W + (alpha / rank)·B·A with W
+    frozen. vLLM gets W' merged (``state_dict``), checkpoints hold W' and the adapter (learner/checkpoint.py), and
+    the KL reference is W (the adapter switched off). The paper trains full weights; LoRA is lit's option."""
     lora_alpha: int = 32
     """LoRA scaling numerator (the update is scaled by alpha / rank)."""
     lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
