@@ -143,7 +143,7 @@ def step_loss(config: LossConfig, micro_batches: Sequence[Any], normalizer: floa
     def loss_fn(logp: torch.Tensor, mb: Any, entropy: torch.Tensor | None = None, ref: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, dict[str, float]]:
         return policy_loss(logp, mb.old_logprobs, mb.advantages, mb.response_mask.bool(), config, ref_logprobs=ref,
-                           entropy=entropy, normalizer=normalizer, prox_logprobs=getattr(mb, "prox_logprobs", None))
+                           entropy=entropy, normalizer=normalizer, prox_logprobs=mb.prox_logprobs)
 
     return loss_fn
 

@@ -67,6 +67,10 @@ class MicroBatch:
     softmax(logits / temperature), except a greedy call's (<= 1e-5): those of T = 1
     (``logprobs.effective_temperature``)."""
 
+    prox_logprobs: torch.Tensor | None = None  # (B, T) float
+    """π_old's logprobs recomputed by the trainer (``update.recompute_old_logprobs``; learner/schedule.py), laid out
+    like ``old_logprobs``; None: π_old is the behaviour policy."""
+
     def __post_init__(self) -> None:
         if self.temperature is None:
             self.temperature = torch.ones(self.input_ids.shape[0], dtype=torch.float32)  # (B,)
