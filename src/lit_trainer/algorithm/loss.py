@@ -112,13 +112,8 @@ class LossConfig:
 def step_normalizer(masks: Sequence[torch.Tensor], aggregation: str) -> float:
     """The denominator of a whole step's loss, given the response masks (B_i, T_i) of its micro-batches: their
     response tokens (``token_mean``) or their sequences with at least one (``seq_mean_token_sum``); at least 1."""
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
-    if aggregation == "token_mean":
-        count = sum(int(m.bool().sum()) for m in masks)
-    else:
-        count = sum(int(m.bool().any(dim=-1).sum()) for m in masks)
-    return float(max(count, 1))
+    lengths = [int(n) for m in masks for n in m.bool().sum(dim=-1)]  # response tokens of each row
+    return normalizer_of(lengths, aggregation)
 
 
 def normalizer_of(response_lengths: Sequence[int], aggregation: str) -> float:
