@@ -4,11 +4,12 @@
     python examples/calc/measure_baseline.py --variant all         # every prompt/tool variant below
     python examples/calc/measure_baseline.py --base-url http://127.0.0.1:8000/v1 --model policy   # running server
 
-For each variant: greedy accuracy on validation tasks (temperature 0), then ``--samples`` rollouts per train task at
-temperature 1.0 (GRPO's groups): mean accuracy, the share of groups with mixed rewards (neither all 0 nor all 1:
-only those give a gradient), how often the model called the tool and how often the call failed, mean prompt and
-response tokens per LLM call (the ``usage`` the server reports) and wall time per batch. Runs the agent plainly,
-without ``lit.instrument`` (``@lit.trace`` is then a pass-through).
+For each variant: greedy accuracy on validation tasks (temperature 0; also by one-step/two-step and by kind:
+``in_template`` wordings seen in training, ``out_of_template`` ones it never uses), then ``--samples`` rollouts
+per train task at temperature 1.0 (GRPO's groups): mean accuracy, the share of groups with mixed rewards (neither
+all 0 nor all 1: only those give a gradient), how often the model called the tool and how often the call failed,
+mean prompt and response tokens per LLM call (the ``usage`` the server reports) and wall time per batch. Runs the
+agent plainly, without ``lit.instrument`` (``@lit.trace`` is then a pass-through).
 
 Measured on the 2-core CPU machine (vLLM CPU fp32, 16 rollouts at a time; 64 validation tasks greedy; 16 train
 tasks x 8 samples; tasks half one-step, half two-step; max_tokens 64). greedy = accuracy at temperature 0; acc, mixed
@@ -30,6 +31,10 @@ validation and 32 train tasks x 8: greedy 18.8% (one-step 25%, two-step 0%), all
 temperature 0.7: accuracy 16.0%, mixed groups 53%, tool 79%, tool errors 16%; temperature 1.0: accuracy 3.5%, mixed
 25%, tool 43%, errors 25%. 358 prompt + 36-40 response tokens per rollout; 256 rollouts in 46-52 s (0.18-0.20 s
 each at 16 concurrent; another benchmark shared the machine), 64 greedy rollouts in 11 s.
+
+Validation since split by (operation, numbers) signature, half of it in held-out wordings (tasks.py), same design
+and max_tokens 48: greedy 12.5% (one-step 16.7%, two-step 0%; in_template 18.8%, out_of_template 6.2%, 32 tasks
+each), every greedy call using the tool.
 """
 
 from __future__ import annotations
@@ -104,14 +109,17 @@ async def measure(name: str, base_url: str, model: str, args: argparse.Namespace
     two = [int(t["id"].split("-")[1]) % TWO_STEP_EVERY == TWO_STEP_EVERY - 1 for t in validation]
     one_step = statistics.fmean(a.reward for a, is_two in zip(val, two, strict=True) if not is_two)
     two_step = statistics.fmean(a.reward for a, is_two in zip(val, two, strict=True) if is_two)
-    row = {"greedy": v["accuracy"], "greedy_1step": one_step, "greedy_2step": two_step,
+    kinds = {f"greedy_{kind}": statistics.fmean(a.reward for a, t in zip(val, validation, strict=True)
+                                                if t["kind"] == kind)
+             for kind in dict.fromkeys(t["kind"] for t in validation)}
+    row = {"greedy": v["accuracy"], "greedy_1step": one_step, "greedy_2step": two_step, **kinds,
            "greedy_tool": v["tool_use"], "acc_t1": s["accuracy"], "mixed_groups": mixed, "tool_t1": s["tool_use"],
            "tool_error_t1": s["tool_error"], "prompt_per_call": s["prompt_tokens_per_call"],
            "response_per_call": s["response_tokens_per_call"], "calls_per_rollout": s["calls_per_rollout"],
            "val_batch_s": val_s, "train_batch_s": sam_s, "s_per_rollout_t1": sam_s / len(sam)}
     print(f"\n== {name} (max_tokens={args.max_tokens}, temperature={args.temperature}) ==")
     for key, value in row.items():
-        print(f"  {key:20s} {value:8.3f}")
+        print(f"  {key:24s} {value:8.3f}")
     if args.show:
         for a in sam[:args.show]:
             print(f"  --- reward={a.reward} tool={a.used_tool} answer={a.answer}\n  {a.final_text[:300]!r}")

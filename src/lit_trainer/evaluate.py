@@ -1,5 +1,5 @@
 """Validation during training and ``lit eval``: one greedy rollout per held-out task, accuracy over all of them
-(a failed rollout counts as wrong, and is reported)."""
+(a failed rollout counts as wrong, and is reported), and per task kind when the tasks carry a ``"kind"``."""
 
 from __future__ import annotations
 
@@ -16,14 +16,23 @@ from lit_trainer.services import Services, services
 
 
 def validate(svc: Services, tasks: list[dict], log: MetricsLog, step: int, minutes: float) -> dict[str, float]:
-    """One greedy rollout per held-out task; accuracy counts failed rollouts as wrong (and reports them)."""
+    """One greedy rollout per held-out task; accuracy counts failed rollouts as wrong (and reports them), overall
+    and per task kind (``accuracy/<kind>``, ``reward/<kind>``) when the tasks carry a ``"kind"``."""
     t0 = time.perf_counter()
     _, metrics = svc.rollouts(tasks, 1, svc.cfg.agent.val_temperature, step, f"val{step}")
     metrics.update({"minutes": minutes, "time/validation": time.perf_counter() - t0})
     log.log(step, metrics, kind="validation")
-    print(f"validation after step {step}: accuracy {metrics['accuracy']:.3f} on {len(tasks)} held-out tasks "
+    print(f"validation after step {step}: {accuracy_line(metrics)} on {len(tasks)} held-out tasks "
           f"(failed {metrics['rollouts/failed']:.0f}, {metrics['time/validation']:.0f} s)", flush=True)
     return metrics
+
+
+def accuracy_line(metrics: dict[str, float]) -> str:
+    """``accuracy 0.516 (in_template 0.625, out_of_template 0.406)``: the accuracy, then that of each task kind
+    (``accuracy/<kind>``) when the tasks have kinds."""
+    kinds = [f"{key.removeprefix('accuracy/')} {value:.3f}" for key, value in metrics.items()
+             if key.startswith("accuracy/")]
+    return f"accuracy {metrics['accuracy']:.3f}" + (f" ({', '.join(kinds)})" if kinds else "")
 
 
 def evaluate(cfg: TrainConfig, checkpoint: str | None, output: Path | None = None) -> dict[str, float]:

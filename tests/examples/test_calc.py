@@ -2,21 +2,76 @@
 server (tests/fake_llm.py scripts the model's reply; everything else is real)."""
 
 import asyncio
+import re
+from collections import Counter
 
 import pytest
 from fake_llm import FakeLLM
 
 import lit_sdk as lit
 from examples.calc.agent import calc_agent, calculator, evaluate, final_number
-from examples.calc.tasks import make_tasks
+from examples.calc.tasks import HELD_OUT, KINDS, NAMES, TEMPLATES, THINGS, TWO_STEP, TWO_STEP_EVERY, make_tasks
 
 
 def test_tasks_are_deterministic_integral_and_the_splits_are_disjoint():
     train, val = make_tasks("train", 2000), make_tasks("validation", 64)
     assert train == make_tasks("train", 2000) and val == make_tasks("validation", 64)
+    assert val[:16] == make_tasks("validation", 16)  # a shorter list is a prefix
     assert len({t["id"] for t in train}) == 2000 and len(val) == 64
+    assert len({t["question"] for t in train}) == 2000
     assert not {t["question"] for t in train} & {t["question"] for t in val}
     assert all(isinstance(t["answer"], int) and t["answer"] >= 0 for t in train + val)
+
+
+NUMBER = re.compile(r"\d+")
+
+
+def numbers_signature(task: dict) -> tuple[str, tuple[int, ...]]:
+    """(operation, the question's numbers sorted), read from the text: equal for two problems that differ only in
+    the name, the object, the order of the numbers or the wording."""
+    return task["operation"], tuple(sorted(int(x) for x in NUMBER.findall(task["question"])))
+
+
+def skeleton(question: str) -> str:
+    """The wording alone: numbers, names and objects blanked."""
+    text = NUMBER.sub("#", question)
+    for word in NAMES + THINGS:
+        text = re.sub(rf"\b{word}\b", "_", text)
+    return text
+
+
+def test_no_validation_problem_is_a_training_problem_with_another_name_or_object():
+    train, val = make_tasks("train", 2000), make_tasks("validation", 64)
+    train_signatures = {numbers_signature(t) for t in train}
+    assert not [t["question"] for t in val if numbers_signature(t) in train_signatures]
+    for kind in ("in_template", "out_of_template"):  # nor one of validation's own, within a kind
+        signatures = [numbers_signature(t) for t in val if t["kind"] == kind]
+        assert len(set(signatures)) == len(signatures)
+
+
+def test_out_of_template_wordings_never_occur_in_train():
+    train, val = make_tasks("train", 2000), make_tasks("validation", 64)
+    train_wordings = {skeleton(t["question"]) for t in train}
+    assert len(train_wordings) == len(TEMPLATES)  # the blanking leaves one wording per template
+    held_out = {skeleton(t["question"]) for t in val if t["kind"] == "out_of_template"}
+    in_template = {skeleton(t["question"]) for t in val if t["kind"] == "in_template"}
+    assert len(held_out) == len(HELD_OUT) and not held_out & train_wordings
+    assert in_template <= train_wordings
+
+
+def test_kinds_alternate_by_blocks_and_keep_three_one_step_to_one_two_step():
+    train, val = make_tasks("train", 2000), make_tasks("validation", 64)
+    assert {t["kind"] for t in train} == {"in_template"}
+    two_step = {op.__name__ for op in TWO_STEP}
+    for kind in ("in_template", "out_of_template"):
+        tasks = [(int(t["id"].split("-")[1]), t) for t in val if t["kind"] == kind]
+        assert len(tasks) == 32
+        assert sum(t["operation"] in two_step for _, t in tasks) == 8
+        # measure_baseline.py tells two-step tasks by their index
+        assert all((t["operation"] in two_step) == (i % TWO_STEP_EVERY == TWO_STEP_EVERY - 1) for i, t in tasks)
+    assert [t["kind"] for t in val[:12]] == ["in_template"] * 4 + ["out_of_template"] * 4 + ["in_template"] * 4
+    mix = {kind: Counter(t["operation"] for t in val if t["kind"] == kind) for kind in KINDS}
+    assert mix["in_template"] == mix["out_of_template"]  # the kinds differ in wording only
 
 
 @pytest.mark.parametrize(("expression", "value"), [("3*12", 36), ("20+15-8", 27), ("(90)/6", 15), ("-4+2", -2),

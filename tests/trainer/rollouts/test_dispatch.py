@@ -1,16 +1,20 @@
 """Real worker processes, a real ZeroMQ dispatcher and collector, a real SQLite store: rollouts that succeed,
 raise, hang, or take their worker down. The agents (rollout_agents.py) make no LLM call."""
 
+import math
 import os
 from pathlib import Path
 
 import pytest
 
+from lit_sdk import semconv as sc
+from lit_sdk.protocol import STATUS_OK, SpanRecord
 from lit_sdk.resources import LLM
 from lit_sdk.worker import spawn
+from lit_trainer.evaluate import accuracy_line
 from lit_trainer.intake.collector import Collector
 from lit_trainer.intake.store import RolloutStatus, SqliteStore
-from lit_trainer.rollouts.dispatcher import DispatchConfig, Dispatcher, DispatchError, RolloutRequest
+from lit_trainer.rollouts.dispatcher import DispatchConfig, Dispatcher, DispatchError, Outcome, RolloutRequest
 from lit_trainer.services import gather_episodes, stop_workers
 
 TESTS = Path(__file__).parents[2]
@@ -118,3 +122,48 @@ def test_a_bad_agent_target_is_named(tmp_path):
         load_target("no_colon")
     with pytest.raises(ValueError, match="cannot import the agent module"):
         load_target("no_such_module_xyz:fn")
+
+
+def rollout_spans(rollout_id: str, reward: float) -> list[SpanRecord]:
+    """A finished rollout: its root span returning ``reward`` and one LLM call with token ids."""
+    attrs = {sc.ROLLOUT_ID: rollout_id, sc.TASK_ID: "t", sc.ATTEMPT: 1}
+    root = SpanRecord("ab" * 16, "1" * 16, None, sc.ROLLOUT_SPAN, 0, 100, STATUS_OK, "", rollout_id,
+                      {**attrs, sc.ROLLOUT_RETURN_REWARD: reward})
+    call = SpanRecord("ab" * 16, "2" * 16, root.span_id, sc.LLM_SPAN, 10, 20, STATUS_OK, "", rollout_id,
+                      {**attrs, sc.LLM_PROMPT_TOKEN_IDS: [1, 2], sc.LLM_RESPONSE_TOKEN_IDS: [3],
+                       sc.LLM_RESPONSE_LOGPROBS: [-0.5]})
+    return [root, call]
+
+
+def test_accuracy_and_reward_per_task_kind(tmp_path):
+    """Hand-made outcomes: failed and unusable rollouts count as wrong in accuracy/<kind>; reward/<kind> averages
+    the episodes of that kind; tasks without a (string) kind only count in the totals."""
+    # (kind, status, episode return or None for a rollout that gives no episode)
+    cases = [("in_template", RolloutStatus.SUCCEEDED, 1.0), ("in_template", RolloutStatus.SUCCEEDED, 0.0),
+             ("in_template", RolloutStatus.FAILED, None), ("out_of_template", RolloutStatus.SUCCEEDED, 1.0),
+             ("out_of_template", RolloutStatus.SUCCEEDED, None),  # succeeded, but no spans: unusable
+             ("out_of_template", RolloutStatus.SUCCEEDED, 0.5), (None, RolloutStatus.SUCCEEDED, 1.0),
+             (7, RolloutStatus.SUCCEEDED, 0.0), ("mean", RolloutStatus.TIMED_OUT, None)]  # fmt: skip
+    with SqliteStore(tmp_path / "lit.sqlite") as store:
+        outcomes = []
+        for i, (kind, status, reward) in enumerate(cases):
+            task = {"id": i, "question": "?"} | ({} if kind is None else {"kind": kind})
+            if reward is not None:
+                store.add_spans(rollout_spans(f"r{i}-a1", reward))
+            outcomes.append(Outcome(RolloutRequest(f"r{i}", str(i), task, NO_LLM, 0), status, f"r{i}-a1", 1))
+        episodes, metrics = gather_episodes(store, outcomes, (), 1.0)
+    assert len(episodes) == 6 and metrics["rollouts/unusable"] == 1
+    assert metrics["accuracy"] == 3 / 9 and metrics["reward/mean"] == 3.5 / 6
+    assert metrics["accuracy/in_template"] == 1 / 3 and metrics["reward/in_template"] == 0.5
+    assert metrics["accuracy/out_of_template"] == 1 / 3 and metrics["reward/out_of_template"] == 0.75
+    assert metrics["accuracy/mean"] == 0.0  # a kind named "mean" leaves reward/mean alone
+    assert not [k for k in metrics if k.endswith("/7")]  # a kind must be a string
+    per_kind = {k: v for k, v in metrics.items() if k.startswith(("accuracy/", "reward/")) and k != "reward/mean"}
+    assert list(per_kind) == ["accuracy/in_template", "reward/in_template", "accuracy/out_of_template",
+                              "reward/out_of_template", "accuracy/mean"]
+    assert accuracy_line(metrics) == "accuracy 0.333 (in_template 0.333, out_of_template 0.333, mean 0.000)"
+    without_kinds = {k: v for k, v in metrics.items() if k not in per_kind}
+    assert accuracy_line(without_kinds) == "accuracy 0.333"
+    with SqliteStore(tmp_path / "other.sqlite") as store:
+        _, plain = gather_episodes(store, [], (), 1.0)
+    assert math.isnan(plain["accuracy"]) and not [k for k in plain if k.startswith("accuracy/")]
