@@ -5,6 +5,10 @@ when the request offers tools and no tool result has come back yet, it calls the
 ``tool_args``; otherwise it answers ``final_text``. Every response carries vLLM's fields: ``prompt_token_ids``
 (chat: top level; completions: per choice), ``choices[].token_ids`` and per-token logprobs. Each call gets
 distinct ids, and the server keeps every request and response so that tests can compare exact ids.
+
+``script`` replaces that rule with a fixed sequence of replies, one per chat call in arrival order: a string is
+a text answer, a ``(tool_name, arguments)`` pair a tool call (for agents of several calls: a SQL writer, checker
+and rewriter; several searches before an answer). A call beyond the script gets ``final_text``.
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ from typing import Any
 
 
 class FakeLLM:
-    def __init__(self, tool_args: dict[str, Any] | None = None, final_text: str = "The answer is 5."):
+    def __init__(self, tool_args: dict[str, Any] | None = None, final_text: str = "The answer is 5.",
+                 script: list[str | tuple[str, dict[str, Any]]] | None = None):
         self.tool_args = tool_args or {}
         self.final_text = final_text
+        self.script = script
         self.requests: list[dict[str, Any]] = []
         self.responses: list[dict[str, Any]] = []
         self._lock = threading.Lock()
@@ -58,14 +64,20 @@ def _chat(llm: FakeLLM, body: dict[str, Any], n: int) -> dict[str, Any]:
     last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
     tool_done = any(m.get("role") == "tool" for m in messages[last_user + 1 :])
     message: dict[str, Any] = {"role": "assistant", "content": None}
-    if tools and not tool_done:
-        name = tools[0]["function"]["name"]
-        function = {"name": name, "arguments": json.dumps(llm.tool_args)}
+    if llm.script is not None:
+        reply = llm.script[n] if n < len(llm.script) else llm.final_text
+        name, args = (None, None) if isinstance(reply, str) else reply
+    elif tools and not tool_done:
+        name, args = tools[0]["function"]["name"], llm.tool_args
+    else:
+        name, args = None, None
+    if name is not None:
+        function = {"name": name, "arguments": json.dumps(args)}
         call = {"id": f"call_{n}", "type": "function", "function": function}
         message["tool_calls"] = [call]
         finish, n_out = "tool_calls", 7
     else:
-        message["content"] = llm.final_text
+        message["content"] = reply if llm.script is not None and isinstance(reply, str) else llm.final_text
         finish, n_out = "stop", 5
     response_ids = _ids(n, n_out, 50_000)
     logprobs = [-0.125 * (i + 1) for i in range(n_out)]

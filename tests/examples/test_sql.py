@@ -1,0 +1,153 @@
+"""The SQL example: its databases and questions, the grading, and the real LangGraph agent traced by lit against a
+vLLM-shaped local server (tests/fake_llm.py scripts the model's replies; the graph, the SQLite databases, the ZeroMQ
+delivery, the trainer's collector, store and episode builder are real)."""
+
+import asyncio
+import sqlite3
+
+import pytest
+from fake_llm import FakeLLM
+
+import lit_sdk as lit
+from examples.sql.agent import MAX_REWRITES, closest_shots, execution_match, extract_sql, sql_agent
+from examples.sql.databases import DOMAINS, HELD_OUT_DOMAINS, TRAIN_DOMAINS, columns, rows_of, run_query
+from examples.sql.tasks import FORMS, make_tasks
+from lit_sdk import _context
+from lit_sdk import semconv as sc
+from lit_trainer.intake.collector import Collector
+from lit_trainer.intake.episodes import Episode, build_episode
+from lit_trainer.intake.store import SqliteStore
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LIT_EXAMPLES_CACHE", str(tmp_path / "cache"))
+
+
+def vocabulary(table: str) -> set[str]:
+    """Every table, column and value name of a domain."""
+    domain = DOMAINS[table]
+    words = {table, *(c for c, _ in columns(domain))}
+    words |= {v for c in domain.categories for v in c.values} | set(domain.names)
+    return words - {"name"}
+
+
+def test_held_out_databases_share_no_table_column_or_value_with_training():
+    train_words = set().union(*(vocabulary(t) for t in TRAIN_DOMAINS))
+    for table in HELD_OUT_DOMAINS:
+        assert not vocabulary(table) & train_words, table
+    train, val = make_tasks("train", 2000), make_tasks("validation", 64)
+    assert {t["db"] for t in train} == set(TRAIN_DOMAINS) and {t["db"] for t in val} == set(HELD_OUT_DOMAINS)
+    for task in val:  # no validation question mentions anything of a training database
+        assert not set(task["question"].rstrip("?").split()) & (train_words - {"age", "price", "year"}), task
+
+
+def test_tasks_are_deterministic_distinct_and_every_gold_query_runs():
+    train, val = make_tasks("train", 2000), make_tasks("validation", 64)
+    assert train == make_tasks("train", 2000) and val == make_tasks("validation", 64)
+    assert len(val) == 64 and len(train) > 200
+    assert len({(t["db"], t["question"]) for t in train}) == len(train)
+    assert {t["kind"] for t in val} == {f.__name__ for f in FORMS}
+    for task in train + val:
+        assert run_query(task["db"], task["gold"]), task  # every gold answer is a non-empty result
+
+
+def test_numbers_are_distinct_so_extremes_have_one_answer():
+    for domain in DOMAINS.values():
+        rows = rows_of(domain)
+        assert len(rows) == 16 and len({r["name"] for r in rows}) == 16
+        for number in domain.numbers:
+            if number.high - number.low >= 16:
+                assert len({r[number.column] for r in rows}) == 16, (domain.table, number.column)
+
+
+def test_queries_run_read_only():
+    with pytest.raises(sqlite3.OperationalError, match="readonly"):
+        run_query("students", "DROP TABLE students")
+    assert run_query("students", "SELECT COUNT(*) FROM students") == [(16,)]
+
+
+@pytest.mark.parametrize(("reply", "query"), [
+    ("SELECT COUNT(*) FROM pets;", "SELECT COUNT(*) FROM pets"),
+    ("```sql\nSELECT name\nFROM pets\n```\nThis lists them.", "SELECT name FROM pets"),
+    ("Here it is: select max(age) from pets; DROP TABLE pets;", "select max(age) from pets"),
+    ("I do not know.", ""),
+])
+def test_extract_sql_takes_the_first_query(reply, query):
+    assert extract_sql(reply) == query
+
+
+def test_execution_match_ignores_row_order_and_float_noise():
+    gold = "SELECT name FROM students WHERE age > 20"
+    assert execution_match("students", "SELECT name FROM students WHERE age > 20 ORDER BY name DESC", gold)
+    assert execution_match("students", "SELECT AVG(score) * 1.0 FROM students", "SELECT AVG(score) FROM students")
+    assert not execution_match("students", "SELECT name FROM students", gold)
+    assert not execution_match("students", "SELECT nonsense", gold)
+    assert not execution_match("students", "", gold)
+
+
+def test_the_closest_worked_example_matches_the_question_form():
+    [(question, _)] = closest_shots("How many movies are rated R?")
+    assert question == "How many pets are dogs?"
+    [(question, _)] = closest_shots("Which hotel has the lowest rooms?")
+    assert question == "Which pet has the lowest age?"
+
+
+def rollout(script: list[str], tmp_path, task: dict) -> tuple[float, list, FakeLLM]:
+    """One instrumented rollout of the real graph: the reward, the rollout's stored spans and the engine."""
+    with FakeLLM(script=script) as llm, SqliteStore(tmp_path / "store.sqlite") as store, \
+            Collector(store, "tcp://127.0.0.1:0") as collector:
+        lit.instrument(endpoint=collector.endpoint, llm_base_urls=[llm.base_url], spool_dir=tmp_path / "spool")
+        try:
+            with _context.assign("sql-rollout-1", task["id"]):
+                reward = asyncio.run(sql_agent(task, lit.LLM(llm.base_url, "policy", temperature=0.0, max_tokens=48)))
+            counts = lit.flush(timeout=10)
+            assert counts is not None and counts.pending == 0 and counts.dropped == 0, counts
+        finally:
+            lit.uninstrument()
+        for _ in range(100):  # the collector stores what it acknowledged; wait for the root span to be readable
+            spans = store.spans_of_rollout("sql-rollout-1")
+            if any(s.parent_id is None for s in spans):
+                break
+            asyncio.run(asyncio.sleep(0.05))
+        return reward, spans, llm
+
+
+TASK = {"id": "t1", "db": "movies", "question": "How many movies are rated R?",
+        "gold": "SELECT COUNT(*) FROM movies WHERE rating = 'R'"}
+
+
+def test_a_rejected_draft_is_rewritten_and_only_writer_and_rewriter_calls_are_trained(tmp_path):
+    # writer drafts a query that runs but is wrong; checker objects ("yes, it is wrong"); rewriter fixes it.
+    script = ["SELECT name FROM movies WHERE rating = 'R'", "Yes.", "SELECT COUNT(*) FROM movies WHERE rating = 'R'"]
+    reward, spans, llm = rollout(script, tmp_path, TASK)
+    assert reward == 1.0 and len(llm.requests) == 3 == 1 + 2 * MAX_REWRITES
+    llm_spans = sorted((s for s in spans if s.name == sc.LLM_SPAN), key=lambda s: s.start_ns)
+    assert [s.attributes[sc.AGENT_NAME] for s in llm_spans] == ["writer", "checker", "rewriter"]
+
+    everything = build_episode(spans)
+    assert isinstance(everything, Episode) and [t.agent for t in everything.transitions] == [
+        "writer", "checker", "rewriter"]
+    trained = build_episode(spans, agents={"writer", "rewriter"})
+    assert isinstance(trained, Episode) and trained.final_reward == 1.0
+    assert [t.agent for t in trained.transitions] == ["writer", "rewriter"]
+    assert [t.response_ids for t in trained.transitions] == [
+        llm.responses[i]["choices"][0]["token_ids"] for i in (0, 2)]
+    # The rewriter saw the checker's objection and the draft's rows.
+    assert "Brazil" in llm.requests[2]["messages"][-1]["content"]
+
+
+def test_an_accepted_draft_ends_the_graph(tmp_path):
+    reward, spans, llm = rollout(["SELECT COUNT(*) FROM movies", "No."], tmp_path, TASK)
+    assert reward == 0.0 and len(llm.requests) == 2  # writer, checker; no rewrite
+    trained = build_episode(spans, agents={"writer", "rewriter"})
+    assert isinstance(trained, Episode) and [t.agent for t in trained.transitions] == ["writer"]
+
+
+def test_a_failing_query_goes_to_the_rewriter_without_asking_the_checker(tmp_path):
+    reward, spans, llm = rollout(["SELECT title FROM nowhere", "SELECT COUNT(*) FROM movies WHERE rating = 'R'"],
+                                 tmp_path, TASK)
+    assert reward == 1.0 and len(llm.requests) == 2
+    assert "no such table" in llm.requests[1]["messages"][-1]["content"]
+    trained = build_episode(spans, agents={"writer", "rewriter"})
+    assert [t.agent for t in trained.transitions] == ["writer", "rewriter"]
