@@ -122,7 +122,9 @@ def _train(args: argparse.Namespace) -> int:
     cfg = load(args.config, args.overrides)
     result = loop.run(cfg, resume=args.resume)
     if result:
-        print(f"final held-out accuracy: {result['accuracy']:.3f}")
+        from lit_trainer.evaluate import accuracy_line
+
+        print(f"final held-out {accuracy_line(result)}")
     return 0
 
 
@@ -131,7 +133,7 @@ def _eval(args: argparse.Namespace) -> int:
     from lit_trainer.config import load
 
     result = evaluate.evaluate(load(args.config, args.overrides), args.checkpoint, args.output)
-    print(f"held-out accuracy: {result['accuracy']:.3f} ({result['tasks']} tasks, model {result['model']})")
+    print(f"held-out {evaluate.accuracy_line(result)} ({result['tasks']} tasks, model {result['model']})")
     return 0
 
 

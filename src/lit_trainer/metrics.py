@@ -136,6 +136,35 @@ def plot_curve(metrics_path: Path, png: Path, title: str = "") -> Path | None:
     return png
 
 
+def plot_comparison(runs: dict[str, Path], png: Path, metric: str = "accuracy", title: str = "") -> Path:
+    """The held-out ``metric`` of several runs against minutes of training, one line per run (label → metrics
+    file): the figure for comparing options trained for the same minutes. Raises ValueError for a run without
+    validation records of ``metric``."""
+    curves = {}
+    for label, path in runs.items():
+        val = [r for r in read(path) if r["kind"] == "validation" and metric in r]
+        if not val:
+            raise ValueError(f"{path}: no validation records with {metric!r}")
+        curves[label] = ([r["minutes"] for r in val], [r[metric] for r in val])
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    for label, (minutes, values) in curves.items():
+        ax.plot(minutes, values, "o-", linewidth=2, label=label)
+    ax.set_xlabel("minutes of training (rollouts + updates + syncs)")
+    ax.set_ylabel(f"held-out {metric} (greedy)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(png)
+    plt.close(fig)
+    return png
+
+
 def _flat(config: dict, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in config.items():

@@ -9,7 +9,7 @@ import pytest
 from accelerate import Accelerator
 from accelerate.tracking import GeneralTracker
 
-from lit_trainer.metrics import MetricsLog, memory_gb, plot_curve, read, step_line
+from lit_trainer.metrics import MetricsLog, memory_gb, plot_comparison, plot_curve, read, step_line
 
 
 def test_step_line_formats_each_figure_and_marks_missing_ones():
@@ -126,3 +126,17 @@ def test_memory_figures_are_this_process_peak_and_a_server_s_largest_process():
         server.kill()
         server.wait()
     del ballast
+
+
+def test_plot_comparison_draws_each_runs_validation_and_names_a_run_without_it(tmp_path):
+    runs = {}
+    for label, values in (("identical", [0.2, 0.4]), ("discounted", [0.2, 0.5])):
+        path = runs[label] = tmp_path / f"{label}.jsonl"
+        path.write_text("".join(json.dumps({"kind": "validation", "step": i, "minutes": 2.0 * i, "reward/mean": v})
+                                + "\n" for i, v in enumerate(values)))
+    png = plot_comparison(runs, tmp_path / "credit.png", metric="reward/mean", title="t")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"kind": "train", "step": 1, "minutes": 1.0, "reward/mean": 0.1}) + "\n")
+    with pytest.raises(ValueError, match="empty.jsonl: no validation records with 'reward/mean'"):
+        plot_comparison({**runs, "intermediate": empty}, tmp_path / "x.png", metric="reward/mean")
