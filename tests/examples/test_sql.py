@@ -2,26 +2,15 @@
 vLLM-shaped local server (tests/fake_llm.py scripts the model's replies; the graph, the SQLite databases, the ZeroMQ
 delivery, the trainer's collector, store and episode builder are real)."""
 
-import asyncio
 import sqlite3
 
 import pytest
-from fake_llm import FakeLLM
 
-import lit_sdk as lit
 from examples.sql.agent import MAX_REWRITES, closest_shots, execution_match, extract_sql, sql_agent
 from examples.sql.databases import DOMAINS, HELD_OUT_DOMAINS, TRAIN_DOMAINS, columns, rows_of, run_query
 from examples.sql.tasks import FORMS, make_tasks
-from lit_sdk import _context
 from lit_sdk import semconv as sc
-from lit_trainer.intake.collector import Collector
 from lit_trainer.intake.episodes import Episode, build_episode
-from lit_trainer.intake.store import SqliteStore
-
-
-@pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("LIT_EXAMPLES_CACHE", str(tmp_path / "cache"))
 
 
 def vocabulary(table: str) -> set[str]:
@@ -93,34 +82,14 @@ def test_the_closest_worked_example_matches_the_question_form():
     assert question == "Which pet has the lowest age?"
 
 
-def rollout(script: list[str], tmp_path, task: dict) -> tuple[float, list, FakeLLM]:
-    """One instrumented rollout of the real graph: the reward, the rollout's stored spans and the engine."""
-    with FakeLLM(script=script) as llm, SqliteStore(tmp_path / "store.sqlite") as store, \
-            Collector(store, "tcp://127.0.0.1:0") as collector:
-        lit.instrument(endpoint=collector.endpoint, llm_base_urls=[llm.base_url], spool_dir=tmp_path / "spool")
-        try:
-            with _context.assign("sql-rollout-1", task["id"]):
-                reward = asyncio.run(sql_agent(task, lit.LLM(llm.base_url, "policy", temperature=0.0, max_tokens=48)))
-            counts = lit.flush(timeout=10)
-            assert counts is not None and counts.pending == 0 and counts.dropped == 0, counts
-        finally:
-            lit.uninstrument()
-        for _ in range(100):  # the collector stores what it acknowledged; wait for the root span to be readable
-            spans = store.spans_of_rollout("sql-rollout-1")
-            if any(s.parent_id is None for s in spans):
-                break
-            asyncio.run(asyncio.sleep(0.05))
-        return reward, spans, llm
-
-
 TASK = {"id": "t1", "db": "movies", "question": "How many movies are rated R?",
         "gold": "SELECT COUNT(*) FROM movies WHERE rating = 'R'"}
 
 
-def test_a_rejected_draft_is_rewritten_and_only_writer_and_rewriter_calls_are_trained(tmp_path):
+def test_a_rejected_draft_is_rewritten_and_only_writer_and_rewriter_calls_are_trained(traced_rollout):
     # writer drafts a query that runs but is wrong; checker objects ("yes, it is wrong"); rewriter fixes it.
     script = ["SELECT name FROM movies WHERE rating = 'R'", "Yes.", "SELECT COUNT(*) FROM movies WHERE rating = 'R'"]
-    reward, spans, llm = rollout(script, tmp_path, TASK)
+    reward, spans, llm = traced_rollout(sql_agent, TASK, script)
     assert reward == 1.0 and len(llm.requests) == 3 == 1 + 2 * MAX_REWRITES
     llm_spans = sorted((s for s in spans if s.name == sc.LLM_SPAN), key=lambda s: s.start_ns)
     assert [s.attributes[sc.AGENT_NAME] for s in llm_spans] == ["writer", "checker", "rewriter"]
@@ -137,16 +106,16 @@ def test_a_rejected_draft_is_rewritten_and_only_writer_and_rewriter_calls_are_tr
     assert "Brazil" in llm.requests[2]["messages"][-1]["content"]
 
 
-def test_an_accepted_draft_ends_the_graph(tmp_path):
-    reward, spans, llm = rollout(["SELECT COUNT(*) FROM movies", "No."], tmp_path, TASK)
+def test_an_accepted_draft_ends_the_graph(traced_rollout):
+    reward, spans, llm = traced_rollout(sql_agent, TASK, ["SELECT COUNT(*) FROM movies", "No."])
     assert reward == 0.0 and len(llm.requests) == 2  # writer, checker; no rewrite
     trained = build_episode(spans, agents={"writer", "rewriter"})
     assert isinstance(trained, Episode) and [t.agent for t in trained.transitions] == ["writer"]
 
 
-def test_a_failing_query_goes_to_the_rewriter_without_asking_the_checker(tmp_path):
-    reward, spans, llm = rollout(["SELECT title FROM nowhere", "SELECT COUNT(*) FROM movies WHERE rating = 'R'"],
-                                 tmp_path, TASK)
+def test_a_failing_query_goes_to_the_rewriter_without_asking_the_checker(traced_rollout):
+    script = ["SELECT title FROM nowhere", "SELECT COUNT(*) FROM movies WHERE rating = 'R'"]
+    reward, spans, llm = traced_rollout(sql_agent, TASK, script)
     assert reward == 1.0 and len(llm.requests) == 2
     assert "no such table" in llm.requests[1]["messages"][-1]["content"]
     trained = build_episode(spans, agents={"writer", "rewriter"})
