@@ -1,0 +1,142 @@
+"""The RAG agent's world: a made-up encyclopedia of short passages, its BM25 index, and two-hop questions about it.
+
+    make_tasks("train", 2000)      # [{"id", "question", "answer", "supporting": [two passages], "kind"}, ...]
+    make_tasks("validation", 64)
+    search("Glilstan Rerus")       # the TOP_K passages BM25 ranks first
+
+Two separate worlds are generated, one per split, each with its own people, cities, countries and companies (names
+from a syllable generator, so the model cannot know any answer): a validation question never names an entity that
+any training question or answer names. The encyclopedia holds the passages of both worlds, so retrieval works as
+in open-domain QA. Every question needs two retrievals, MuSiQue style:
+
+- ``birth_country``: "In which country was P born?" (P was born in C; C is a city in K) → K
+- ``founder_city``: "In which city was the founder of Co born?" (Co was founded by P; P was born in C) → C
+
+Each person also has a passage about their job, a distractor that shares their name. Deterministic: seeded
+``random.Random`` generators, no ``hash()``; the index is built once per process (about 10 ms).
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from dataclasses import dataclass
+
+TOP_K = 2
+"""Passages a search returns."""
+SEEDS = {"train": 11, "validation": 22}
+PEOPLE = {"train": 400, "validation": 160}
+"""People per world: with half as many companies, 600 training and 240 validation questions."""
+ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "kr", "tr", "st", "gl"]
+VOWELS = ["a", "e", "i", "o", "u", "ai", "ou"]
+CODAS = ["", "", "n", "r", "l", "s", "k", "m"]
+JOBS = ["a baker", "a pilot", "a painter", "a doctor", "a farmer", "a teacher", "a singer", "a lawyer"]
+
+
+@dataclass(frozen=True)
+class World:
+    born: dict[str, str]
+    """person → city of birth"""
+    country: dict[str, str]
+    """city → country"""
+    founder: dict[str, str]
+    """company → founder (a person)"""
+    job: dict[str, str]
+    """person → job"""
+
+
+def _world(seed: int, people: int, used: set[str]) -> World:
+    rng = random.Random(seed)
+
+    def name(syllables: int) -> str:
+        while True:
+            word = "".join(rng.choice(ONSETS) + rng.choice(VOWELS) + rng.choice(CODAS)
+                           for _ in range(syllables)).capitalize()
+            if len(word) > 3 and word.lower() not in used:
+                used.add(word.lower())
+                return word
+
+    countries = [name(2) for _ in range(12)]
+    cities = [name(2) for _ in range(40)]
+    persons = [f"{name(2)} {name(2)}" for _ in range(people)]
+    companies = [name(3) for _ in range(people // 2)]
+    return World(born={p: rng.choice(cities) for p in persons},
+                 country={c: rng.choice(countries) for c in cities},
+                 founder=dict(zip(companies, persons, strict=False)),
+                 job={p: rng.choice(JOBS) for p in persons})
+
+
+@functools.cache
+def worlds() -> dict[str, World]:
+    """The two worlds; no name is in both (one set of used names across them)."""
+    used: set[str] = set()
+    return {split: _world(SEEDS[split], PEOPLE[split], used) for split in ("train", "validation")}
+
+
+def born_in(person: str, city: str) -> str:
+    return f"{person} was born in {city}."
+
+
+def city_in(city: str, country: str) -> str:
+    return f"{city} is a city in {country}."
+
+
+def founded_by(company: str, person: str) -> str:
+    return f"{company} was founded by {person}."
+
+
+def passages(world: World) -> list[str]:
+    out = []
+    for person, city in world.born.items():
+        out += [born_in(person, city), f"{person} works as {world.job[person]}."]
+    out += [city_in(city, country) for city, country in world.country.items()]
+    out += [founded_by(company, person) for company, person in world.founder.items()]
+    return out
+
+
+@functools.cache
+def encyclopedia() -> list[str]:
+    return [p for world in worlds().values() for p in passages(world)]
+
+
+@functools.cache
+def _index():
+    import bm25s
+
+    index = bm25s.BM25()
+    index.index(bm25s.tokenize(encyclopedia(), show_progress=False), show_progress=False)
+    return index
+
+
+def search(query: str, k: int = TOP_K) -> list[str]:
+    """The ``k`` best passages for ``query`` by BM25 (fewer when fewer share a word with it)."""
+    import bm25s
+
+    tokens = bm25s.tokenize([query], show_progress=False)
+    if not tokens.vocab:
+        return []
+    ids, scores = _index().retrieve(tokens, k=k, show_progress=False)
+    docs = encyclopedia()
+    return [docs[i] for i, score in zip(ids[0], scores[0], strict=True) if score > 0]
+
+
+def questions(world: World) -> list[dict]:
+    out = []
+    for person, city in world.born.items():
+        country = world.country[city]
+        out.append({"question": f"In which country was {person} born?", "answer": country, "kind": "birth_country",
+                    "supporting": [born_in(person, city), city_in(city, country)]})
+    for company, person in world.founder.items():
+        city = world.born[person]
+        out.append({"question": f"In which city was the founder of {company} born?", "answer": city,
+                    "kind": "founder_city", "supporting": [founded_by(company, person), born_in(person, city)]})
+    return out
+
+
+def make_tasks(split: str, n: int) -> list[dict]:
+    """Up to ``n`` questions of ``split`` ("train" or "validation"), shuffled once with a fixed seed."""
+    if split not in SEEDS:
+        raise ValueError(f"split must be one of {sorted(SEEDS)}, got {split!r}")
+    tasks = questions(worlds()[split])
+    random.Random(SEEDS[split]).shuffle(tasks)
+    return [{"id": f"{split}-{i}", **task} for i, task in enumerate(tasks[:n])]
