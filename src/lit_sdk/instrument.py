@@ -17,7 +17,8 @@ import threading
 from typing import Any, cast
 
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
 from lit_sdk import _agents, _state, config
 from lit_sdk._processor import LitSpanProcessor
@@ -50,7 +51,7 @@ class Instrumentation:
 
     def __init__(self, settings: config.SdkSettings):
         self.settings = settings
-        self.provider = TracerProvider(resource=Resource.create({"service.name": settings.service_name}))
+        self.provider = _own_provider(settings.service_name)
         self.sender = SpanSender(settings.endpoint, spool_dir=settings.spool_dir)
         self.processor = LitSpanProcessor(self.sender.submit)
         self.provider.add_span_processor(self.processor)
@@ -140,6 +141,19 @@ def instrument(
             raise
         _state.set_active(instrumentation)
         return instrumentation
+
+
+def _own_provider(service_name: str) -> TracerProvider:
+    """lit's tracer provider, deaf to the OpenTelemetry settings a user sets for their own telemetry: with
+    ``OTEL_SDK_DISABLED=true``, a sampler such as ``always_off`` or attribute limits from the environment, lit
+    would record nothing, or lose the token ids, silently."""
+    unlimited = SpanLimits(max_span_attributes=SpanLimits.UNSET, max_attribute_length=SpanLimits.UNSET,
+                           max_event_attributes=SpanLimits.UNSET, max_attributes=SpanLimits.UNSET)
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}), sampler=ALWAYS_ON,
+                              span_limits=unlimited)
+    if getattr(provider, "_disabled", False):  # OTEL_SDK_DISABLED: read at construction, no argument for it
+        provider._disabled = False
+    return provider
 
 
 def uninstrument() -> DeliveryCounts | None:

@@ -209,3 +209,23 @@ def test_the_sampling_temperature_and_unsupported_settings_are_recorded(clean, t
     assert sc.LLM_TEMPERATURE not in default and sc.LLM_SAMPLING_UNSUPPORTED not in default
     assert tempered[sc.LLM_TEMPERATURE] == 0.7 and sc.LLM_SAMPLING_UNSUPPORTED not in tempered  # top_p=1 is neutral
     assert nucleus[sc.LLM_TEMPERATURE] == 0.5 and nucleus[sc.LLM_SAMPLING_UNSUPPORTED] == "top_p=0.9,top_k=20"
+
+
+def test_the_users_opentelemetry_settings_do_not_switch_lit_off(clean, tmp_path, monkeypatch):
+    """OTEL_SDK_DISABLED, a sampler that drops everything and tight span limits are the user's settings for their
+    own telemetry; lit's provider is its own, and before it inherited them: no span, or token ids dropped."""
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+    monkeypatch.setenv("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", "2")
+    with FakeLLM() as llm, AckServer() as server:
+        lit.instrument(endpoint=server.endpoint, llm_base_urls=[llm.base_url], spool_dir=tmp_path)
+
+        @lit.trace
+        def agent() -> float:
+            _ask(llm.base_url)
+            return 1.0
+
+        assert agent() == 1.0
+        (span,) = _llm_spans(server)
+        assert span["attributes"][sc.LLM_RESPONSE_TOKEN_IDS] == llm.responses[0]["choices"][0]["token_ids"]
+        assert span["attributes"][sc.LLM_PROMPT_TOKEN_IDS] == llm.responses[0]["prompt_token_ids"]
