@@ -34,10 +34,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import lit_sdk as lit
 from examples.rag.agent import Attempt, solve
 from examples.rag.corpus import make_tasks
-
-import lit_sdk as lit
 
 
 async def run_all(tasks: list[dict], llm: lit.LLM, concurrency: int) -> list[Attempt]:
