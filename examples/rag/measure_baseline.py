@@ -26,7 +26,6 @@ searched the question's entity and then the bridge entity, but kept searching; w
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
 import sys
 import time
@@ -35,18 +34,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import lit_sdk as lit
+from examples import baseline
 from examples.rag.agent import Attempt, solve
 from examples.rag.corpus import make_tasks
-
-
-async def run_all(tasks: list[dict], llm: lit.LLM, concurrency: int) -> list[Attempt]:
-    gate = asyncio.Semaphore(concurrency)
-
-    async def one(task: dict) -> Attempt:
-        async with gate:
-            return await solve(task, llm)
-
-    return await asyncio.gather(*(one(task) for task in tasks))
 
 
 def describe(attempts: list[Attempt]) -> dict[str, float]:
@@ -72,10 +62,11 @@ async def measure(base_url: str, model: str, args: argparse.Namespace) -> None:
     sampled = lit.LLM(base_url=base_url, model=model, temperature=args.temperature, max_tokens=args.max_tokens)
     validation, train = make_tasks("validation", args.validation), make_tasks("train", args.train_tasks)
     t0 = time.perf_counter()
-    val = await run_all(validation, greedy, args.concurrency)
+    val = await baseline.run_all(validation, lambda t: solve(t, greedy), args.concurrency)
     val_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    sam = await run_all([t for t in train for _ in range(args.samples)], sampled, args.concurrency)
+    sam = await baseline.run_all([t for t in train for _ in range(args.samples)], lambda t: solve(t, sampled),
+                                 args.concurrency)
     sam_s = time.perf_counter() - t0
     groups = [[a.reward for a in sam[i:i + args.samples]] for i in range(0, len(sam), args.samples)]
     print(f"\n== greedy, {len(val)} validation questions ({val_s:.0f} s) ==")
@@ -91,25 +82,8 @@ async def measure(base_url: str, model: str, args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--base-url", default="", help="use this running server instead of starting one")
-    parser.add_argument("--model", default="policy", help="model name on --base-url")
-    parser.add_argument("--validation", type=int, default=64, help="validation questions (greedy)")
-    parser.add_argument("--train-tasks", type=int, default=16, help="train questions (sampled --samples times)")
-    parser.add_argument("--samples", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--show", type=int, default=0, help="print this many greedy rollouts")
-    args = parser.parse_args()
-    if args.base_url:
-        asyncio.run(measure(args.base_url, args.model, args))
-        return
-    from lit_trainer.engine.config import InferenceConfig
-    from lit_trainer.engine.server import InferenceServer
-
-    with InferenceServer(InferenceConfig(model="smollm2-135m")) as server:
-        asyncio.run(measure(server.openai_url, server.model_name, args))
+    parser = baseline.arguments(__doc__.split("\n")[0])
+    baseline.main(measure, parser.parse_args())
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ Greedy by question form: maximum 25%, total_where 25%, above 22%, count_where 12
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
 import sys
 import time
@@ -38,7 +37,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import lit_sdk as lit
-from examples.sql.agent import SHOT_POOL, SHOTS_SHOWN, Attempt, Shots, solve
+from examples import baseline
+from examples.sql.agent import SHOT_POOL, Attempt, Shots, solve
 from examples.sql.tasks import make_tasks
 
 FIXED = [SHOT_POOL[i] for i in (1, 3, 6, 5)]
@@ -50,17 +50,6 @@ VARIANTS: dict[str, Shots] = {
     "all_nine": SHOT_POOL,
 }
 """Worked examples for the writer compared; ``closest_one`` is what ``sql_agent`` runs."""
-
-
-async def run_all(tasks: list[dict], llm: lit.LLM, concurrency: int, shots: Shots = SHOTS_SHOWN
-                  ) -> list[Attempt]:
-    gate = asyncio.Semaphore(concurrency)
-
-    async def one(task: dict) -> Attempt:
-        async with gate:
-            return await solve(task, llm, shots)
-
-    return await asyncio.gather(*(one(task) for task in tasks))
 
 
 def describe(attempts: list[Attempt]) -> dict[str, float]:
@@ -85,10 +74,11 @@ async def measure(base_url: str, model: str, args: argparse.Namespace) -> None:
 
     t0 = time.perf_counter()
     shots = VARIANTS[args.variant]
-    val = await run_all(validation, greedy, args.concurrency, shots)
+    val = await baseline.run_all(validation, lambda t: solve(t, greedy, shots), args.concurrency)
     val_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    sam = await run_all([t for t in train for _ in range(args.samples)], sampled, args.concurrency, shots)
+    groups_of = [t for t in train for _ in range(args.samples)]
+    sam = await baseline.run_all(groups_of, lambda t: solve(t, sampled, shots), args.concurrency)
     sam_s = time.perf_counter() - t0
     groups = [[a.reward for a in sam[i:i + args.samples]] for i in range(0, len(sam), args.samples)]
 
@@ -109,26 +99,9 @@ async def measure(base_url: str, model: str, args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--base-url", default="", help="use this running server instead of starting one")
-    parser.add_argument("--model", default="policy", help="model name on --base-url")
-    parser.add_argument("--validation", type=int, default=64, help="validation tasks (greedy)")
-    parser.add_argument("--train-tasks", type=int, default=16, help="train tasks (sampled --samples times each)")
-    parser.add_argument("--samples", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--temperature", type=float, default=0.7, help="temperature of the sampled groups")
-    parser.add_argument("--concurrency", type=int, default=16)
+    parser = baseline.arguments(__doc__.split("\n")[0])
     parser.add_argument("--variant", default="closest_one", choices=sorted(VARIANTS))
-    parser.add_argument("--show", type=int, default=0, help="print this many sampled rollouts' replies")
-    args = parser.parse_args()
-    if args.base_url:
-        asyncio.run(measure(args.base_url, args.model, args))
-        return
-    from lit_trainer.engine.config import InferenceConfig
-    from lit_trainer.engine.server import InferenceServer
-
-    with InferenceServer(InferenceConfig(model="smollm2-135m")) as server:
-        asyncio.run(measure(server.openai_url, server.model_name, args))
+    baseline.main(measure, parser.parse_args())
 
 
 if __name__ == "__main__":

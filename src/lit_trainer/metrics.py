@@ -112,28 +112,16 @@ def plot_curve(metrics_path: Path, png: Path, title: str = "") -> Path | None:
     val = [r for r in records if r["kind"] == "validation"]
     if not train and not val:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    fig, ax = _figure()
     if train:
         ax.plot([r["minutes"] for r in train], [r.get("accuracy", math.nan) for r in train], ".-", alpha=0.6,
                 label="training accuracy (sampled rollouts)")
     if val:
         ax.plot([r["minutes"] for r in val], [r["accuracy"] for r in val], "o-", linewidth=2,
                 label="held-out accuracy (greedy)")
-    ax.set_xlabel("minutes of training (rollouts + updates + syncs)")
     ax.set_ylabel("accuracy")
     ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(png)
-    plt.close(fig)
-    return png
+    return _save(fig, ax, png, title)
 
 
 def plot_comparison(runs: dict[str, Path], png: Path, metric: str = "accuracy", title: str = "") -> Path:
@@ -146,16 +134,27 @@ def plot_comparison(runs: dict[str, Path], png: Path, metric: str = "accuracy", 
         if not val:
             raise ValueError(f"{path}: no validation records with {metric!r}")
         curves[label] = ([r["minutes"] for r in val], [r[metric] for r in val])
+    fig, ax = _figure()
+    for label, (minutes, values) in curves.items():
+        ax.plot(minutes, values, "o-", linewidth=2, label=label)
+    ax.set_ylabel(f"held-out {metric} (greedy)")
+    return _save(fig, ax, png, title)
+
+
+def _figure() -> tuple[Any, Any]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-    for label, (minutes, values) in curves.items():
-        ax.plot(minutes, values, "o-", linewidth=2, label=label)
+    return plt.subplots(figsize=(7, 4), dpi=120)
+
+
+def _save(fig: Any, ax: Any, png: Path, title: str) -> Path:
+    """Minutes on x, a grid, the legend and the title; written to ``png`` and closed."""
+    import matplotlib.pyplot as plt
+
     ax.set_xlabel("minutes of training (rollouts + updates + syncs)")
-    ax.set_ylabel(f"held-out {metric} (greedy)")
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     ax.set_title(title)
