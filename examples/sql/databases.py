@@ -27,7 +27,7 @@ from pathlib import Path
 ROWS = 16
 """Rows per table: enough for filters to matter, few enough that a result fits in a prompt."""
 QUERY_STEPS = 2_000_000
-"""SQLite virtual-machine steps a query may take before it is interrupted (about 0.1 s here)."""
+"""SQLite virtual-machine steps a query may take before it is interrupted (about 0.015 s here)."""
 
 
 @dataclass(frozen=True)

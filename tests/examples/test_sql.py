@@ -54,6 +54,8 @@ def test_queries_run_read_only():
     with pytest.raises(sqlite3.OperationalError, match="readonly"):
         run_query("students", "DROP TABLE students")
     assert run_query("students", "SELECT COUNT(*) FROM students") == [(16,)]
+    with pytest.raises(sqlite3.OperationalError, match="interrupted"):  # a runaway cross join is cut short
+        run_query("students", "SELECT COUNT(*) FROM students a, students b, students c, students d, students e")
 
 
 @pytest.mark.parametrize(("reply", "query"), [
