@@ -3,11 +3,8 @@
 Sources, most specific first:
 1. LangGraph / LangChain: the runnable config of the running node (``lc_agent_name`` of ``create_agent(name=...)``,
    else the ``langgraph_node``).
-2. OpenAI Agents SDK: the agent whose model the SDK's run loop resolved last in this task (``_AgentsSdkModels``),
-   while an SDK span is current; else the agent span enclosing the SDK's current span (a trace processor
-   registered with the SDK, since openinference sets ``agent.name`` only when that span ends). The first works
-   with the SDK's tracing off (``set_tracing_disabled(True)``, ``RunConfig(tracing_disabled=True)``), when the
-   SDK makes no-op spans that no processor sees; the second covers SDK versions without that run loop.
+2. OpenAI Agents SDK: the agent span enclosing the SDK's current span (tracked by a trace processor registered
+   with the SDK, since openinference sets ``agent.name`` only when that span ends).
 3. The nearest live OpenTelemetry ancestor that names an agent (AutoGen-AgentChat sets ``graph.node.id`` when its
    agent span starts; nested ``@lit.trace(agent=...)`` spans set ``lit.agent.name``).
 4. The rollout's own agent (``@lit.trace(agent=...)``, else the traced function's name).
@@ -17,7 +14,6 @@ Knows the frameworks only through their public context accessors, imported only 
 
 from __future__ import annotations
 
-import contextvars
 import sys
 import threading
 from collections import OrderedDict
@@ -29,7 +25,7 @@ _AGENT_KEYS = (semconv.AGENT_NAME, semconv.OI_AGENT_NAME, semconv.OI_GRAPH_NODE_
 
 
 def resolve_agent(processor: Any, current_span: Any) -> str:
-    name = _langgraph_agent() or _agents_sdk_models.agent_of_current() or _agents_sdk.agent_of_current()
+    name = _langgraph_agent() or _agents_sdk.agent_of_current()
     if name:
         return name
     for span in processor.ancestors(current_span):
@@ -119,53 +115,13 @@ class _AgentsSdkTracker:
         pass
 
 
-class _AgentsSdkModels:
-    """Wraps the Agents SDK run loop's ``get_model(agent, run_config)``, which it calls in the task that then calls
-    the model, right before each model call (plain and streamed runs): the agent's name goes into a context
-    variable of that task. It counts only while an SDK span, real or no-op, is current, so a later call of the
-    same rollout made outside the SDK is not named after the SDK's last agent."""
-
-    TARGET = ("agents.run_internal.run_loop", "get_model")
-
-    def __init__(self) -> None:
-        self._agent: contextvars.ContextVar[str | None] = contextvars.ContextVar("lit_agents_sdk_agent", default=None)
-        self.patched = False
-
-    def patch(self) -> None:
-        if self.patched:
-            return
-        import wrapt
-
-        module, name = self.TARGET
-        try:
-            wrapt.wrap_function_wrapper(module, name, self._remember)
-        except (ImportError, AttributeError):
-            return  # another SDK version: the trace processor still names the calls while tracing is on
-        self.patched = True
-
-    def _remember(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-        try:
-            agent = args[0] if args else kwargs.get("agent")
-            self._agent.set(str(agent.name) if getattr(agent, "name", None) else None)
-        except Exception:  # naming never breaks the user's run
-            pass
-        return wrapped(*args, **kwargs)
-
-    def agent_of_current(self) -> str | None:
-        name = self._agent.get()
-        if not name:
-            return None
-        from agents.tracing import get_current_span
-
-        return name if get_current_span() is not None else None
-
-
 _agents_sdk = _AgentsSdkTracker()
-_agents_sdk_models = _AgentsSdkModels()
 
 
 def track_agents_sdk() -> None:
-    """Name Agents SDK calls: wrap the run loop's model lookup (once per process; it stays, and only records a
-    name) and register the tracker (the SDK has no way to remove a trace processor)."""
-    _agents_sdk_models.patch()
+    """Register the Agents SDK tracker once per process (the SDK has no way to remove a trace processor)."""
     _agents_sdk.register()
+
+
+def untrack_agents_sdk() -> None:
+    pass

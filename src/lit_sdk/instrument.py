@@ -87,6 +87,7 @@ class Instrumentation:
             except Exception:
                 log.exception("lit: could not turn off %s", type(instrumentor).__name__)
         self.instrumentors.clear()
+        _agents.untrack_agents_sdk()
         if self.openai_on:
             self.openai_on = False
             if self.openai_instrumentor.is_instrumented_by_opentelemetry:
