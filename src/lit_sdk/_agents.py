@@ -1,19 +1,24 @@
 """Which agent is making this LLM call? Asked by the openai patch at the moment of the call.
 
-Sources, most specific first:
+Sources, most specific first (a source that fails is skipped: naming never breaks the user's call):
 1. LangGraph / LangChain: the runnable config of the running node (``lc_agent_name`` of ``create_agent(name=...)``,
-   else the ``langgraph_node``).
-2. OpenAI Agents SDK: the agent span enclosing the SDK's current span (tracked by a trace processor registered
-   with the SDK, since openinference sets ``agent.name`` only when that span ends).
+   else the ``langgraph_node``). LangSmith tracing and callbacks do not change it.
+2. OpenAI Agents SDK, while an SDK span is current: the agent span enclosing it, from a trace processor registered
+   with the SDK (openinference sets ``agent.name`` only when that span ends); for a span no processor saw (the
+   SDK's tracing off: ``set_tracing_disabled(True)``, ``RunConfig(tracing_disabled=True)``,
+   ``OPENAI_AGENTS_DISABLE_TRACING``, all of which make no-op spans), the agent whose model the run loop fetched
+   last in this task (``_AgentsSdkModels``).
 3. The nearest live OpenTelemetry ancestor that names an agent (AutoGen-AgentChat sets ``graph.node.id`` when its
-   agent span starts; nested ``@lit.trace(agent=...)`` spans set ``lit.agent.name``).
+   agent span starts, on lit's tracer provider, so AutoGen's own runtime tracing settings do not change it; nested
+   ``@lit.trace(agent=...)`` spans set ``lit.agent.name``).
 4. The rollout's own agent (``@lit.trace(agent=...)``, else the traced function's name).
 
-Knows the frameworks only through their public context accessors, imported only when already loaded.
+Imports a framework only when it is already loaded.
 """
 
 from __future__ import annotations
 
+import contextvars
 import sys
 import threading
 from collections import OrderedDict
@@ -25,7 +30,7 @@ _AGENT_KEYS = (semconv.AGENT_NAME, semconv.OI_AGENT_NAME, semconv.OI_GRAPH_NODE_
 
 
 def resolve_agent(processor: Any, current_span: Any) -> str:
-    name = _langgraph_agent() or _agents_sdk.agent_of_current()
+    name = _langgraph_agent() or _agents_sdk_agent()
     if name:
         return name
     for span in processor.ancestors(current_span):
@@ -41,11 +46,29 @@ def _langgraph_agent() -> str | None:
     config_module = sys.modules.get("langchain_core.runnables.config")
     if config_module is None:
         return None
-    config = config_module.var_child_runnable_config.get()
-    if not config:
+    try:
+        config = config_module.var_child_runnable_config.get()
+        metadata = (config.get("metadata") if config else None) or {}
+        return metadata.get("lc_agent_name") or metadata.get("langgraph_node")
+    except Exception:  # naming never breaks the user's call
         return None
-    metadata = config.get("metadata") or {}
-    return metadata.get("lc_agent_name") or metadata.get("langgraph_node")
+
+
+def _agents_sdk_agent() -> str | None:
+    """None outside SDK spans, so that a later call of the same rollout made outside the SDK is not named after
+    the SDK's last agent."""
+    if not (_agents_sdk.registered or _agents_sdk_models.patched):
+        return None
+    try:
+        from agents.tracing import get_current_span
+
+        span = get_current_span()
+        if span is None:
+            return None
+        seen, agent = _agents_sdk.agent_of(span)
+        return agent if seen else _agents_sdk_models.agent_of_current()
+    except Exception:  # naming never breaks the user's call
+        return None
 
 
 class _AgentsSdkTracker:
@@ -73,22 +96,21 @@ class _AgentsSdkTracker:
         agents.add_trace_processor(self)
         self.registered = True
 
-    def agent_of_current(self) -> str | None:
-        if not self.registered:
-            return None
-        from agents.tracing import get_current_span
-
-        span = get_current_span()
+    def agent_of(self, span: Any) -> tuple[bool, str | None]:
+        """Whether this tracker saw the span (it sees none while the SDK's tracing is off), and the agent span
+        enclosing it."""
         span_id = getattr(span, "span_id", None)
-        for _ in range(64):
-            if span_id is None:
-                return None
-            with self._lock:
+        with self._lock:
+            if span_id not in self._spans:
+                return False, None
+            for _ in range(64):
                 parent, agent = self._spans.get(span_id, (None, None))
-            if agent:
-                return agent
-            span_id = parent
-        return None
+                if agent:
+                    return True, agent
+                if parent is None:
+                    break
+                span_id = parent
+        return True, None
 
     # TracingProcessor interface (duck-typed: the SDK only calls these methods).
     def on_span_start(self, span: Any) -> None:
@@ -115,13 +137,77 @@ class _AgentsSdkTracker:
         pass
 
 
+class _AgentsSdkModels:
+    """Names the calls while the Agents SDK's tracing is off, by wrapping its run loop's ``get_model(agent,
+    run_config)``: plain, streamed and sync runs call it before every model call, in the task that then calls the
+    model, so the agent's name set in a context variable there reaches the call. The other ways fail: a no-op span
+    keeps its agent's name but not its parent, and the call runs under the generation span; the public hooks
+    (``RunHooks.on_llm_start``, ``Agent.get_system_prompt``) run in tasks of their own (``asyncio.gather``), whose
+    context variables never reach the call. The run loop also fetches models in the caller's task (turns after
+    the first), so a name counts only under the SDK trace it was set in: not after the run."""
+
+    TARGET = ("agents.run_internal.run_loop", "get_model")
+
+    def __init__(self) -> None:
+        self._agent: contextvars.ContextVar[tuple[str, Any] | None] = contextvars.ContextVar(
+            "lit_agents_sdk_agent", default=None
+        )
+        self._wrapper: Any = None
+
+    @property
+    def patched(self) -> bool:
+        return self._wrapper is not None
+
+    def patch(self) -> None:
+        """Wrap ``get_model``; on SDK versions without it, the tracker alone names the calls while tracing is on."""
+        if self._wrapper is not None:
+            return
+        import wrapt
+
+        try:
+            self._wrapper = wrapt.wrap_function_wrapper(*self.TARGET, self._remember)
+        except (ImportError, AttributeError):
+            pass
+
+    def unpatch(self) -> None:
+        if self._wrapper is None:
+            return
+        module, name = sys.modules[self.TARGET[0]], self.TARGET[1]
+        if getattr(module, name, None) is self._wrapper:  # else someone wrapped it since: theirs stays
+            setattr(module, name, self._wrapper.__wrapped__)
+        self._wrapper = None
+
+    def _remember(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        try:
+            from agents.tracing import get_current_trace
+
+            name = getattr(args[0] if args else kwargs["agent"], "name", None)
+            self._agent.set((name, get_current_trace()) if isinstance(name, str) and name else None)
+        except Exception:  # naming never breaks the user's run
+            pass
+        return wrapped(*args, **kwargs)
+
+    def agent_of_current(self) -> str | None:
+        remembered = self._agent.get()
+        if remembered is None:
+            return None
+        from agents.tracing import get_current_trace
+
+        name, trace = remembered
+        return name if get_current_trace() is trace else None
+
+
 _agents_sdk = _AgentsSdkTracker()
+_agents_sdk_models = _AgentsSdkModels()
 
 
 def track_agents_sdk() -> None:
-    """Register the Agents SDK tracker once per process (the SDK has no way to remove a trace processor)."""
+    """Name Agents SDK calls: wrap the run loop's model lookup and register the tracker (once per process: the SDK
+    has no way to remove a trace processor, and it only remembers spans)."""
+    _agents_sdk_models.patch()
     _agents_sdk.register()
 
 
 def untrack_agents_sdk() -> None:
-    pass
+    """Restore the run loop's model lookup (``uninstrument()``); the tracker stays registered."""
+    _agents_sdk_models.unpatch()

@@ -12,6 +12,7 @@ openinference's AutoGen agent spans are on lit's own tracer provider.)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -132,12 +133,12 @@ def test_handoff_calls_are_named_after_their_agents(tmp_path, monkeypatch, setti
     assert isinstance(episode, Episode) and [t.agent for t in episode.transitions] == ["math"]
 
 
-@pytest.mark.parametrize("in_span", [False, True], ids=["plain", "in_custom_span"])
+@pytest.mark.parametrize("where", ["after_the_run", "in_a_custom_span", "in_the_runs_trace"])
 @pytest.mark.parametrize("setting", ["on", "set_tracing_disabled"])
-def test_a_call_after_the_sdk_run_is_the_rollouts_again(tmp_path, monkeypatch, setting, in_span):
+def test_a_call_after_the_sdk_run_is_the_rollouts_again(tmp_path, monkeypatch, setting, where):
     """The SDK fetches the model of a run's later turns in the caller's task; its last agent must not stick to a
-    later call of the same rollout made outside the SDK (a judge), even inside an SDK span of the user's."""
-    from agents import Agent, OpenAIChatCompletionsModel, Runner, custom_span, function_tool
+    later call of the same rollout made outside the SDK (a judge), in an SDK span or trace of the user's or not."""
+    from agents import Agent, OpenAIChatCompletionsModel, Runner, custom_span, function_tool, trace
     from openai import AsyncOpenAI
 
     def add(a: int, b: int) -> int:
@@ -152,17 +153,15 @@ def test_a_call_after_the_sdk_run_is_the_rollouts_again(tmp_path, monkeypatch, s
             math = Agent(name="math", instructions="Solve it.", tools=[function_tool(add)],
                          model=OpenAIChatCompletionsModel(model="policy", openai_client=client))
 
-            async def judge() -> None:
-                await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "ok?"}])
+            async def run_and_judge(question: str) -> None:
+                assert (await Runner.run(math, question)).final_output == "4"
+                with custom_span("judge") if where == "in_a_custom_span" else contextlib.nullcontext():
+                    await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "ok?"}])
 
             @lit.trace(agent="helpdesk")
             async def solve(question: str) -> float:
-                assert (await Runner.run(math, question)).final_output == "4"
-                if in_span:
-                    with custom_span("judge"):
-                        await judge()
-                else:
-                    await judge()
+                with trace("workflow") if where == "in_the_runs_trace" else contextlib.nullcontext():
+                    await run_and_judge(question)
                 return 1.0
 
             asyncio.run(solve("2+2?"))
