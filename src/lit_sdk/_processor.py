@@ -2,6 +2,8 @@
 
 It maps each trace to its rollout (set when the rollout's root span starts), keeps the live spans so that an LLM
 call can find the agent it runs in, and converts a finished span into a ``SpanRecord`` wire dict for the sender.
+It counts the spans of each rollout as they end, and stamps the count on the rollout's root span
+(``semconv.ROLLOUT_SPANS``), so that the trainer can tell a complete rollout from one that lost a span.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class LitSpanProcessor(SpanProcessor):
         self._trace_rollout: OrderedDict[int, _context.Rollout] = OrderedDict()
         self._live: dict[int, Span] = {}
         self._bulk: dict[int, dict[str, Any]] = {}
+        self._ended: OrderedDict[str, int] = OrderedDict()  # spans ended so far, by rollout id
 
     def attach_bulk(self, span: Span, attributes: dict[str, Any]) -> None:
         """Add large list attributes (token ids, logprobs) to ``span``'s wire record, bypassing OpenTelemetry's
@@ -55,13 +58,30 @@ class LitSpanProcessor(SpanProcessor):
             self._live.pop(ctx.span_id, None)
             rollout = self._trace_rollout.get(ctx.trace_id)
             bulk = self._bulk.pop(ctx.span_id, None)
+            ended = self._count_ended(span, rollout)
         try:
             record = to_wire(span, rollout)
             if bulk:
                 record["attributes"].update(bulk)
+            if ended is not None:
+                record["attributes"][semconv.ROLLOUT_SPANS] = ended
             self._submit(record)
         except Exception:  # telemetry never breaks the user's call
             log.exception("lit: could not export a span")
+
+    def _count_ended(self, span: ReadableSpan, rollout: _context.Rollout | None) -> int | None:
+        """Count one more ended span of ``rollout`` (before converting it: a span lit fails to convert still
+        counts, and its loss shows); the count when ``span`` is the rollout's root, else None. Call with the lock."""
+        if rollout is None:
+            return None
+        rid = rollout.rollout_id
+        n = self._ended.pop(rid, 0) + 1
+        if span.parent is None and span.name == semconv.ROLLOUT_SPAN:
+            return n
+        self._ended[rid] = n
+        if len(self._ended) > MAX_TRACES:  # spans that end after their root: remembered a while, then forgotten
+            self._ended.popitem(last=False)
+        return None
 
     def ancestors(self, span: Any) -> Iterator[Span]:
         """The live spans from ``span`` up to its root, innermost first (those that already ended are skipped)."""

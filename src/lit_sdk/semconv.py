@@ -29,6 +29,10 @@ ROLLOUT_OUTPUT = "lit.rollout.output"
 """The traced function's return value as JSON (truncated to a bounded length)."""
 ROLLOUT_RETURN_REWARD = "lit.rollout.return_reward"
 """The traced function's numeric return value: the rollout's final reward. Absent when it returned no number."""
+ROLLOUT_SPANS = "lit.rollout.spans"
+"""How many spans of the rollout had ended when its root ended, the root included: the trainer builds an episode
+only when that many are stored (a span lost anywhere on the way makes the rollout incomplete, never quietly
+shorter). Stamped by lit's span processor."""
 
 # LLM-call span.
 AGENT_NAME = "lit.agent.name"

@@ -160,27 +160,107 @@ def test_sdk_frames_take_the_msgspec_path():
     assert decode(data) == p.decode_frame_packed(data) == decode_packed_without_msgspec(data)
 
 
-@pytest.mark.parametrize(
-    "changes",
-    [
-        {"attributes": {"nested": {"a": [1, {"b": None}]}, b"bytes key": b"bin"}},  # beyond the documented shape
-        {"start_ns": True, "status": 1.0},  # what msgspec's typed fields refuse and decode_frame accepts
-        {"extra": "an optional field of a later SDK"},
-    ],
-)
-def test_packed_decoding_accepts_what_decode_frame_accepts(changes):
-    spans = [{**span().to_wire(), **changes}, span(span_id="c" * 16).to_wire()]
+def test_packed_decoding_accepts_what_decode_frame_accepts():
+    """An optional field of a later SDK, and keys in another order, differ only in form: both paths take them."""
+    reordered = dict(reversed(list(span(span_id="d" * 16).to_wire().items())))
+    spans = [{**span().to_wire(), "extra": "an optional field of a later SDK"}, reordered]
     data = wire(good_frame(spans=spans))
     assert [s.unpack() for s in p.decode_frame_packed(data).spans] == p.decode_frame(data).spans
 
 
-def test_attributes_beyond_the_documented_shape_keep_their_wire_bytes():
-    nested_float32 = bytes.fromhex("81a66e657374656481a166ca3f000000")  # {"nested": {"f": 0.5 as float32}}
-    span_map = raw_map(*[(k, nested_float32 if k == "attributes" else v) for k, v in entries(span().to_wire())])
+@pytest.mark.parametrize("decode", [p.decode_frame, p.decode_frame_packed, decode_packed_without_msgspec])
+@pytest.mark.parametrize(
+    ("changes", "words"),
+    [
+        ({"attributes": {"nested": {"a": [1, {"b": None}]}}}, "'attributes' must be a map of string keys"),
+        ({"attributes": {"k": [[1, 2]]}}, "'attributes' must be a map of string keys"),
+        ({"attributes": {"b": b"binary"}}, "'attributes' must be a map of string keys"),
+        ({"attributes": {"k" * 1025: 1}}, "'attributes' must be a map of string keys"),
+        ({"start_ns": True}, "'start_ns' must be an integer of 64 bits"),
+        ({"end_ns": 2**63}, "'end_ns' must be an integer of 64 bits"),  # passes msgpack, fails SQLite's INTEGER
+        ({"status": 1.0}, "'status' must be 0, 1 or 2"),
+        ({"status": True}, "'status' must be 0, 1 or 2"),
+        ({"rollout_id": "r" * 1025}, "'rollout_id' must be nil or a string of at most 1024"),
+        ({"name": "n" * 4097}, "'name' must be a string of at most 4096"),
+        ({"events": [{"name": "e", "time_ns": 1}]}, "'events' must be a list of"),
+        ({"events": [{"name": "e", "time_ns": 1, "attributes": {}, "more": 1}]}, "'events' must be a list of"),
+        ({"events": [{}]}, "'events' must be a list of"),
+    ],
+)
+def test_spans_beyond_the_bounds_are_refused_by_every_path(decode, changes, words):
+    """What SQLite could not store, or what would decode into many more objects than bytes (nesting, maps in
+    lists), is refused before it reaches the store, by the SDK's decoder and the trainer's alike."""
+    data = wire(good_frame(spans=[span(span_id="c" * 16).to_wire(), {**span().to_wire(), **changes}]))
+    with pytest.raises(p.ProtocolError) as info:
+        decode(data)
+    assert info.value.kind == "span"
+    assert words in str(info.value)
+
+
+@pytest.mark.parametrize("decode", [p.decode_frame, p.decode_frame_packed, decode_packed_without_msgspec])
+@pytest.mark.parametrize(
+    ("frame", "words"),
+    [
+        (good_frame(spans=[span().to_wire()] * 4097), "4096"),  # the typed decoder's words above WORDING_BYTES
+        (good_frame(batch="b" * 1025), "'batch' must be a string of at most 1024"),
+        (good_frame(sender="s" * 1025), "sender id of at most 1024"),
+    ],
+)
+def test_frames_beyond_the_bounds_are_refused(decode, frame, words):
+    with pytest.raises(p.ProtocolError) as info:
+        decode(wire(frame))
+    assert info.value.kind == "shape"
+    assert words in str(info.value)
+
+
+def test_large_refused_frames_are_refused_by_the_typed_decoder_alone(monkeypatch):
+    """Above ``WORDING_BYTES`` a frame the typed decoder refuses is not decoded again by the generic decoder
+    (which would build an object for every empty map): the error is msgspec's, with where it is."""
+    monkeypatch.setattr(codec, "WORDING_BYTES", 100)
+    data = wire(good_frame(spans=[span().to_wire(), {**span().to_wire(), "start_ns": "1"}]))
+    with pytest.raises(p.ProtocolError) as info:
+        p.decode_frame_packed(data)
+    assert info.value.kind == "span"
+    assert "span 1" in str(info.value) and "start_ns" in str(info.value)
+    bomb = wire({"v": 1, "t": "spans", "batch": "b", "sender": "s", "spans": [{}] * 1000})
+    with pytest.raises(p.ProtocolError) as info:
+        p.decode_frame_packed(bomb)
+    assert info.value.kind == "span"
+
+
+def test_a_decode_bomb_is_refused_without_the_memory_it_asks_for():
+    """15 MiB of empty maps (just under the frame limit) decode into about a gigabyte of dicts with a generic
+    MessagePack decoder; the trainer's decoder refuses the frame having built almost nothing. Measured in a
+    fresh process, as the growth of its peak resident memory."""
+    code = """
+import resource, json, msgpack
+from lit_sdk import protocol
+n = 15 * 2**20
+bomb = b"\\x85" + b"".join(msgpack.packb(x) for x in ("v", 1, "t", "spans", "batch", "b", "sender", "s", "spans"))
+bomb += b"\\xdd" + n.to_bytes(4, "big") + b"\\x80" * n
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    protocol.decode_frame_packed(bomb)
+    kind = None
+except protocol.ProtocolError as exc:
+    kind = exc.kind
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"kind": kind, "grew_mb": (after - before) / 1024}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["kind"] == "shape"
+    assert result["grew_mb"] < 100, result
+
+
+def test_attributes_keep_their_wire_bytes():
+    float32 = bytes.fromhex("81a166ca3f000000")  # {"f": 0.5 as float32}
+    span_map = raw_map(*[(k, float32 if k == "attributes" else v) for k, v in entries(span().to_wire())])
     data = raw_map(*entries({k: v for k, v in good_frame().items() if k != "spans"}), ("spans", b"\x91" + span_map))
     (packed,) = p.decode_frame_packed(data).spans
-    assert packed.attributes == nested_float32  # not re-encoded (MessagePack would write the float as float64)
-    assert packed.unpack() == span(attributes={"nested": {"f": 0.5}})
+    assert packed.attributes == float32  # not re-encoded (MessagePack would write the float as float64)
+    assert packed.unpack() == span(attributes={"f": 0.5})
 
 
 def test_the_sdk_does_not_import_msgspec():

@@ -10,8 +10,23 @@ import msgpack
 
 VERSION = 1
 """The protocol version every frame carries as ``v`` (spans and dispatch channels alike)."""
-MAX_FRAME_BYTES = 64 * 2**20
-"""Frames above this size are refused before decoding."""
+MAX_FRAME_BYTES = 16 * 2**20
+"""Frames above this size are refused before decoding (and cut by ZeroMQ before they are read: receivers set
+``zmq.MAXMSGSIZE`` to it). Senders cap their batches well below it."""
+MAX_SPANS_PER_FRAME = 4096
+"""Spans in one ``spans`` frame."""
+MAX_ITEMS = 1 << 20
+"""Entries in any one map or list of a frame: attributes of a span, elements of one attribute's list, events."""
+MAX_ID_CHARS = 1024
+"""Characters in an identifier: a rollout id, a batch or sender id, an attribute key."""
+MAX_NAME_CHARS = 4096
+"""Characters in a span or event name."""
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""The integers a span's time fields may hold: what SQLite stores."""
+WORDING_BYTES = 1 << 20
+"""The trainer's fast decoder types every field as it decodes, so a hostile frame cannot make it allocate much
+more than its own size; the generic decoder that words errors in detail builds Python objects for whatever the
+frame holds (an empty map is 1 byte on the wire and about 64 in memory), so it only reads frames up to this size."""
 
 
 class ProtocolError(ValueError):

@@ -4,21 +4,31 @@
 
 One frozen dataclass per message: its fields are the wire fields, its type hints the types ``decode_dispatch``
 checks, and a field with a default may be left out on the wire. Fields this side does not know are ignored, so a
-peer of the same version may send new optional ones.
+peer of the same version may send new optional ones. Every number, string and list a peer sends is bounded
+(``_RULES``), so that whoever reaches the port cannot make the other side hold much.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
-from lit_sdk.protocol.codec import VERSION, ProtocolError, decode_map, packb, short_repr
+from lit_sdk.protocol.codec import MAX_ID_CHARS, VERSION, ProtocolError, decode_map, packb, short_repr
 
 ROLLOUT_STATUSES = ("succeeded", "failed", "timed_out")
+MAX_SLOTS = 1024
+"""The most rollouts one worker process may say it runs at once (``Hello.slots``)."""
+MAX_LISTED = 4 * MAX_SLOTS
+"""The most rollout ids one heartbeat may list (its running rollouts and its timed-out calls still running)."""
+MAX_HOST_CHARS = 255
+"""Characters in a host name (DNS's limit)."""
+MAX_ERROR_CHARS = 8192
+"""Characters in a ``Done.error``; a worker keeps the end of a longer one."""
 
 # -- worker → trainer ----------------------------------------------------------------------------------------------
 
@@ -34,6 +44,9 @@ class Hello:
     """Its process id (names the worker in the trainer's logs)."""
     host: str
     """Its host name (likewise)."""
+    worker_id: str | None = None
+    """Stable for the life of the worker process, unlike its ZeroMQ identity, which changes when it reconnects: the
+    trainer takes a hello with a known ``worker_id`` as that worker come back, running what it ran."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +56,11 @@ class Heartbeat:
     TAG: ClassVar[str] = "hb"
     running: int
     """How many rollouts it is running now."""
+    rollouts: list[str] | None = None
+    """The ids of the rollouts it runs, from the ``Run`` until its ``Done`` is sent, and of timed-out sync calls
+    whose thread has not ended yet (they hold a slot). The trainer fails at once, and retries, an attempt a
+    heartbeat stops listing without a ``Done``, and one that three heartbeats in a row never listed (its ``Run``
+    was lost). Nil from a worker that does not say: the trainer then relies on ``worker_timeout_s`` alone."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,15 +135,38 @@ DispatchMessage = ToTrainer | ToWorker
 TO_TRAINER: tuple[type, ...] = (Hello, Heartbeat, Done)
 TO_WORKER: tuple[type, ...] = (Welcome, Run, Who, Stop)
 
-_RULES: dict[tuple[type, str], tuple[Callable[[Any], bool], str]] = {
-    (Hello, "slots"): (lambda n: n >= 1, "at least 1"),
-    (Heartbeat, "running"): (lambda n: n >= 0, "at least 0"),
-    (Done, "attempt"): (lambda n: n >= 1, "at least 1"),
+Rule = tuple[Callable[[Any], bool], str]
+
+
+def _between(low: int, high: int) -> Rule:
+    return (lambda n: low <= n <= high, f"between {low} and {high}")
+
+
+def _chars(low: int, high: int) -> Rule:
+    return (lambda s: low <= len(s) <= high, f"{low} to {high} characters long")
+
+
+_ID = _chars(1, MAX_ID_CHARS)
+_ATTEMPT = _between(1, 2**31 - 1)
+_RULES: dict[tuple[type, str], Rule] = {
+    (Hello, "slots"): _between(1, MAX_SLOTS),
+    (Hello, "pid"): _between(0, 2**32 - 1),
+    (Hello, "host"): _chars(0, MAX_HOST_CHARS),
+    (Hello, "worker_id"): _ID,
+    (Heartbeat, "running"): _between(0, MAX_LISTED),
+    (Heartbeat, "rollouts"): (lambda ids: len(ids) <= MAX_LISTED and all(1 <= len(r) <= MAX_ID_CHARS for r in ids),
+                              f"at most {MAX_LISTED} ids of 1 to {MAX_ID_CHARS} characters"),
+    (Done, "rollout_id"): _ID,
+    (Done, "attempt"): _ATTEMPT,
     (Done, "status"): (lambda s: s in ROLLOUT_STATUSES, "one of " + ", ".join(ROLLOUT_STATUSES)),
-    (Run, "attempt"): (lambda n: n >= 1, "at least 1"),
-    (Run, "timeout_s"): (lambda t: t > 0, "positive"),
+    (Done, "error"): _chars(0, MAX_ERROR_CHARS),
+    (Run, "rollout_id"): _ID,
+    (Run, "task_id"): _chars(0, MAX_ID_CHARS),
+    (Run, "attempt"): _ATTEMPT,
+    (Run, "timeout_s"): (lambda t: 0 < t < math.inf, "positive and finite"),
 }
-"""What a field's type does not say: value checks, with the words for a value that fails them."""
+"""What a field's type does not say: value checks (of a value that is not nil), with the words for a value that
+fails them."""
 
 
 class _Field(NamedTuple):
@@ -185,7 +226,7 @@ def decode_dispatch(data: bytes, accept: tuple[type, ...] = TO_TRAINER + TO_WORK
         if f.to_float and type(value) is int:
             value = float(value)
         rule = _RULES.get((cls, f.name))
-        if rule is not None and not rule[0](value):
+        if rule is not None and value is not None and not rule[0](value):
             raise ProtocolError("shape", f"{tag!r} field {f.name!r} must be {rule[1]}, got {_show(value)}")
         values[f.name] = value
     return cls(**values)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lit_sdk.protocol import codec
 from lit_sdk.protocol.codec import VERSION, ProtocolError, decode_map, packb, short_repr, unpackb
 
 SPANS, ACK, NACK = "spans", "ack", "nack"
@@ -43,8 +44,43 @@ def _wire(check: Callable[[Any], bool], need: str, default: Any = dataclasses.MI
     return field(default=default, metadata={"check": check, "need": need}, **kwargs)
 
 
-def _is(*types: type, nil: bool = False) -> Callable[[Any], bool]:
-    return lambda value: (nil and value is None) or isinstance(value, types)
+def _text(limit: int, nil: bool = False) -> Callable[[Any], bool]:
+    return lambda value: (nil and value is None) or (type(value) is str and len(value) <= limit)
+
+
+def _int64(value: Any) -> bool:
+    """An integer SQLite can store (a boolean is no integer here)."""
+    return type(value) is int and codec.INT64_MIN <= value <= codec.INT64_MAX
+
+
+_SCALARS = (str, bool, int, float, type(None))
+
+
+def attributes_ok(value: Any) -> bool:
+    """OpenTelemetry's attribute model, bounded: a map of at most ``MAX_ITEMS`` string keys (``MAX_ID_CHARS``
+    each) to scalars or lists of at most ``MAX_ITEMS`` scalars. Nothing nests deeper, so a frame of attributes
+    cannot take much more memory decoded than it takes on the wire."""
+    if type(value) is not dict or len(value) > codec.MAX_ITEMS:
+        return False
+    for key, item in value.items():
+        if type(key) is not str or len(key) > codec.MAX_ID_CHARS:
+            return False
+        if type(item) is list:
+            if len(item) > codec.MAX_ITEMS or not all(type(x) in _SCALARS for x in item):
+                return False
+        elif type(item) not in _SCALARS:
+            return False
+    return True
+
+
+EVENT_FIELDS = ("name", "time_ns", "attributes")
+
+
+def events_ok(value: Any) -> bool:
+    """At most ``MAX_ITEMS`` events, each exactly ``{"name": str, "time_ns": int, "attributes": {...}}``."""
+    return type(value) is list and len(value) <= codec.MAX_ITEMS and all(
+        type(e) is dict and len(e) == len(EVENT_FIELDS) and _text(codec.MAX_NAME_CHARS)(e.get("name"))
+        and _int64(e.get("time_ns")) and attributes_ok(e.get("attributes")) for e in value)
 
 
 @dataclass(slots=True)
@@ -57,17 +93,23 @@ class SpanRecord:
     """16 lowercase hex digits; unique within its rollout: a second delivery of the same id is a duplicate."""
     parent_id: str | None = _wire(_hex(16, nil=True), "must be 16 lowercase hex digits or nil")
     """None for a root span."""
-    name: str = _wire(_is(str), "must be a string")
-    start_ns: int = _wire(_is(int), "must be an integer")
+    name: str = _wire(_text(codec.MAX_NAME_CHARS), f"must be a string of at most {codec.MAX_NAME_CHARS} characters")
+    start_ns: int = _wire(_int64, "must be an integer of 64 bits")
     """Unix time in nanoseconds."""
-    end_ns: int = _wire(_is(int), "must be an integer")
-    status: int = _wire(STATUSES.__contains__, "must be 0, 1 or 2", STATUS_UNSET)
+    end_ns: int = _wire(_int64, "must be an integer of 64 bits")
+    status: int = _wire(lambda v: type(v) is int and v in STATUSES, "must be 0, 1 or 2", STATUS_UNSET)
     """0 unset, 1 ok, 2 error."""
-    status_message: str = _wire(_is(str), "must be a string", "")
-    rollout_id: str | None = _wire(_is(str, nil=True), "must be a string or nil", None)
+    status_message: str = _wire(_text(codec.MAX_ITEMS), f"must be a string of at most {codec.MAX_ITEMS} characters",
+                                "")
+    rollout_id: str | None = _wire(_text(codec.MAX_ID_CHARS, nil=True),
+                                   f"must be nil or a string of at most {codec.MAX_ID_CHARS} characters", None)
     """The rollout the span belongs to, or None for a span outside any rollout."""
-    attributes: dict[str, AttrValue] = _wire(_is(dict), "must be a map", default_factory=dict)
-    events: list[dict[str, Any]] = _wire(_is(list), "must be a list", default_factory=list)
+    attributes: dict[str, AttrValue] = _wire(
+        attributes_ok, "must be a map of string keys to scalars or lists of scalars (see attributes_ok)",
+        default_factory=dict)
+    events: list[dict[str, Any]] = _wire(
+        events_ok, 'must be a list of {"name": str, "time_ns": int, "attributes": map} (see events_ok)',
+        default_factory=list)
     """``{"name": str, "time_ns": int, "attributes": {...}}`` each, e.g. a recorded exception."""
 
     def to_wire(self) -> dict[str, Any]:
@@ -161,13 +203,17 @@ def decode_frame(data: bytes) -> Frame:
     obj = decode_map(data)
     kind = obj.get("t")
     batch = obj.get("batch")
-    if not isinstance(batch, str):
-        raise ProtocolError("shape", "frame field 'batch' must be a string")
+    if not isinstance(batch, str) or len(batch) > codec.MAX_ID_CHARS:
+        raise ProtocolError("shape", f"frame field 'batch' must be a string of at most {codec.MAX_ID_CHARS} "
+                                     "characters")
     if kind == SPANS:
         spans = obj.get("spans")
         sender = obj.get("sender")
         if not isinstance(spans, list) or not isinstance(sender, str):
             raise ProtocolError("shape", "a spans frame needs 'sender' (string) and 'spans' (list)")
+        if len(spans) > codec.MAX_SPANS_PER_FRAME or len(sender) > codec.MAX_ID_CHARS:
+            raise ProtocolError("shape", f"a spans frame carries at most {codec.MAX_SPANS_PER_FRAME} spans and a "
+                                         f"sender id of at most {codec.MAX_ID_CHARS} characters")
         return SpansFrame(batch, sender, [_span_from_wire(s, i) for i, s in enumerate(spans)])
     if kind == ACK:
         stored, dups = obj.get("stored"), obj.get("duplicates")

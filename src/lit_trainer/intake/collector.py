@@ -8,10 +8,15 @@ counts; then it calls ``on_root_span(rollout_id)`` for each rollout root span st
 An acknowledged span is therefore on disk, and a frame whose transaction failed is never acknowledged (its sender
 sends it again).
 
-Bad input is data, not a crash: a frame that fails to decode or validate, has an unknown protocol version, or is
-not a ``spans`` frame is rejected — answered with a ``nack`` when its ``batch`` id can be read, counted by
-``ProtocolError.kind``, logged once per kind — and the collector goes on. Anything else that goes wrong in the
-thread (the store fails, ``on_root_span`` raises) stops it; ``check()`` and ``stop()`` re-raise it in the caller.
+Bad input is data, not a crash: a frame that fails to decode or validate (every integer, string, map and list of a
+span is bounded: ``lit_sdk.protocol.codec``), has an unknown protocol version, or is not a ``spans`` frame is
+rejected — answered with a ``nack`` when its ``batch`` id can be read, counted by ``ProtocolError.kind``, logged
+once per kind — and the collector goes on. A frame over ``MAX_FRAME_BYTES`` is cut by ZeroMQ before it is read
+(``zmq.MAXMSGSIZE``; ZeroMQ drops that peer's connection) and a turn holds at most ``max_turn_bytes`` of frames, so
+what the collector holds in memory is bounded whatever its peers send.
+Anything else that goes wrong in the thread (the store fails: a full disk, an I/O error; ``on_root_span`` raises)
+stops it, with nothing acknowledged that was not committed; ``check()`` and ``stop()`` re-raise it in the caller
+as a ``CollectorError`` that names the cause. The trainer calls ``check()`` while it waits for rollouts.
 
 It writes through the ``Store`` interface only.
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import sqlite3
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +41,8 @@ log = logging.getLogger("lit")
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:7373"
 _POLL_MS = 50
 """How often the idle thread looks at its stop flag."""
+_RCVHWM = 256
+"""Frames ZeroMQ queues per peer before it stops reading from that peer's connection (TCP back-pressure)."""
 _JOIN_S = 30.0
 """How long ``stop()`` waits for the thread to finish its turn (a commit in progress) before giving up."""
 
@@ -64,21 +72,22 @@ class Collector:
         Agents find it through their ``LIT_ENDPOINT`` / ``lit.instrument(endpoint=...)``.
     on_root_span: called in the collector thread with the rollout id of each rollout root span, once, after the
         commit that stored it (so every span the agent sent before its root is readable from the store by then).
-    max_frames, max_spans: bounds on one transaction: frames drained per turn and spans in them (checked after
-        each frame, so one large frame still goes in whole). A few thousand spans per transaction make the fsync
-        negligible while the decoded spans stay few: holding tens of thousands at once made decoding 2-3x slower
-        per span (fresh memory and garbage-collector passes over them).
+    max_frames, max_spans, max_turn_bytes: bounds on one transaction: frames drained per turn, spans in them and
+        their bytes (checked after each frame, so one large frame still goes in whole). A few thousand spans per
+        transaction make the fsync negligible while the decoded spans stay few: holding tens of thousands at once
+        made decoding 2-3x slower per span (fresh memory and garbage-collector passes over them).
     """
 
     def __init__(self, store: Store, endpoint: str = DEFAULT_ENDPOINT,
                  on_root_span: Callable[[str], None] | None = None, *, max_frames: int = 1024,
-                 max_spans: int = 4096):
-        if max_frames <= 0 or max_spans <= 0:
-            raise ValueError(f"Collector: max_frames and max_spans must be positive, got {max_frames}, {max_spans}")
+                 max_spans: int = 4096, max_turn_bytes: int = 64 * 2**20):
+        if min(max_frames, max_spans, max_turn_bytes) <= 0:
+            raise ValueError(f"Collector: max_frames, max_spans and max_turn_bytes must be positive, got "
+                             f"{max_frames}, {max_spans}, {max_turn_bytes}")
         self.store = store
         self.requested_endpoint = endpoint
         self.on_root_span = on_root_span
-        self._max_frames, self._max_spans = max_frames, max_spans
+        self._max_frames, self._max_spans, self._max_turn_bytes = max_frames, max_spans, max_turn_bytes
         self._endpoint: str | None = None
         self._lock = threading.Lock()
         self._tally = {"frames": 0, "spans_stored": 0, "duplicates": 0, "commits": 0}
@@ -103,8 +112,11 @@ class Collector:
         """Bind (in the caller's thread, so that a busy port raises here) and start the thread."""
         if self._thread is not None:
             raise CollectorError("the collector is already started")
+        _require_msgspec()
         sock = zmq.Context.instance().socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES + 1024)  # room for the routing envelope
+        sock.setsockopt(zmq.RCVHWM, _RCVHWM)
         try:
             sock.bind(self.requested_endpoint)
         except zmq.ZMQError as exc:
@@ -133,10 +145,11 @@ class Collector:
         self.check()
 
     def check(self) -> None:
-        """Re-raise, in the caller's thread, the exception that stopped the collector thread (if one did)."""
+        """Raise, in the caller's thread, a ``CollectorError`` for the exception that stopped the collector thread
+        (if one did); the original is its ``__cause__``."""
         if self._error is not None:
             error, self._error = self._error, None
-            raise error
+            raise CollectorError(_explain(error, self.store)) from error
 
     def __enter__(self) -> Collector:
         return self.start()
@@ -158,7 +171,7 @@ class Collector:
     def _turn(self, sock: zmq.Socket) -> None:
         """Drain waiting frames into one transaction, acknowledge them after the commit, then report roots."""
         good: list[tuple[list[bytes], protocol.PackedSpansFrame]] = []
-        n_spans = 0
+        n_spans = n_bytes = 0
         for _ in range(self._max_frames):
             try:
                 parts = sock.recv_multipart(zmq.NOBLOCK, copy=True)
@@ -169,7 +182,8 @@ class Collector:
             if frame is not None:
                 good.append((envelope, frame))
                 n_spans += len(frame.spans)
-                if n_spans >= self._max_spans:
+                n_bytes += len(data)
+                if n_spans >= self._max_spans or n_bytes >= self._max_turn_bytes:
                     break
         if not good:
             return
@@ -209,6 +223,26 @@ class Collector:
         if n == 1:
             log.warning("lit: the collector rejected a frame (%s): %s. Later rejections of this kind are counted "
                         "in Collector.counts.rejected, not logged", exc.kind, exc)
+
+
+def _require_msgspec() -> None:
+    try:
+        import msgspec  # noqa: F401  (the bounded decoder of protocol.packed)
+    except ImportError:
+        raise CollectorError("the collector needs msgspec, which decodes frames within bounds; install the "
+                             "trainer extra: pip install 'lit[trainer]'") from None
+
+
+def _explain(error: BaseException, store: Store) -> str:
+    """Why the collector stopped, in words that name the fix."""
+    where = getattr(store, "path", "the store")
+    text = f"{type(error).__name__}: {error}"
+    if isinstance(error, sqlite3.Error) and ("full" in str(error) or isinstance(error, sqlite3.OperationalError)):
+        return (f"the collector could not store spans in {where} ({text}), so it stopped: nothing it had not "
+                "stored was acknowledged, and the agents keep those spans to send again. Free disk space there "
+                "(or fix what the error names), then continue with `lit train ... --resume`")
+    return (f"the collector stopped on an error ({text}); nothing it had not stored was acknowledged. This is a "
+            "bug in lit or in the store backend: please report it with the log above")
 
 
 def _batch_id(data: bytes) -> str | None:

@@ -123,6 +123,7 @@ class Store(Protocol):
     def add_span_batches(self, batches: Sequence[Sequence[SpanRecord]]) -> list[BatchOutcome]: ...
     def add_packed_span_batches(self, batches: Sequence[Sequence[PackedSpan]]) -> list[BatchOutcome]: ...
     def spans_of_rollout(self, rollout_id: str) -> list[SpanRecord]: ...
+    def missing_spans(self, rollout_id: str) -> str | None: ...
     def add_rollouts(self, rows: Iterable[RolloutRow]) -> None: ...
     def set_rollout_status(self, rollout_id: str, status: RolloutStatus, error: str | None = None) -> None: ...
     def get_rollout(self, rollout_id: str) -> RolloutRow | None: ...
@@ -266,6 +267,21 @@ class SqliteStore:
         rows = self._conn().execute(f"{_SELECT_SPANS} WHERE rollout_id = ? ORDER BY start_ns, span_id",
                                     (rollout_id,))
         return [PackedSpan(*row).unpack() for row in rows]
+
+    def missing_spans(self, rollout_id: str) -> str | None:
+        """None when every span the rollout's root declared (``semconv.ROLLOUT_SPANS``: how many had ended when it
+        ended) is stored; otherwise what is missing, in words. A root from an SDK that declares no count is taken
+        as complete."""
+        conn = self._conn()
+        stored = conn.execute("SELECT count(*) FROM spans WHERE rollout_id = ?", (rollout_id,)).fetchone()[0]
+        row = conn.execute("SELECT attributes FROM spans WHERE rollout_id = ? AND parent_id IS NULL AND name = ?",
+                           (rollout_id, semconv.ROLLOUT_SPAN)).fetchone()
+        if row is None:
+            return f"its root span was not stored ({stored} other spans were)"
+        declared = codec.unpackb(row[0], strict_map_key=False).get(semconv.ROLLOUT_SPANS)
+        if type(declared) is int and stored < declared:
+            return f"{stored} of its {declared} spans were stored: the others were lost on the way"
+        return None
 
     # -- rollouts -----------------------------------------------------------------------------------------------
 

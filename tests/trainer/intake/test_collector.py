@@ -251,10 +251,11 @@ def test_an_error_in_the_thread_is_raised_in_the_caller(tmp_path):
     try:
         client.send(spans_frame("b1", [span(1)]))
         deadline = time.monotonic() + WAIT_S
-        with pytest.raises(StoreError, match="is closed"):
+        with pytest.raises(CollectorError, match="is closed") as info:
             while time.monotonic() < deadline:
                 collector.check()
                 time.sleep(0.01)
+        assert isinstance(info.value.__cause__, StoreError)
         assert not client.sock.poll(50), "a frame that was not stored must not be acknowledged"
         collector.stop()  # the error was raised once already
     finally:
