@@ -2,9 +2,9 @@
 
 It builds an OpenTelemetry TracerProvider of lit's own (the global provider is left alone), whose span processor
 hands finished spans to the ZeroMQ sender; turns on lit's openai instrumentor, which records engine token ids; and
-turns on the openinference instrumentors of the frameworks that are installed (missing ones are skipped quietly).
-Calling it twice with the same settings does nothing; with other settings it reconfigures. ``uninstrument()``
-restores every patched function and delivers (or spools) what is left.
+turns on the openinference instrumentors of the frameworks that are installed (missing ones are skipped quietly, one
+that fails to turn on with a warning). Calling it twice with the same settings does nothing; with other settings it
+reconfigures. ``uninstrument()`` restores every patched function and delivers (or spools) what is left.
 """
 
 from __future__ import annotations
@@ -63,21 +63,28 @@ class Instrumentation:
     def start(self) -> None:
         self._start_openai()
         for name in self.settings.frameworks:
-            package, target, kwargs = _INSTRUMENTORS[name]
-            if importlib.util.find_spec(package) is None:
-                log.debug("lit: %s is not installed; not instrumented", package)
-                continue
-            module_name, class_name = target.split(":")
             try:
-                instrumentor = getattr(importlib.import_module(module_name), class_name)()
-            except ImportError:
-                log.debug("lit: the openinference instrumentor for %s is not installed", name)
-                continue
-            instrumentor.instrument(tracer_provider=self.provider, **kwargs)
-            self.instrumentors.append(instrumentor)
-            if name == "openai_agents":
-                _agents.track_agents_sdk()
+                self._start_framework(name)
+            except Exception:  # one framework's instrumentor that fails leaves the others on
+                log.warning("lit: could not instrument %s; its spans are not recorded", name, exc_info=True)
         atexit.register(self.close)
+
+    def _start_framework(self, name: str) -> None:
+        """Turn on the openinference instrumentor of ``name`` (skipped quietly when it is not installed)."""
+        package, target, kwargs = _INSTRUMENTORS[name]
+        if importlib.util.find_spec(package) is None:
+            log.debug("lit: %s is not installed; not instrumented", package)
+            return
+        module_name, class_name = target.split(":")
+        try:
+            instrumentor = getattr(importlib.import_module(module_name), class_name)()
+        except ImportError:
+            log.debug("lit: the openinference instrumentor for %s is not installed", name)
+            return
+        instrumentor.instrument(tracer_provider=self.provider, **kwargs)
+        self.instrumentors.append(instrumentor)
+        if name == "openai_agents":
+            _agents.track_agents_sdk()
 
     def close(self) -> DeliveryCounts:
         atexit.unregister(self.close)

@@ -17,18 +17,16 @@ failure of lit's own recording is logged and swallowed.
 from __future__ import annotations
 
 import importlib
-import logging
 from collections.abc import Collection
 from typing import Any
 
 import wrapt
+from opentelemetry import context as otel_context
 from opentelemetry import trace as otel_trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
 from lit_sdk import _agents, _context, semconv
-from lit_sdk._spans import mark_failed
-
-log = logging.getLogger("lit")
+from lit_sdk._spans import close_span, mark_failed, quietly
 
 INSTRUMENTS = ("openai >= 1.60",)
 """The package this instrumentor patches (as in pyproject's ``frameworks`` extra)."""
@@ -131,7 +129,10 @@ class _Patch:
 
     def _begin(self, instance: Any, kwargs: dict, api: str) -> _Call | None:
         # Only calls inside a rollout to a managed engine are recorded; everything else passes through as is.
-        if _context.current_rollout() is None or not self._is_managed(instance):
+        recorded = False
+        with quietly("tell whether to record an LLM call") as deciding:
+            recorded = _context.current_rollout() is not None and self._is_managed(instance)
+        if deciding.failed or not recorded:
             return None
         if kwargs.get("stream") is True:
             raise LitStreamingError(
@@ -139,11 +140,13 @@ class _Patch:
                 "agent being trained (e.g. stream=False, ChatOpenAI(streaming=False), AutoGen "
                 "model_client_stream=False, Runner.run instead of Runner.run_streamed)"
             )
-        try:
-            return _Call(self, api, kwargs)
-        except Exception:  # telemetry never breaks the user's call
-            log.exception("lit: could not start recording an LLM call")
+        call = _Call(self.processor, api)
+        with quietly("start recording an LLM call") as starting:
+            call.start(self.tracer, kwargs)
+        if starting.failed:
+            call.close()  # the request goes out as the user made it, unrecorded
             return None
+        return call
 
     def _is_managed(self, instance: Any) -> bool:
         if not self.llm_base_urls:
@@ -156,47 +159,48 @@ class _Patch:
 
 
 class _Call:
-    """One recorded LLM call: the request fields lit adds, and the span that records the answer."""
+    """One recorded LLM call: the request fields lit adds, and the span that records the answer. Each of lit's
+    steps runs ``quietly``."""
 
     __slots__ = ("api", "kwargs", "processor", "span", "token")
 
-    def __init__(self, patch: _Patch, api: str, kwargs: dict):
+    def __init__(self, processor: Any, api: str):
         self.api = api
-        self.processor = patch.processor
-        self.kwargs = _with_token_ids(kwargs, api)
+        self.processor = processor
+        self.kwargs: dict = {}
+        self.span: Any = None
+        self.token: Any = None
+
+    def start(self, tracer: Any, kwargs: dict) -> None:
+        self.kwargs = _with_token_ids(kwargs, self.api)
         parent = otel_trace.get_current_span()
         attrs: dict[str, Any] = {
-            semconv.LLM_API: api,
-            semconv.AGENT_NAME: _agents.resolve_agent(patch.processor, parent),
+            semconv.LLM_API: self.api,
+            semconv.AGENT_NAME: _agents.resolve_agent(self.processor, parent),
         }
         attrs.update(sampling_attributes(kwargs))
         rollout = _context.current_rollout()
         if rollout is not None and rollout.weight_version is not None:
             attrs[semconv.LLM_WEIGHT_VERSION] = rollout.weight_version
-        self.span = patch.tracer.start_span(semconv.LLM_SPAN, attributes=attrs, kind=otel_trace.SpanKind.CLIENT)
-        self.token = otel_trace.use_span(self.span, end_on_exit=False)
-        self.token.__enter__()
+        self.span = tracer.start_span(semconv.LLM_SPAN, attributes=attrs, kind=otel_trace.SpanKind.CLIENT)
+        self.token = otel_context.attach(otel_trace.set_span_in_context(self.span))
 
     def finish(self, result: Any) -> None:
-        try:
+        with quietly("record an LLM response"):
             bulk = record_response(self.span, _parsed(result), self.api)
             if bulk:
                 self.processor.attach_bulk(self.span, bulk)
             self.span.set_status(otel_trace.Status(otel_trace.StatusCode.OK))
-        except Exception:
-            log.exception("lit: could not record an LLM response")
-        finally:
-            self._close()
+        self.close()
 
     def fail(self, exc: BaseException) -> None:
-        try:
+        with quietly("record an LLM call's exception"):
             mark_failed(self.span, exc)
-        finally:
-            self._close()
+        self.close()
 
-    def _close(self) -> None:
-        self.token.__exit__(None, None, None)
-        self.span.end()
+    def close(self) -> None:
+        close_span(self.span, self.token)
+        self.span = self.token = None
 
 
 def _with_token_ids(kwargs: dict, api: str) -> dict:
