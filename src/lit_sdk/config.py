@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lit_sdk.cache import cache_dir
+from lit_sdk.security import keys_dir_from_env
 
 FRAMEWORKS = ("langchain", "autogen", "openai_agents", "openai")
 DEFAULT_FRAMEWORKS = ("langchain", "autogen", "openai_agents")
@@ -36,6 +37,9 @@ class SdkSettings:
     """The OpenTelemetry service name of this agent process. ``LIT_SERVICE_NAME``."""
     flush_timeout_s: float
     """How long exit waits for delivery before keeping the rest in the spool. ``LIT_FLUSH_TIMEOUT``."""
+    keys_dir: Path | None = None
+    """Folder with this host's CURVE keys (``client.key_secret`` and the trainer's ``server.key``, from ``lit keys
+    generate``); None: no keys, and only a trainer on this machine can be reached. ``LIT_KEYS_DIR``."""
 
 
 def resolve(
@@ -45,6 +49,7 @@ def resolve(
     spool_dir: str | os.PathLike[str] | None = None,
     service_name: str | None = None,
     flush_timeout_s: float | None = None,
+    keys_dir: str | os.PathLike[str] | None = None,
 ) -> SdkSettings:
     """Arguments first, then ``LIT_*`` environment variables, then defaults. Bad values raise ValueError."""
     env = os.environ
@@ -71,6 +76,7 @@ def resolve(
         spool_dir=Path(spool_dir or env.get("LIT_SPOOL_DIR") or cache_dir() / "spool").expanduser(),
         service_name=service_name or env.get("LIT_SERVICE_NAME") or "lit-agent",
         flush_timeout_s=flush_timeout_s,
+        keys_dir=Path(keys_dir).expanduser() if keys_dir else keys_dir_from_env(),
     )
 
 

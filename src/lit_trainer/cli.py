@@ -79,6 +79,15 @@ def _build_parser() -> argparse.ArgumentParser:
                           "default: the config's base model")
     evaluate.add_argument("--output", type=Path, help="also write the result as JSON here")
     evaluate.set_defaults(run=_eval)
+    keys = commands.add_parser("keys", help="make the keys that let workers on other hosts in")
+    keys_commands = keys.add_subparsers(title="keys commands", metavar="COMMAND")
+    generate = keys_commands.add_parser(
+        "generate", help="write CURVE keypairs for the span and dispatch channels and an API key for vLLM"
+    )
+    generate.add_argument("folder", nargs="?", type=Path, default=Path("~/.lit/keys"),
+                          help="where to write them (created 0700; default %(default)s); never overwritten")
+    generate.set_defaults(run=_keys_generate)
+    keys.set_defaults(run=lambda _args: (keys.print_help(), 2)[1])
     worker = commands.add_parser("worker", help="run agent rollouts for a trainer", add_help=False)
     worker.add_argument("rest", nargs=argparse.REMAINDER)
     worker.set_defaults(run=lambda args: _worker_main(args.rest))
@@ -134,6 +143,23 @@ def _eval(args: argparse.Namespace) -> int:
 
     result = evaluate.evaluate(load(args.config, args.overrides), args.checkpoint, args.output)
     print(f"held-out {evaluate.accuracy_line(result)} ({result['tasks']} tasks, model {result['model']})")
+    return 0
+
+
+def _keys_generate(args: argparse.Namespace) -> int:
+    from lit_sdk.security import CLIENT_SECRET, KEYS_ENV, SERVER_PUBLIC, generate_keys
+
+    folder = args.folder.expanduser()
+    for path in generate_keys(folder):
+        print(path)
+    print(f"""
+On this (the trainer's) host, add to the training config:
+    [security]
+    keys_dir = "{folder}"
+On each host that runs `lit worker`, copy only {CLIENT_SECRET} and {SERVER_PUBLIC} into a folder that only you
+can read (mkdir -m 700 ~/.lit/keys; keep {CLIENT_SECRET} at mode 600), then:
+    {KEYS_ENV}=~/.lit/keys lit worker --connect tcp://TRAINER:PORT module:function
+server.key_secret and api_key never leave this host.""", file=sys.stderr)
     return 0
 
 

@@ -7,6 +7,7 @@ from the command line.
     [train]    steps = 20   tasks_per_step = 8   group_size = 8   output_dir = "runs/calc"
     [policy]   learning_rate = 1e-5
     [inference] [weight_sync] [loss] [update] [credit] [advantages] [batching] [dispatch] [collector]
+    [security] keys_dir = "~/.lit/keys"   # needed to bind anything but loopback (`lit keys generate`)
 
 Every key maps onto a field of a config dataclass (each documents its own); an unknown key or a value of the wrong
 type is an error that names the key, the file and the expected type, before anything starts.
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lit_sdk.security import API_KEY, check_bind
 from lit_trainer.algorithm.advantages import AdvantageConfig
 from lit_trainer.algorithm.credit import CreditConfig
 from lit_trainer.algorithm.loss import LossConfig
@@ -89,7 +91,18 @@ class TrainLoopConfig:
 @dataclass(frozen=True)
 class EndpointConfig:
     endpoint: str = "tcp://127.0.0.1:0"
-    """ZeroMQ endpoint to bind; port 0 picks a free one. Bind ``tcp://0.0.0.0:PORT`` for workers on other hosts."""
+    """ZeroMQ endpoint to bind; port 0 picks a free one. Bind ``tcp://0.0.0.0:PORT`` for workers on other hosts,
+    which needs ``[security] keys_dir``."""
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    keys_dir: str = ""
+    """The folder ``lit keys generate`` wrote: with it, the span and dispatch channels use CURVE (encrypted, and
+    only peers holding its client key get in, on loopback too) and vLLM the folder's ``api_key`` (unless
+    ``inference.api_key`` or ``api_key_file`` is set). Local workers get it as ``LIT_KEYS_DIR``; hosts that run
+    ``lit worker`` need a copy of its ``client.key_secret`` and ``server.key``. Empty: no keys, and every endpoint
+    must be loopback."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +122,7 @@ class TrainConfig:
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
     dispatch_endpoint: EndpointConfig = field(default_factory=EndpointConfig)
     collector: EndpointConfig = field(default_factory=EndpointConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
     source: str = ""
     """The file this config was read from (set by ``load``)."""
 
@@ -118,13 +132,23 @@ class TrainConfig:
             raise ValueError(f"loss.is_correction = {self.loss.is_correction!r} corrects π_old (the trainer's "
                              "recomputed logprobs) towards vLLM's: set update.recompute_old_logprobs = true, or "
                              "loss.is_correction = 'none'")
+        if not self.security.keys_dir:
+            for what, setting, endpoint in (
+                ("the collector", "[collector] endpoint", self.collector.endpoint),
+                ("the dispatcher", "[dispatch_endpoint] endpoint", self.dispatch_endpoint.endpoint),
+            ):
+                check_bind(endpoint, None, what, setting)
         if self.weight_sync.mode == "lora":
             raise ValueError("weight_sync.mode = 'lora' is not supported by lit train: a LoRA policy "
                              "(policy.lora_rank > 0) is pushed as merged full weights, the fast path on CPU; "
                              "leave weight_sync.mode = 'full'")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every setting, for ``config.json`` and the trackers; an API key written in the config shows as ``***``."""
+        table = dataclasses.asdict(self)
+        if table["inference"]["api_key"]:
+            table["inference"]["api_key"] = "***"
+        return table
 
 
 def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
@@ -147,6 +171,10 @@ def from_dict(table: dict[str, Any], where: str = "config") -> TrainConfig:
     model = table.get("model", TrainConfig.model)
     for section in ("policy", "inference"):  # one model for both, unless a section names its own
         table[section] = {"model": model, **table.get(section, {})}
+    keys_dir = table.get("security", {}).get("keys_dir") if isinstance(table.get("security"), dict) else None
+    inference = table["inference"]
+    if keys_dir and isinstance(keys_dir, str) and not inference.get("api_key") and not inference.get("api_key_file"):
+        inference["api_key_file"] = str(Path(keys_dir).expanduser() / API_KEY)  # the key `lit keys generate` wrote
     return _build(TrainConfig, table, where)
 
 

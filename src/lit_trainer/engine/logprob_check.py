@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import requests
 import torch
 
+from lit_trainer.engine.server import credentials_for
+
 DEFAULT_PROMPTS = (
     "The capital of France is",
     "def fibonacci(n):",
@@ -58,7 +60,8 @@ def sample_from_vllm(
     api_key: str | None = None,
     timeout_s: float = 300.0,
 ) -> list[Sample]:
-    """Greedy-decode each prompt (token ids) in one batched request; return vLLM's token ids and logprobs."""
+    """Greedy-decode each prompt (token ids) in one batched request; return vLLM's token ids and logprobs.
+    ``api_key``: default, the key of the server this process started at ``base_url`` (``credentials_for``)."""
     body = {
         "model": model_name,
         "prompt": [list(p) for p in prompts],
@@ -67,6 +70,8 @@ def sample_from_vllm(
         "logprobs": 0,
         "return_token_ids": True,
     }
+    if api_key is None and (credentials := credentials_for(base_url)) is not None:
+        api_key = credentials.api_key
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     response = requests.post(f"{base_url.rstrip('/')}/v1/completions", json=body, headers=headers, timeout=timeout_s)
     if not response.ok:

@@ -15,6 +15,11 @@ distribution.
 For models whose chat template cannot render tools (SmolLM2), lit passes its own template
 (``templates/chatml_tools.jinja``: ChatML + Hermes ``<tool_call>``) with vLLM's ``hermes`` tool parser.
 
+Only the trainer reaches the routes that change the server (weight sync, LoRA loading, dev mode): vLLM loads
+``route_guard`` as a middleware, and each start draws an admin token that the guard requires on those routes. The
+token and the API key go to vLLM through the environment; in this process ``credentials_for(base_url)`` gives them
+to ``WeightSync`` and the logprob check, and agents only ever get the API key (``InferenceServer.api_key``).
+
 It never imports vLLM itself (only its child does), so it works with vLLM installed in another environment
 (``InferenceConfig.python``).
 """
@@ -27,18 +32,24 @@ import importlib.metadata
 import json
 import logging
 import os
+import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lit_sdk.processes import start_child, stop_child
+from lit_sdk.security import read_api_key
+from lit_trainer.engine import route_guard
 from lit_trainer.engine.config import InferenceConfig
 from lit_trainer.engine.served_model import chat_template_for, untied_view
 from lit_trainer.models import cache_dir, resolve_model
@@ -56,6 +67,41 @@ _OOM_MARKERS = (
     "larger than the available kv cache memory",
     "insufficient memory",
 )
+
+
+GUARD_MODULE = "lit_route_guard"
+"""The name ``route_guard.py`` has in the private folder put on vLLM's ``PYTHONPATH``."""
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """What the trainer sends to its server: the API key of the ``/v1`` routes (None: none) and the admin token of
+    the routes that change the server (``route_guard``)."""
+
+    api_key: str | None
+    admin_token: str
+
+    def headers(self) -> dict[str, str]:
+        """HTTP headers that pass both checks."""
+        headers = {route_guard.HEADER: self.admin_token}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return headers
+
+
+_CREDENTIALS: dict[str, Credentials] = {}
+
+
+def credentials_for(base_url: str) -> Credentials | None:
+    """The credentials of the running server at ``base_url`` started by this process, None for any other."""
+    return _CREDENTIALS.get(base_url.rstrip("/").removesuffix("/v1"))
+
+
+def resolve_api_key(config: InferenceConfig) -> str | None:
+    """``api_key``, else the content of ``api_key_file`` (checked to be readable by its owner only), else None."""
+    if config.api_key:
+        return config.api_key
+    return read_api_key(config.api_key_file) if config.api_key_file else None
 
 
 class InferenceError(RuntimeError):
@@ -116,6 +162,7 @@ def build_command(
     # Logprobs of the distribution actually sampled (after temperature), not the raw T=1 ones, and vLLM's neutral
     # defaults (T=1, no top-p/top-k) for what a request leaves unset, not the model's generation_config.json.
     cmd += ["--logprobs-mode", "processed_logprobs", "--generation-config", "vllm"]
+    cmd += ["--middleware", f"{GUARD_MODULE}.{route_guard.RouteGuard.__name__}"]  # see build_env's guard_dir
     template = chat_template_for(config, model_dir)
     if template is not None:
         cmd += ["--chat-template", str(template)]
@@ -130,9 +177,13 @@ def build_command(
     return cmd + list(config.extra_args)
 
 
-def build_env(config: InferenceConfig, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The server's environment: this one plus the CPU, dev-mode, LoRA and API-key settings."""
+def build_env(config: InferenceConfig, base: dict[str, str] | None = None, *, api_key: str | None = None,
+              admin_token: str | None = None, guard_dir: Path | None = None) -> dict[str, str]:
+    """The server's environment: this one plus the CPU, dev-mode, LoRA and API-key settings, the admin token of
+    the route guard and, first on ``PYTHONPATH``, ``guard_dir`` (the folder holding ``lit_route_guard.py``).
+    ``api_key``: the resolved key (``resolve_api_key``); default ``config.api_key``."""
     env = dict(os.environ if base is None else base)
+    api_key = config.api_key if api_key is None else api_key
     if resolve_device(config) == "cpu":
         bind = config.cpu_threads_bind
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(os.sched_getaffinity(0)) if bind == "all" else bind
@@ -144,11 +195,23 @@ def build_env(config: InferenceConfig, base: dict[str, str] | None = None) -> di
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if config.weight_transfer_backend == "ipc":
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # IPC handles travel pickled over HTTP
-    if config.api_key:
-        env["VLLM_API_KEY"] = config.api_key
+    if api_key:
+        env["VLLM_API_KEY"] = api_key
     else:
         env.pop("VLLM_API_KEY", None)
+    env.pop(route_guard.TOKEN_ENV, None)  # never a token of another run: no token means every admin route refused
+    if admin_token:
+        env[route_guard.TOKEN_ENV] = admin_token
+    if guard_dir is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(guard_dir), env.get("PYTHONPATH", "")) if p)
     return env
+
+
+def write_guard(folder: Path) -> Path:
+    """Copy ``route_guard.py`` into ``folder`` as ``lit_route_guard.py`` (what ``--middleware`` imports)."""
+    target = folder / f"{GUARD_MODULE}.py"
+    shutil.copyfile(route_guard.__file__, target)
+    return target
 
 
 def pick_port(config: InferenceConfig) -> int:
@@ -189,6 +252,11 @@ class InferenceServer:
         self.log_path: Path | None = None
         self.process: subprocess.Popen | None = None
         self.startup_s: float | None = None
+        self.api_key: str | None = None
+        """The key agents put in their requests (``lit.LLM.api_key``); None when the server has none."""
+        self.credentials: Credentials | None = None
+        """The API key and the admin token, for the trainer's own requests (``WeightSync``, the logprob check)."""
+        self._guard_dir: Path | None = None
 
     @property
     def base_url(self) -> str:
@@ -216,9 +284,13 @@ class InferenceServer:
         if self.process is not None:
             raise InferenceError("this InferenceServer is already started")
         python = self.config.python or sys.executable
+        self.api_key = resolve_api_key(self.config)
         model_dir = resolve_model(self.config.model)
         check_vllm_importable(python)
         self.port = pick_port(self.config)
+        self.credentials = Credentials(self.api_key, secrets.token_urlsafe(32))
+        self._guard_dir = Path(tempfile.mkdtemp(prefix="lit-guard-"))  # 0700: nobody else can swap the module
+        write_guard(self._guard_dir)
         untie = self.config.weight_sync and resolve_device(self.config) == "cpu"
         serve_dir = untied_view(model_dir, cache_dir() / "vllm-views") if untie else None
         cmd = build_command(self.config, model_dir, self.port, python, serve_dir)
@@ -231,9 +303,12 @@ class InferenceServer:
             log_file.write((" ".join(cmd) + "\n").encode())
             log_file.flush()
             # Own process group (stop() kills vLLM's engine-core children too); SIGTERM when this thread dies.
+            env = build_env(self.config, api_key=self.api_key, admin_token=self.credentials.admin_token,
+                            guard_dir=self._guard_dir)
             self.process = start_child(
-                cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=build_env(self.config)
+                cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env
             )
+        _CREDENTIALS[self.base_url] = self.credentials
         atexit.register(self.stop)
         log.info("vLLM starting (pid %d) on %s, log %s", self.process.pid, self.base_url, self.log_path)
         try:
@@ -310,6 +385,11 @@ class InferenceServer:
         left; return once no process of the group is left. Idempotent."""
         process, self.process = self.process, None
         atexit.unregister(self.stop)
+        if self.port is not None:
+            _CREDENTIALS.pop(self.base_url, None)
+        if self._guard_dir is not None:
+            shutil.rmtree(self._guard_dir, ignore_errors=True)
+            self._guard_dir = None
         if process is None:
             return
         # The leader may be gone while engine-core children linger: stop_child kills what is left of the group, and

@@ -39,6 +39,7 @@ import requests
 import torch
 
 from lit_trainer.engine.config import WeightSyncConfig
+from lit_trainer.engine.server import Credentials, credentials_for
 
 if TYPE_CHECKING:
     from typing import Self
@@ -128,13 +129,21 @@ class ShmCheckpoint:
 
 
 class WeightSync:
-    """Pushes weights into one vLLM server at ``base_url``; holds the shared-memory folder and the version counter."""
+    """Pushes weights into one vLLM server at ``base_url``; holds the shared-memory folder and the version counter.
 
-    def __init__(self, base_url: str, config: WeightSyncConfig, api_key: str | None = None, version: int = 0) -> None:
+    The server's routes for weight sync need its admin token (``route_guard``) and the LoRA route its API key too:
+    ``credentials`` default to those of the ``InferenceServer`` this process started at ``base_url``
+    (``credentials_for``); ``api_key`` replaces the API key."""
+
+    def __init__(self, base_url: str, config: WeightSyncConfig, api_key: str | None = None, version: int = 0,
+                 credentials: Credentials | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.config = config
         self.version = version
         self.session = requests.Session()
+        credentials = credentials or credentials_for(self.base_url)
+        if credentials is not None:
+            self.session.headers.update(credentials.headers())
         if api_key:
             self.session.headers["Authorization"] = f"Bearer {api_key}"
         shm_root = config.shm_dir if os.path.isdir(config.shm_dir) else tempfile.gettempdir()
