@@ -289,3 +289,61 @@ def test_the_root_span_declares_how_many_spans_the_rollout_emitted(collector, st
     with sqlite3.connect(store.path) as conn:
         conn.execute("DELETE FROM spans WHERE rollout_id = 'r-lossy' AND parent_id IS NULL")
     assert store.missing_spans("r-lossy") == "its root span was not stored (3 other spans were)"
+
+
+# -- the collector killed between its commit and its ack ---------------------------------------------------------
+
+_KILLED_COLLECTOR = """
+import os, signal, sys, time
+import zmq
+from lit_trainer.intake.collector import Collector
+from lit_trainer.intake.store import SqliteStore
+
+send = zmq.Socket.send_multipart
+def die_instead_of_acking(sock, parts, *args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)  # after the commit, before the ack: the worst moment
+zmq.Socket.send_multipart = die_instead_of_acking
+collector = Collector(SqliteStore(sys.argv[1]), sys.argv[2]).start()
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_collector_killed_between_commit_and_ack_stores_each_span_once(tmp_path):
+    """SIGKILL after the commit and before the ack: the sender never hears back, sends again to the next
+    collector, which finds the spans stored and acknowledges them as duplicates. Emitted == stored, once each."""
+    import socket
+    import subprocess
+    import sys
+
+    from lit_sdk.sender import SpanSender
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    db = tmp_path / "lit.db"
+    SqliteStore(db).close()
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_COLLECTOR, str(db), endpoint], stdout=subprocess.PIPE,
+                             text=True)
+    assert child.stdout.readline().strip() == "ready"
+    sender = SpanSender(endpoint, spool_dir=tmp_path / "spool", max_batch_spans=50, linger_s=0.01, ack_timeout_s=0.5)
+    emitted = [span(i, rollout=f"r{i % 7}").to_wire() for i in range(300)]
+    try:
+        for s in emitted:
+            sender.submit(s)
+        assert child.wait(WAIT_S) == -9  # it died at its first ack
+        with SqliteStore(db) as store:
+            with sqlite3.connect(db) as conn:
+                committed = conn.execute("SELECT count(*) FROM spans").fetchone()[0]
+            assert committed > 0, "the first batch was committed before the kill"
+            with Collector(store, endpoint) as collector:
+                counts = sender.flush(WAIT_S * 3)
+                assert (counts.acknowledged, counts.pending, counts.dropped, counts.rejected) == (300, 0, 0, 0)
+                assert collector.counts.duplicates == counts.duplicates >= committed
+            with sqlite3.connect(db) as conn:
+                ids = [row[0] for row in conn.execute("SELECT rollout_id || '/' || span_id FROM spans")]
+                assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    finally:
+        sender.shutdown(1)
+        child.kill()
+    assert sorted(ids) == sorted(f"{s['rollout_id']}/{s['span_id']}" for s in emitted)  # each once, none lost
