@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import msgpack
 import zmq
 
-from lit_sdk import protocol
+from lit_sdk import protocol, security
 from lit_trainer.intake.store import Store
 
 log = logging.getLogger("lit")
@@ -63,6 +63,8 @@ class CollectorCounts:
     ``too_large``)."""
     commits: int
     """Store transactions; ``frames / commits`` is how many frames one transaction carried on average."""
+    refused_peers: dict[str, int]
+    """Peers refused at the CURVE handshake (with ``keys``), by kind (``security.HandshakeMonitor``)."""
 
 
 class Collector:
@@ -70,6 +72,8 @@ class Collector:
 
     endpoint: where to bind; ``tcp://127.0.0.1:0`` (or ``:*``) picks a free port, read back from ``.endpoint``.
         Agents find it through their ``LIT_ENDPOINT`` / ``lit.instrument(endpoint=...)``.
+    keys: the trainer's CURVE keys (``security.load_server_keys``): only agents holding the client key get in.
+        Without them the collector binds to loopback addresses only (``security.check_bind``).
     on_root_span: called in the collector thread with the rollout id of each rollout root span, once, after the
         commit that stored it (so every span the agent sent before its root is readable from the store by then).
     max_frames, max_spans, max_turn_bytes: bounds on one transaction: frames drained per turn, spans in them and
@@ -79,7 +83,8 @@ class Collector:
     """
 
     def __init__(self, store: Store, endpoint: str = DEFAULT_ENDPOINT,
-                 on_root_span: Callable[[str], None] | None = None, *, max_frames: int = 1024,
+                 on_root_span: Callable[[str], None] | None = None, *, keys: security.ServerKeys | None = None,
+                 max_frames: int = 1024,
                  max_spans: int = 4096, max_turn_bytes: int = 64 * 2**20):
         if min(max_frames, max_spans, max_turn_bytes) <= 0:
             raise ValueError(f"Collector: max_frames, max_spans and max_turn_bytes must be positive, got "
@@ -87,6 +92,8 @@ class Collector:
         self.store = store
         self.requested_endpoint = endpoint
         self.on_root_span = on_root_span
+        self.keys = keys
+        self._monitor: security.HandshakeMonitor | None = None
         self._max_frames, self._max_spans, self._max_turn_bytes = max_frames, max_spans, max_turn_bytes
         self._endpoint: str | None = None
         self._lock = threading.Lock()
@@ -105,8 +112,9 @@ class Collector:
 
     @property
     def counts(self) -> CollectorCounts:
+        refused = self._monitor.counts if self._monitor is not None else {}
         with self._lock:
-            return CollectorCounts(**self._tally, rejected=dict(self._rejected))
+            return CollectorCounts(**self._tally, rejected=dict(self._rejected), refused_peers=refused)
 
     def start(self) -> Collector:
         """Bind (in the caller's thread, so that a busy port raises here) and start the thread."""
@@ -117,6 +125,12 @@ class Collector:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES + 1024)  # room for the routing envelope
         sock.setsockopt(zmq.RCVHWM, _RCVHWM)
+        try:
+            self._monitor = security.guard_server(sock, self.requested_endpoint, self.keys, "the collector",
+                                                  "[collector] endpoint")
+        except BaseException:
+            sock.close()
+            raise
         try:
             sock.bind(self.requested_endpoint)
         except zmq.ZMQError as exc:

@@ -14,6 +14,7 @@ import time
 import msgpack
 import psutil
 import pytest
+import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_collector import WAIT_S, Client, span, spans_frame
@@ -347,3 +348,45 @@ def test_a_collector_killed_between_commit_and_ack_stores_each_span_once(tmp_pat
         sender.shutdown(1)
         child.kill()
     assert sorted(ids) == sorted(f"{s['rollout_id']}/{s['span_id']}" for s in emitted)  # each once, none lost
+
+
+# -- only the right peers connect --------------------------------------------------------------------------------
+
+def test_only_peers_with_the_client_key_reach_the_collector(tmp_path, store):
+    """Hole: no authentication, so anyone reaching the port could store a forged root span with a chosen reward.
+    With keys, a peer without the client key (or with another one) is refused at the handshake and counted; its
+    frames never reach the store."""
+    from lit_sdk import security
+
+    security.generate_keys(tmp_path / "keys")
+    security.generate_keys(tmp_path / "other")
+    with Collector(store, "tcp://127.0.0.1:0", keys=security.load_server_keys(tmp_path / "keys")) as collector:
+        peers = {}
+        for name, folder in (("good", "keys"), ("wrong key", "other"), ("no key", None)):
+            client = Client.__new__(Client)
+            client.sock = zmq.Context.instance().socket(zmq.DEALER)
+            client.sock.setsockopt(zmq.LINGER, 0)
+            if folder:
+                security.secure_client(client.sock, security.load_client_keys(tmp_path / folder))
+            client.sock.connect(collector.endpoint)
+            peers[name] = client
+        forged = span(1, rollout="r-forged", parent=None, name=sc.ROLLOUT_SPAN)
+        forged.attributes = {sc.ROLLOUT_RETURN_REWARD: 1.0}
+        for name in ("wrong key", "no key"):
+            peers[name].send(spans_frame(f"forged-{name}", [forged]))
+        acked_within(peers["good"], "good", seconds=WAIT_S)
+        time.sleep(0.5)
+        for name in ("wrong key", "no key"):
+            assert not peers[name].sock.poll(50), f"the peer with {name} got an answer"
+        refused = collector.counts.refused_peers
+        for client in peers.values():
+            client.close()
+    assert sum(refused.values()) >= 2, refused
+    assert store.spans_of_rollout("r-forged") == [] and collector.counts.rejected == {}
+
+
+def test_a_collector_on_another_address_needs_keys(store):
+    from lit_sdk import security
+
+    with pytest.raises(security.SecurityError, match="lit keys generate"):
+        Collector(store, "tcp://0.0.0.0:0").start()
