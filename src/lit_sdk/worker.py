@@ -4,14 +4,22 @@ function on them, with ``lit.instrument()`` on.
     lit worker --connect tcp://trainer-host:7374 examples.calc.agent:calc_agent --processes 2 --concurrency 16
 
 Each process holds one ZeroMQ DEALER socket to the trainer's dispatcher and runs up to ``concurrency`` rollouts at
-once on an asyncio loop (a sync agent function runs in a thread). It says hello on connect (and again when the
-trainer asks), sends a heartbeat every ``heartbeat_s``, runs what it is sent and reports each rollout done. The
-messages are the typed, versioned ones of ``lit_sdk/protocol/dispatch.py``, documented in docs/protocol.md
-("Dispatch"); a message that does not decode is logged and ignored.
+once on an asyncio loop. It says hello on connect (and again when the trainer asks) with a ``worker_id`` that stays
+the same when its socket reconnects, sends a heartbeat every ``heartbeat_s`` listing the rollouts it runs (so the
+trainer learns at once of a ``Run`` or ``Done`` lost on the way), runs what it is sent and reports each rollout
+done. The messages are the typed, versioned ones of ``lit_sdk/protocol/dispatch.py``, documented in
+docs/protocol.md ("Dispatch"); a message that does not decode is logged and ignored.
+
+A sync agent function runs in a pool of ``concurrency`` threads of its own, and its timeout starts when it starts,
+not when it is queued. A Python thread cannot be killed: a sync call that times out is reported ``timed_out`` but
+keeps its thread, so a new call waits for a free one and the process never runs more than ``concurrency`` agent
+threads; the heartbeat lists the timed-out call until its thread ends, so the trainer counts its slot busy.
 
 A rollout's status is ``succeeded`` when the function returned, ``failed`` when it raised and ``timed_out`` when it
-ran past ``timeout_s``. Before reporting, the worker flushes the rollout's spans, so the trainer finds them stored.
-The reported reward is for display only: the trainer reads rewards from the spans.
+ran past ``timeout_s``. Before reporting, the worker flushes the rollout's spans, so the trainer finds them stored;
+a rollout that returned is reported ``failed`` instead when its spans were not all delivered within
+``flush_timeout_s``, or when spans of this process were dropped or refused by the collector while it ran. The
+reported reward is for display only: the trainer reads rewards from the spans.
 
 Light like the rest of lit_sdk: no torch.
 """
@@ -21,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import contextvars
 import importlib
 import inspect
 import logging
@@ -28,8 +37,11 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import traceback
+import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -41,6 +53,9 @@ from lit_sdk.instrument import flush, instrument
 from lit_sdk.processes import start_child, stop_children
 from lit_sdk.protocol.codec import ProtocolError
 from lit_sdk.protocol.dispatch import (
+    MAX_HOST_CHARS,
+    MAX_LISTED,
+    MAX_SLOTS,
     TO_WORKER,
     Done,
     Heartbeat,
@@ -54,6 +69,7 @@ from lit_sdk.protocol.dispatch import (
     encode_dispatch,
 )
 from lit_sdk.resources import LLM
+from lit_sdk.sender import DeliveryCounts
 
 log = logging.getLogger("lit.worker")
 DEFAULT_DISPATCH_ENDPOINT = "tcp://127.0.0.1:7374"
@@ -94,16 +110,25 @@ def reachable(address: str, trainer_host: str) -> str:
 class Worker:
     """One worker process: ``asyncio.run(Worker(fn, connect).run())``."""
 
-    def __init__(self, fn: Callable[..., Any], connect: str, concurrency: int = 8, heartbeat_s: float = 1.0):
-        if concurrency < 1:
-            raise ValueError(f"concurrency must be at least 1, got {concurrency}")
+    def __init__(self, fn: Callable[..., Any], connect: str, concurrency: int = 8, heartbeat_s: float = 1.0,
+                 flush_timeout_s: float = 30.0):
+        if not 1 <= concurrency <= MAX_SLOTS:
+            raise ValueError(f"concurrency must be between 1 and {MAX_SLOTS}, got {concurrency}")
         self.fn = fn
         self.connect = connect
         self.concurrency = concurrency
         self.heartbeat_s = heartbeat_s
+        self.flush_timeout_s = flush_timeout_s
+        """How long a rollout's spans may take to reach the collector before it is reported ``failed``."""
         self.trainer_host = urlsplit(connect).hostname or "127.0.0.1"
+        self.worker_id = f"{socket.gethostname()[:64]}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
         self.running: dict[str, asyncio.Task] = {}
+        """Rollouts from their ``Run`` until their ``Done`` is sent."""
+        self.stuck: set[str] = set()
+        """Timed-out sync calls whose thread has not ended: each holds a thread of the pool."""
         self.completed = 0
+        self._lost = 0
+        """Spans of this process dropped or refused by the collector, as of the last flush."""
         self._stop = asyncio.Event()
 
     async def run(self) -> int:
@@ -112,6 +137,7 @@ class Worker:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 2000)
         self.sock.connect(self.connect)
+        self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="lit-agent")
         await self._hello()
         beat = asyncio.create_task(self._heartbeat())
         try:
@@ -129,16 +155,19 @@ class Worker:
             for task in self.running.values():
                 task.cancel()
             await asyncio.gather(*self.running.values(), return_exceptions=True)
+            self._pool.shutdown(wait=False, cancel_futures=True)
             self.sock.close()
         return self.completed
 
     async def _hello(self) -> None:
-        await self.sock.send(encode_dispatch(Hello(self.concurrency, os.getpid(), socket.gethostname())))
+        hello = Hello(self.concurrency, os.getpid(), socket.gethostname()[:MAX_HOST_CHARS], self.worker_id)
+        await self.sock.send(encode_dispatch(hello))
 
     async def _heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_s)
-            await self.sock.send(encode_dispatch(Heartbeat(len(self.running))))
+            listed = sorted(self.running.keys() | self.stuck)[:MAX_LISTED]
+            await self.sock.send(encode_dispatch(Heartbeat(len(listed), listed)))
 
     async def _handle(self, message: ToWorker) -> None:
         if isinstance(message, Welcome):
@@ -153,33 +182,90 @@ class Worker:
             self._stop.set()
 
     async def _rollout(self, m: Run) -> None:
-        rid, attempt = m.rollout_id, m.attempt
+        lost_before = self._lost
+        try:
+            status, reward, error = await self._run_agent(m)
+            # The trainer reads the episode from the stored spans: deliver them before saying "done".
+            undelivered = await self._flush(lost_before)
+            if undelivered and status == "succeeded":
+                status, reward, error = "failed", None, f"the agent returned, but {undelivered}"
+            self.completed += 1
+            await self.sock.send(encode_dispatch(Done(m.rollout_id, m.attempt, status, reward, error)))
+        finally:
+            self.running.pop(m.rollout_id, None)  # listed in heartbeats until its Done is sent
+
+    async def _run_agent(self, m: Run) -> tuple[str, float | None, str | None]:
+        """Call the agent function on the task: the rollout's status, reward and error."""
         llm = LLM.from_dict(m.llm)
         llm = LLM.from_dict({**llm.to_dict(), "base_url": reachable(llm.base_url, self.trainer_host)})
-        status, reward, error = "succeeded", None, None
         try:
-            with _context.assign(rid, m.task_id, attempt, m.weight_version):
-                result = await asyncio.wait_for(self._call(m.task, llm), timeout=m.timeout_s)
-            if isinstance(result, (int, float)) and not isinstance(result, bool):
-                reward = float(result)
+            with _context.assign(m.rollout_id, m.task_id, m.attempt, m.weight_version):
+                result = await self._call(m.rollout_id, m.task, llm, m.timeout_s)
         except TimeoutError:
-            status, error = "timed_out", f"the rollout ran past its timeout of {m.timeout_s:g} s"
+            return "timed_out", None, f"the rollout ran past its timeout of {m.timeout_s:g} s"
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the user's agent raised: report it, keep serving
-            status = "failed"
-            error = "".join(traceback.format_exception_only(type(exc), exc)).strip()[-2000:]
-        finally:
-            self.running.pop(rid, None)
-        # The trainer reads the episode from the stored spans: deliver them before saying "done".
-        await asyncio.to_thread(flush, 30.0)
-        self.completed += 1
-        await self.sock.send(encode_dispatch(Done(rid, attempt, status, reward, error)))
+            return "failed", None, "".join(traceback.format_exception_only(type(exc), exc)).strip()[-2000:]
+        reward = float(result) if isinstance(result, (int, float)) and not isinstance(result, bool) else None
+        return "succeeded", reward, None
 
-    async def _call(self, task: Any, llm: LLM) -> Any:
+    async def _flush(self, lost_before: int) -> str | None:
+        """Wait until this process's spans are delivered; what went wrong, in words, or None."""
+        def timed_flush() -> tuple[DeliveryCounts | None, float]:
+            start = time.monotonic()
+            return flush(self.flush_timeout_s), time.monotonic() - start
+
+        counts, took = await asyncio.to_thread(timed_flush)
+        if counts is None:  # not instrumented: no welcome yet
+            return None
+        timed_out = getattr(counts, "timed_out", None)
+        if timed_out is None:  # DeliveryCounts without the flag: the clock says whether the flush gave up
+            timed_out = took >= self.flush_timeout_s
+        lost = counts.dropped + counts.rejected
+        self._lost = max(self._lost, lost)
+        if lost > lost_before:
+            return (f"spans of this process were dropped or refused by the collector while it ran "
+                    f"({lost - lost_before} of them; see the worker's log)")
+        if timed_out:
+            return (f"its spans were not all delivered within {self.flush_timeout_s:g} s (is the trainer's "
+                    "collector reachable? the worker's flush_timeout_s sets the wait)")
+        return None
+
+    async def _call(self, rid: str, task: Any, llm: LLM, timeout_s: float) -> Any:
         if inspect.iscoroutinefunction(self.fn):
-            return await self.fn(task, llm)
-        return await asyncio.to_thread(self.fn, task, llm)
+            return await asyncio.wait_for(self.fn(task, llm), timeout_s)
+        loop = asyncio.get_running_loop()
+        started = asyncio.Event()
+
+        def call() -> Any:
+            loop.call_soon_threadsafe(started.set)
+            return self.fn(task, llm)
+
+        thread = self._pool.submit(contextvars.copy_context().run, call)
+        future = asyncio.wrap_future(thread)
+        try:
+            await started.wait()  # the timeout starts when the function does, not while it waits for a thread
+            done, _ = await asyncio.wait({future}, timeout=timeout_s)
+        finally:
+            if not future.done() and not thread.cancel():  # running: a thread cannot be stopped
+                self._hold_slot(rid, future)
+        if not done:
+            raise TimeoutError
+        return future.result()
+
+    def _hold_slot(self, rid: str, future: asyncio.Future) -> None:
+        """Keep listing a timed-out sync call until its thread ends: it holds one of the pool's threads."""
+        log.warning("lit worker: the sync agent call of rollout %s ran past its timeout; a thread cannot be "
+                    "stopped, so it keeps one of the %d agent threads until it returns", rid, self.concurrency)
+        self.stuck.add(rid)
+
+        def release(f: asyncio.Future) -> None:
+            self.stuck.discard(rid)
+            if not f.cancelled():
+                f.exception()  # already reported as the timeout: not "never retrieved"
+
+        future.add_done_callback(release)
 
 
 def serve(target: str, connect: str, concurrency: int) -> int:
@@ -209,8 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     handler.setFormatter(logging.Formatter("%(message)s"))
     logging.getLogger("lit").addHandler(handler)
     logging.getLogger("lit").setLevel(logging.INFO)
-    if args.processes < 1 or args.concurrency < 1:
-        parser.error("--processes and --concurrency must be at least 1")
+    if args.processes < 1 or not 1 <= args.concurrency <= MAX_SLOTS:
+        parser.error(f"--processes must be at least 1 and --concurrency between 1 and {MAX_SLOTS}")
     try:
         load_target(args.target)  # fail here, once, with a clear message
     except ValueError as exc:

@@ -1,7 +1,9 @@
 """The services a run starts together and stops together: the store and the collector (intake), the vLLM server
 (engine), the dispatcher and the local agent workers (rollouts). ``Services.rollouts`` runs a group of rollouts per
 task on the workers and turns the ones that succeeded into episodes; a failed rollout gives no episode, never a
-reward of 0.
+reward of 0, and neither does one whose spans are not all stored. The collector runs in a thread of its own:
+``rollouts`` checks it while it waits, so that a collector that stopped (a full disk) stops the run with the cause
+instead of letting every rollout come back empty.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from lit_sdk import security
 from lit_sdk.processes import stop_children, wait_children
 from lit_sdk.resources import LLM
 from lit_sdk.worker import load_target, spawn
@@ -35,13 +38,14 @@ class Services:
 
     cfg: TrainConfig
     store: SqliteStore
+    collector: Collector
     server: InferenceServer
     dispatcher: Dispatcher
     session: str
 
     def llm(self, temperature: float) -> LLM:
-        return LLM(self.server.openai_url, self.server.model_name, temperature=temperature,
-                   max_tokens=self.cfg.agent.max_tokens)
+        return LLM(self.server.openai_url, self.server.model_name, api_key=self.server.api_key or "EMPTY",
+                   temperature=temperature, max_tokens=self.cfg.agent.max_tokens)
 
     def rollouts(self, tasks: list[dict], group: int, temperature: float, step: int, label: str
                  ) -> tuple[list[Episode], dict[str, float]]:
@@ -60,8 +64,10 @@ class Services:
             bar.set_postfix(failed=failed, refresh=False)
             bar.update()
 
+        self.collector.check()
         with bar:
-            outcomes = self.dispatcher.run(requests, progress)
+            outcomes = self.dispatcher.run(requests, progress, check=self.collector.check)
+        self.collector.check()
         return gather_episodes(self.store, outcomes, self.cfg.agent.agents, self.cfg.train.success_reward)
 
 
@@ -71,31 +77,39 @@ def services(cfg: TrainConfig, store_path: Path) -> Iterator[Services]:
     if not cfg.agent.function:
         raise ConfigError(f"{cfg.source or 'config'}: [agent] function is not set (module:function)")
     load_target(cfg.agent.function)  # a typo fails here, not in a worker's log
+    keys = security.load_server_keys(cfg.security.keys_dir) if cfg.security.keys_dir else None
     with contextlib.ExitStack() as stack:
         store = stack.enter_context(SqliteStore(store_path))
-        collector = stack.enter_context(Collector(store, cfg.collector.endpoint))
+        collector = stack.enter_context(Collector(store, cfg.collector.endpoint, keys=keys))
         print(f"lit: starting vLLM on {cfg.model} (about a minute on CPU)", file=sys.stderr, flush=True)
         server = stack.enter_context(InferenceServer(cfg.inference))
         dispatcher = stack.enter_context(Dispatcher(store, cfg.dispatch_endpoint.endpoint, collector.endpoint,
                                                     [server.openai_url], cfg.dispatch))
         env = {**os.environ, "LIT_SPOOL_DIR": str(store_path.parent / "spool")}
+        if cfg.security.keys_dir:
+            env["LIT_KEYS_DIR"] = str(Path(cfg.security.keys_dir).expanduser())
         workers = [spawn(cfg.agent.function, dispatcher.endpoint, cfg.agent.concurrency, env)
                    for _ in range(cfg.agent.local_workers)]
         stack.callback(stop_workers, dispatcher, workers)
         print(f"lit: workers connect to {dispatcher.endpoint} ({len(workers)} local)", file=sys.stderr)
         dispatcher.wait_for_workers(cfg.agent.local_workers, WORKER_START_TIMEOUT_S)
-        yield Services(cfg, store, server, dispatcher, uuid.uuid4().hex[:8])
+        yield Services(cfg, store, collector, server, dispatcher, uuid.uuid4().hex[:8])
 
 
 def gather_episodes(store: SqliteStore, outcomes: list[Outcome], agents: tuple[str, ...], success: float
                     ) -> tuple[list[Episode], dict[str, float]]:
-    """Episodes of the succeeded rollouts (saved to the store), and counts; failures give no episode. Tasks that
-    carry a string ``"kind"`` also get ``accuracy/<kind>`` and ``reward/<kind>`` (``per_kind``)."""
+    """Episodes of the succeeded rollouts (saved to the store), and counts; failures give no episode, and neither
+    does a rollout whose spans are not all stored (``rollouts/unusable_incomplete``: the dispatcher retries those,
+    this is the last guard). Tasks that carry a string ``"kind"`` also get ``accuracy/<kind>`` and
+    ``reward/<kind>`` (``per_kind``)."""
     episodes: list[Episode] = []
     returns_of: dict[str, float] = {}
     unusable: collections.Counter[str] = collections.Counter()
     for outcome in outcomes:
         if outcome.status is not RolloutStatus.SUCCEEDED:
+            continue
+        if store.missing_spans(outcome.rollout_id) is not None:
+            unusable["incomplete"] += 1
             continue
         result = build_episode(store.spans_of_rollout(outcome.rollout_id), agents or None)
         if isinstance(result, UnusableRollout):

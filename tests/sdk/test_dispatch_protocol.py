@@ -38,8 +38,11 @@ from lit_trainer.rollouts.dispatcher import DispatchConfig, Dispatcher, RolloutR
 LLM_DICT = LLM("http://127.0.0.1:9/v1", "m", temperature=0.0, max_tokens=16).to_dict()
 MESSAGES = [
     Hello(4, 1234, "host-a"),
+    Hello(1024, 1, "h", "h:1:0123abcd"),
     Heartbeat(0),
     Heartbeat(7),
+    Heartbeat(2, ["r0-a1", "r1-a2"]),
+    Heartbeat(0, []),
     Done("r0-a1", 1, "succeeded", 0.5, None),
     Done("r0-a2", 2, "failed", None, "RuntimeError: agent bug"),
     Done("r0-a3", 3, "timed_out"),
@@ -77,6 +80,9 @@ def test_optional_fields_may_be_left_out_and_unknown_ones_are_ignored():
         Done("r", 1, "failed", None, None)
     assert decode_dispatch(wire({"v": 1, "t": "welcome", "spans_endpoint": "tcp://h:1"})) == Welcome("tcp://h:1", [])
     assert decode_dispatch(wire({"v": 1, "t": "hb", "running": 2, "added_later": {"x": 1}})) == Heartbeat(2)
+    # A worker from before worker_id and rollouts: still understood
+    assert decode_dispatch(wire({"v": 1, "t": "hello", "slots": 2, "pid": 1, "host": "h"})) == Hello(2, 1, "h", None)
+    assert decode_dispatch(wire({"v": 1, "t": "hb", "running": 2})).rollouts is None
     run = decode_dispatch(wire({"v": 1, "t": "run", "rollout_id": "r", "task_id": "t", "attempt": 1, "task": None,
                                 "llm": {}, "timeout_s": 300}))
     assert run == Run("r", "t", 1, None, {}, 300.0, None) and type(run.timeout_s) is float
@@ -110,14 +116,29 @@ BAD = [
     (hello(slots="x"), "shape", "'hello' field 'slots' must be an integer, got 'x' (a string)"),
     (hello(slots=True), "shape", "'hello' field 'slots' must be an integer, got True (a boolean)"),
     (hello(slots=1.5), "shape", "'slots' must be an integer, got 1.5 (a number)"),
-    (hello(slots=0), "shape", "'hello' field 'slots' must be at least 1, got 0 (an integer)"),
-    (hello(slots=-4), "shape", "'slots' must be at least 1, got -4"),
+    (hello(slots=0), "shape", "'hello' field 'slots' must be between 1 and 1024, got 0 (an integer)"),
+    (hello(slots=-4), "shape", "'slots' must be between 1 and 1024, got -4"),
+    (hello(slots=1025), "shape", "'slots' must be between 1 and 1024, got 1025"),
+    (hello(slots=2**64 - 1), "shape", "'slots' must be between 1 and 1024, got 18446744073709551615"),
+    (hello(pid=-1), "shape", "'pid' must be between 0 and 4294967295, got -1"),
+    (hello(host="h" * 256), "shape", "'host' must be 0 to 255 characters long, got 'hhh"),
+    (hello(worker_id=""), "shape", "'worker_id' must be 1 to 1024 characters long, got ''"),
+    (hello(worker_id=7), "shape", "'worker_id' must be a string or nil, got 7 (an integer)"),
     (hello(pid=None), "shape", "'pid' must be an integer, got nil"),
     (hello(host=b"h"), "shape", "'host' must be a string, got b'h' (binary)"),
-    (wire({"v": 1, "t": "hb", "running": -1}), "shape", "'running' must be at least 0"),
+    (wire({"v": 1, "t": "hb", "running": -1}), "shape", "'running' must be between 0 and 4096"),
+    (wire({"v": 1, "t": "hb", "running": 0, "rollouts": "r-a1"}), "shape",
+     "'rollouts' must be a list of strings or nil, got 'r-a1' (a string)"),
+    (wire({"v": 1, "t": "hb", "running": 0, "rollouts": ["r-a1", 1]}), "shape", "a list of strings or nil"),
+    (wire({"v": 1, "t": "hb", "running": 0, "rollouts": [""]}), "shape",
+     "'rollouts' must be at most 4096 ids of 1 to 1024 characters"),
+    (wire({"v": 1, "t": "hb", "running": 0, "rollouts": ["r"] * 4097}), "shape", "at most 4096 ids"),
+    (done(rollout_id="r" * 1025), "shape", "'rollout_id' must be 1 to 1024 characters long"),
+    (done(error="e" * 8193), "shape", "'error' must be 0 to 8192 characters long"),
+    (done(attempt=2**31), "shape", "'attempt' must be between 1 and 2147483647"),
     (done(status="ok"), "shape", "'status' must be one of succeeded, failed, timed_out, got 'ok'"),
     (done(status=None), "shape", "'status' must be a string, got nil"),
-    (done(attempt=0), "shape", "'attempt' must be at least 1"),
+    (done(attempt=0), "shape", "'attempt' must be between 1 and 2147483647"),
     (done(reward="1.0"), "shape", "'reward' must be a number or nil, got '1.0' (a string)"),
     (done(reward=False), "shape", "'reward' must be a number or nil, got False (a boolean)"),
     (done(error=3), "shape", "'error' must be a string or nil, got 3 (an integer)"),
@@ -126,7 +147,8 @@ BAD = [
     (wire({"v": 1, "t": "welcome", "spans_endpoint": "x", "llm_base_urls": "a"}), "shape",
      "'llm_base_urls' must be a list of strings, got 'a' (a string)"),
     (run(llm=[]), "shape", "'run' field 'llm' must be a map, got a list"),
-    (run(timeout_s=0), "shape", "'timeout_s' must be positive, got 0"),
+    (run(timeout_s=0), "shape", "'timeout_s' must be positive and finite, got 0"),
+    (run(timeout_s=float("inf")), "shape", "'timeout_s' must be positive and finite, got inf"),
     (run(timeout_s=True), "shape", "'timeout_s' must be a number, got True"),
     (run(weight_version=7), "shape", "'weight_version' must be a string or nil, got 7"),
     (wire({"v": 1, "t": "hb", "running": 0, "pad": b"x" * MAX_FRAME_BYTES}), "too_large",
@@ -184,9 +206,16 @@ def fake_worker(endpoint: str, seen: list) -> None:
         sock.close()
 
 
+class SpanlessStore(SqliteStore):
+    """The fake worker sends no spans: this store does not check that a rollout's spans are all there."""
+
+    def missing_spans(self, rollout_id: str) -> str | None:
+        return None
+
+
 def test_the_dispatcher_ignores_bad_messages_and_serves_a_good_worker_after_them(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="lit")
-    store = SqliteStore(tmp_path / "lit.sqlite")
+    store = SpanlessStore(tmp_path / "lit.sqlite")
     dispatcher = Dispatcher(store, "tcp://127.0.0.1:0", "tcp://127.0.0.1:7373", ["http://127.0.0.1:9/v1"],
                             DispatchConfig(no_worker_timeout_s=20, rollout_timeout_s=20))
     bad = zmq.Context.instance().socket(zmq.DEALER)
@@ -206,7 +235,8 @@ def test_the_dispatcher_ignores_bad_messages_and_serves_a_good_worker_after_them
         assert dispatcher.rejected == {"decode": 1, "shape": 3, "parts": 1, "type": 1, "version": 1}
         assert dispatcher.workers == {}  # no bad hello made a worker
         logged = [r.getMessage() for r in caplog.records if "bad message from a worker" in r.getMessage()]
-        assert len(logged) == 5 and any("(shape): 'hello' field 'slots' must be at least 1" in m for m in logged)
+        assert len(logged) == 5
+        assert any("(shape): 'hello' field 'slots' must be between 1 and 1024" in m for m in logged)
         assert any("(parts): a worker's message is one ZeroMQ frame, got 2" in m for m in logged)
 
         # The refused worker is unknown: its heartbeat is answered with "who".

@@ -2,12 +2,18 @@
 fails, and keeps every attempt's status in the store.
 
 Workers (``lit_sdk/worker.py``) connect to one ZeroMQ ROUTER socket from any host; the messages are those of
-``lit_sdk/protocol/dispatch.py`` (docs/protocol.md, "Dispatch"), and one that does not decode is counted in
-``Dispatcher.rejected``, logged once per kind and ignored.
+``lit_sdk/protocol/dispatch.py`` (docs/protocol.md, "Dispatch"). One that does not decode, or a ``Done`` for a
+rollout that is not running on the worker that sends it, is counted in ``Dispatcher.rejected``, logged once per kind
+and ignored: nothing a peer sends stops the dispatcher (authenticating peers is the socket's business, not this
+module's).
 ``run(requests)`` gives each requested rollout up to ``max_attempts`` attempts. An attempt is one rollout row in the
-store (id ``<request>-a<attempt>``) that ends ``succeeded``, ``failed`` (the agent raised, or its worker went silent
-for ``worker_timeout_s``) or ``timed_out`` (past ``rollout_timeout_s``); a failed or timed-out attempt is retried
-while attempts remain. A request whose attempts all fail ends failed: it yields no episode, never a reward of 0.
+store (id ``<request>-a<attempt>``) that ends ``succeeded``, ``failed`` or ``timed_out`` (past
+``rollout_timeout_s``); a failed or timed-out attempt is retried while attempts remain. A request whose attempts all
+fail ends failed: it yields no episode, never a reward of 0. An attempt fails when the agent raised; when the worker
+said it succeeded but the store finds spans of it missing (``missing_spans``); when its worker went silent for
+``worker_timeout_s``; and, at once, when its worker's heartbeats stop listing it without a ``Done`` (the report was
+lost, or the worker reconnected without it) or never list it (the ``Run`` was lost). A worker that reconnects (a new
+ZeroMQ identity) and says hello with its ``worker_id`` keeps its running attempts.
 
 The dispatcher runs in the trainer's thread and only while the trainer waits for rollouts (generation and training
 alternate); messages that arrive meanwhile wait in the socket, so a worker's liveness is judged only after they
@@ -29,10 +35,10 @@ from lit_sdk.protocol.codec import ProtocolError
 from lit_sdk.protocol.dispatch import (
     TO_TRAINER,
     Done,
+    Heartbeat,
     Hello,
     Run,
     Stop,
-    ToTrainer,
     ToWorker,
     Welcome,
     Who,
@@ -91,25 +97,54 @@ class Outcome:
     errors: list[str] = field(default_factory=list)
 
 
+UNCONFIRMED_BEATS = 3
+"""Heartbeats of a worker, received after a ``Run`` was sent to it, that may leave the rollout out before the ``Run``
+is taken as lost (the first may have been on the way when the ``Run`` was sent)."""
+
+
 @dataclass
 class _Worker:
     identity: bytes
     slots: int
     last_seen: float
-    running: set[str] = field(default_factory=set)
     label: str = ""
+    worker_id: str | None = None
+    running: set[str] = field(default_factory=set)
+    listed: set[str] | None = None
+    """The rollout ids its last heartbeat listed; None while it has not listed any (a worker that does not say)."""
+
+    @property
+    def busy(self) -> int:
+        """Its slots in use: the attempts it runs, and what it still lists that is not one of them (a timed-out
+        sync call whose thread has not ended)."""
+        return len(self.running) + (len(self.listed - self.running) if self.listed else 0)
 
 
 @dataclass
 class _Attempt:
     request: RolloutRequest
     number: int
-    worker: bytes | None = None
+    worker: _Worker | None = None
     deadline: float = 0.0
+    confirmed: bool = False
+    """Whether a heartbeat of its worker listed it."""
+    unlisted: int = 0
+    """Heartbeats of its worker since its ``Run`` that did not list it."""
 
     @property
     def rollout_id(self) -> str:
         return f"{self.request.key}-a{self.number}"
+
+
+@dataclass
+class _Round:
+    """What one ``run`` call tracks: attempts waiting and running, and the requests that ended."""
+
+    on_progress: Callable[[Outcome], None] | None = None
+    queue: collections.deque[_Attempt] = field(default_factory=collections.deque)
+    running: dict[str, _Attempt] = field(default_factory=dict)
+    outcomes: dict[str, Outcome] = field(default_factory=dict)
+    errors: dict[str, list[str]] = field(default_factory=lambda: collections.defaultdict(list))
 
 
 class Dispatcher:
@@ -121,7 +156,8 @@ class Dispatcher:
         self.llm_base_urls = list(llm_base_urls)
         self.workers: dict[bytes, _Worker] = {}
         self.rejected: dict[str, int] = {}
-        """Messages from workers refused (malformed, wrong version...), by ``ProtocolError.kind``."""
+        """Messages from workers refused (malformed, wrong version, a stale ``Done``...), by ``ProtocolError.kind``."""
+        self._round = _Round()
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
         bind = endpoint[:-2] + ":*" if endpoint.endswith(":0") else endpoint
@@ -156,92 +192,97 @@ class Dispatcher:
                                     f"{timeout_s:.0f} s; check the worker processes' output")
             self._drain(100)
 
-    def run(self, requests: Sequence[RolloutRequest],
-            on_progress: Callable[[Outcome], None] | None = None) -> list[Outcome]:
-        """Run every request to an end (success, or failure after ``max_attempts``); outcomes in request order."""
-        queue: collections.deque[_Attempt] = collections.deque()
-        self._enqueue(queue, [_Attempt(r, 1) for r in requests])
-        running: dict[str, _Attempt] = {}
-        outcomes: dict[str, Outcome] = {}
-        errors: dict[str, list[str]] = collections.defaultdict(list)
+    def run(self, requests: Sequence[RolloutRequest], on_progress: Callable[[Outcome], None] | None = None,
+            check: Callable[[], None] | None = None) -> list[Outcome]:
+        """Run every request to an end (success, or failure after ``max_attempts``); outcomes in request order.
+        ``on_progress`` hears of each request that ended; ``check`` is called about every 50 ms while rollouts run,
+        and what it raises stops ``run`` (a service the rollouts need, such as the collector, has stopped)."""
+        self._round = round_ = _Round(on_progress)
+        self._enqueue([_Attempt(r, 1) for r in requests])
         idle_since = time.monotonic()
+        try:
+            while len(round_.outcomes) < len(requests):
+                if check is not None:
+                    check()
+                self._drain(50)
+                now = time.monotonic()
+                self._expire(now)
+                if self.workers:
+                    idle_since = now
+                elif round_.queue and now - idle_since > self.config.no_worker_timeout_s:
+                    raise DispatchError(f"no worker connected to {self.endpoint} for "
+                                        f"{self.config.no_worker_timeout_s:.0f} s with {len(round_.queue)} rollouts "
+                                        "waiting; start one with `lit worker --connect <endpoint> module:function`")
+                self._assign()
+        finally:
+            self._round = _Round()
+            for worker in self.workers.values():  # empty unless run raised: its attempts are given up
+                worker.running.clear()
+        return [round_.outcomes[r.key] for r in requests]
 
-        def finish(attempt: _Attempt, status: RolloutStatus, error: str | None, reward: float | None = None) -> None:
-            self.store.set_rollout_status(attempt.rollout_id, status, error)
-            key = attempt.request.key
-            if error:
-                errors[key].append(f"attempt {attempt.number}: {error}")
-            if status is RolloutStatus.SUCCEEDED or attempt.number >= self.config.max_attempts:
-                outcomes[key] = Outcome(attempt.request, status, attempt.rollout_id, attempt.number, reward,
-                                        errors.pop(key, []))
-                if on_progress:
-                    on_progress(outcomes[key])
-            else:
-                log.info("lit: rollout %s %s (%s); retrying", attempt.rollout_id, status.value, error)
-                self._enqueue(queue, [_Attempt(attempt.request, attempt.number + 1)])
+    def _finish(self, attempt: _Attempt, status: RolloutStatus, error: str | None, reward: float | None = None) -> None:
+        """End an attempt: record it, then retry it or give its request an outcome."""
+        r = self._round
+        r.running.pop(attempt.rollout_id, None)
+        if attempt.worker is not None:
+            attempt.worker.running.discard(attempt.rollout_id)
+        self.store.set_rollout_status(attempt.rollout_id, status, error)
+        key = attempt.request.key
+        if error:
+            r.errors[key].append(f"attempt {attempt.number}: {error}")
+        if status is RolloutStatus.SUCCEEDED or attempt.number >= self.config.max_attempts:
+            r.outcomes[key] = Outcome(attempt.request, status, attempt.rollout_id, attempt.number, reward,
+                                      r.errors.pop(key, []))
+            if r.on_progress:
+                r.on_progress(r.outcomes[key])
+        else:
+            log.info("lit: rollout %s %s (%s); retrying", attempt.rollout_id, status.value, error)
+            self._enqueue([_Attempt(attempt.request, attempt.number + 1)])
 
-        while len(outcomes) < len(requests):
-            for message, identity in self._drain(50):
-                if isinstance(message, Done):
-                    attempt = running.get(message.rollout_id)
-                    if attempt is None or attempt.worker != identity:
-                        continue  # a late report of an attempt already given up on
-                    del running[attempt.rollout_id]
-                    self.workers[identity].running.discard(attempt.rollout_id)
-                    finish(attempt, RolloutStatus(message.status), message.error, message.reward)
-            now = time.monotonic()
-            for attempt in [a for a in running.values() if now > a.deadline]:
-                del running[attempt.rollout_id]
-                self._release(attempt)
-                finish(attempt, RolloutStatus.TIMED_OUT,
-                       f"no result within rollout_timeout_s={self.config.rollout_timeout_s:g} s")
-            for identity, worker in list(self.workers.items()):
-                if now - worker.last_seen > self.config.worker_timeout_s:
-                    log.warning("lit: worker %s went silent for %.0f s; its %d rollouts will be retried",
-                                worker.label, now - worker.last_seen, len(worker.running))
-                    del self.workers[identity]
-                    for rid in sorted(worker.running):
-                        finish(running.pop(rid), RolloutStatus.FAILED, f"worker {worker.label} died or went silent")
-            if queue and not self.workers and now - idle_since > self.config.no_worker_timeout_s:
-                raise DispatchError(f"no worker connected to {self.endpoint} for "
-                                    f"{self.config.no_worker_timeout_s:.0f} s with {len(queue)} rollouts waiting; "
-                                    "start one with `lit worker --connect <endpoint> module:function`")
-            if self.workers:
-                idle_since = now
-            self._assign(queue, running)
-        return [outcomes[r.key] for r in requests]
+    def _expire(self, now: float) -> None:
+        """Time out attempts past their deadline; fail those of workers silent for ``worker_timeout_s``."""
+        for attempt in [a for a in self._round.running.values() if now > a.deadline]:
+            self._finish(attempt, RolloutStatus.TIMED_OUT,
+                         f"no result within rollout_timeout_s={self.config.rollout_timeout_s:g} s")
+        for identity, worker in list(self.workers.items()):
+            if now - worker.last_seen > self.config.worker_timeout_s:
+                log.warning("lit: worker %s went silent for %.0f s; its %d rollouts will be retried",
+                            worker.label, now - worker.last_seen, len(worker.running))
+                del self.workers[identity]
+                for attempt in self._attempts_of(worker):
+                    self._finish(attempt, RolloutStatus.FAILED, f"worker {worker.label} died or went silent")
 
-    def _enqueue(self, queue: collections.deque[_Attempt], attempts: list[_Attempt]) -> None:
+    def _attempts_of(self, worker: _Worker) -> list[_Attempt]:
+        """The attempts of this round running on ``worker`` (forgetting those of a round that ended)."""
+        worker.running &= self._round.running.keys()
+        return [self._round.running[rid] for rid in sorted(worker.running)]
+
+    def _enqueue(self, attempts: list[_Attempt]) -> None:
         self.store.add_rollouts(RolloutRow(a.rollout_id, a.request.task_id, a.request.step, a.number)
                                 for a in attempts)
-        queue.extend(attempts)
+        self._round.queue.extend(attempts)
 
-    def _assign(self, queue: collections.deque[_Attempt], running: dict[str, _Attempt]) -> None:
+    def _assign(self) -> None:
         """Hand queued attempts to workers with free slots, least busy first."""
+        queue = self._round.queue
         while queue:
-            free = [w for w in self.workers.values() if len(w.running) < w.slots]
+            free = [w for w in self.workers.values() if w.busy < w.slots]
             if not free:
                 return
-            worker = min(free, key=lambda w: len(w.running) / w.slots)
+            worker = min(free, key=lambda w: w.busy / w.slots)
             attempt = queue.popleft()
-            attempt.worker = worker.identity
+            attempt.worker = worker
             attempt.deadline = time.monotonic() + self.config.rollout_timeout_s
             worker.running.add(attempt.rollout_id)
-            running[attempt.rollout_id] = attempt
+            self._round.running[attempt.rollout_id] = attempt
             self.store.set_rollout_status(attempt.rollout_id, RolloutStatus.RUNNING)
             r = attempt.request
             self._send(worker.identity, Run(attempt.rollout_id, r.task_id, attempt.number, r.task, r.llm.to_dict(),
                                             self.config.rollout_timeout_s))
 
-    def _release(self, attempt: _Attempt) -> None:
-        worker = self.workers.get(attempt.worker or b"")
-        if worker is not None:
-            worker.running.discard(attempt.rollout_id)
-
-    def _drain(self, timeout_ms: int) -> list[tuple[ToTrainer, bytes]]:
-        """Read every waiting message (waiting up to ``timeout_ms`` for the first); handle hellos and heartbeats
-        here and return the rest with the sender's identity. A bad message is rejected and ignored."""
-        out: list[tuple[ToTrainer, bytes]] = []
+    def _drain(self, timeout_ms: int) -> None:
+        """Read and handle every waiting message, in order (waiting up to ``timeout_ms`` for the first). A bad
+        message is rejected and ignored; one from an unknown worker is answered with ``Who``."""
         wait = timeout_ms
         while self.sock.poll(wait):
             wait = 0
@@ -254,21 +295,73 @@ class Dispatcher:
             except ProtocolError as exc:
                 self._reject(exc)
                 continue
-            now = time.monotonic()
             if isinstance(message, Hello):
-                label = f"{message.host}:{message.pid}"
-                self.workers[identity] = _Worker(identity, message.slots, now, label=label)
-                self._send(identity, Welcome(self.spans_endpoint, self.llm_base_urls))
-                log.info("lit: worker %s connected (%d slots)", label, message.slots)
+                self._on_hello(identity, message)
                 continue
             worker = self.workers.get(identity)
             if worker is None:
                 self._send(identity, Who())  # a worker of a previous trainer run: make it say hello
                 continue
-            worker.last_seen = now
+            worker.last_seen = time.monotonic()
             if isinstance(message, Done):
-                out.append((message, identity))
-        return out
+                self._on_done(worker, message)
+            elif isinstance(message, Heartbeat):
+                self._on_heartbeat(worker, message)
+
+    def _on_hello(self, identity: bytes, hello: Hello) -> None:
+        """Welcome a worker: a new one, or a known one (by ``worker_id``) back on a new connection."""
+        label = f"{hello.host}:{hello.pid}"
+        worker = self.workers.get(identity)
+        if worker is None and hello.worker_id is not None:
+            worker = next((w for w in self.workers.values() if w.worker_id == hello.worker_id), None)
+            if worker is not None:
+                del self.workers[worker.identity]
+                log.info("lit: worker %s reconnected; its %d rollouts go on", label, len(worker.running))
+        if worker is None:
+            worker = _Worker(identity, hello.slots, 0.0)
+            log.info("lit: worker %s connected (%d slots)", label, hello.slots)
+        worker.identity, worker.slots, worker.label, worker.worker_id = identity, hello.slots, label, hello.worker_id
+        worker.last_seen = time.monotonic()
+        self.workers[identity] = worker
+        self._send(identity, Welcome(self.spans_endpoint, self.llm_base_urls))
+
+    def _on_done(self, worker: _Worker, done: Done) -> None:
+        attempt = self._round.running.get(done.rollout_id)
+        if attempt is None or attempt.worker is not worker or attempt.number != done.attempt:
+            self._reject(ProtocolError("stale", f"worker {worker.label} reported rollout {done.rollout_id!r} done, "
+                                                "which is not running there (a late report of an attempt given up "
+                                                "on, or a confused worker)"))
+            return
+        if worker.listed:
+            worker.listed.discard(done.rollout_id)
+        status, error, reward = RolloutStatus(done.status), done.error, done.reward
+        missing = self._missing_spans(done.rollout_id) if status is RolloutStatus.SUCCEEDED else None
+        if missing:
+            status, error, reward = RolloutStatus.FAILED, f"the worker reported success, but {missing}", None
+        self._finish(attempt, status, error, reward)
+
+    def _missing_spans(self, rollout_id: str) -> str | None:
+        """Why the store lacks spans of this rollout, or None when it has them all (or cannot tell)."""
+        check = getattr(self.store, "missing_spans", None)  # a store without the check trusts the worker
+        return check(rollout_id) if check is not None else None
+
+    def _on_heartbeat(self, worker: _Worker, beat: Heartbeat) -> None:
+        """Fail at once the attempts the worker no longer runs, or never received (a lost ``Run``)."""
+        if beat.rollouts is None:
+            return
+        worker.listed = set(beat.rollouts)
+        for attempt in self._attempts_of(worker):
+            if attempt.rollout_id in worker.listed:
+                attempt.confirmed = True
+                continue
+            attempt.unlisted += 1
+            if attempt.confirmed:
+                self._finish(attempt, RolloutStatus.FAILED, f"worker {worker.label} no longer runs it and sent no "
+                                                            "result (lost on the way, or the worker reconnected)")
+            elif attempt.unlisted >= UNCONFIRMED_BEATS:
+                self._finish(attempt, RolloutStatus.FAILED, f"worker {worker.label} never started it "
+                                                            f"({UNCONFIRMED_BEATS} heartbeats did not list it: the "
+                                                            "run message was lost)")
 
     def _reject(self, exc: ProtocolError) -> None:
         n = self.rejected[exc.kind] = self.rejected.get(exc.kind, 0) + 1
