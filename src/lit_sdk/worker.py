@@ -48,7 +48,7 @@ from urllib.parse import urlsplit, urlunsplit
 import zmq
 import zmq.asyncio
 
-from lit_sdk import _context
+from lit_sdk import _context, security
 from lit_sdk.instrument import flush, instrument
 from lit_sdk.processes import start_child, stop_children
 from lit_sdk.protocol.codec import ProtocolError
@@ -136,6 +136,7 @@ class Worker:
         ctx = zmq.asyncio.Context.instance()
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 2000)
+        security.guard_client(self.sock, self.connect, security.client_keys(), "lit worker")
         self.sock.connect(self.connect)
         self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="lit-agent")
         await self._hello()
@@ -299,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--processes must be at least 1 and --concurrency between 1 and {MAX_SLOTS}")
     try:
         load_target(args.target)  # fail here, once, with a clear message
-    except ValueError as exc:
+        security.check_connect(args.connect, security.client_keys(), "lit worker")
+    except ValueError as exc:  # SecurityError included
         print(f"lit worker: error: {exc}", file=sys.stderr)
         return 1
     if args.processes == 1:

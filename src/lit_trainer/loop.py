@@ -28,6 +28,7 @@ import torch
 from lit_trainer.algorithm.advantages import episode_advantages
 from lit_trainer.config import ConfigError, TrainConfig
 from lit_trainer.engine.logprob_check import check_logprobs
+from lit_trainer.engine.server import ServerDiedError
 from lit_trainer.engine.weight_sync import WeightSync, WeightSyncError
 from lit_trainer.evaluate import validate
 from lit_trainer.intake.episodes import Episode, unsupported_sampling
@@ -39,6 +40,9 @@ from lit_trainer.metrics import read as read_metrics
 from lit_trainer.models import resolve_model
 from lit_trainer.rollouts.tasks import load_tasks, sample_tasks
 from lit_trainer.services import services
+
+MAX_ENGINE_RESTARTS = 3
+"""How many times one step's rollouts start vLLM again after it died, before the run stops."""
 
 
 def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
@@ -79,7 +83,7 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
         while step < cfg.train.steps and not (cfg.train.max_minutes and minutes >= cfg.train.max_minutes):
             t0 = time.perf_counter()
             tasks = sample_tasks(train_tasks, cfg.train.seed, step, cfg.train.tasks_per_step)
-            episodes, metrics = svc.rollouts(tasks, cfg.train.group_size, cfg.agent.temperature, step, f"s{step}")
+            episodes, metrics, sync = step_rollouts(svc, sync, policy, tasks, cfg, step)
             metrics["time/rollout"] = time.perf_counter() - t0
             metrics.update(update_policy(policy, sync, episodes, cfg, pad_id, step + 1))
             step += 1
@@ -95,11 +99,34 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
                 ckpt.save(out, step, policy, base_dir, {"minutes": minutes, "data_position": step,
                                                         "weight_version": str(step)}, cfg.train.keep_checkpoints)
         log.close()
-        sync.close()
+        sync.close()  # the last one: step_rollouts replaces it when vLLM is restarted
     png = plot_curve(out / "metrics.jsonl", out / "curve.png", title=f"{cfg.agent.function} on {cfg.model}")
     if png:
         print(f"lit: curve written to {png}", file=sys.stderr)
     return last_val
+
+
+def step_rollouts(svc: Any, sync: WeightSync, policy: Any, tasks: list[dict], cfg: TrainConfig, step: int
+                  ) -> tuple[list[Episode], dict[str, float], WeightSync]:
+    """The rollouts of training step ``step`` (from 0). If vLLM dies meanwhile, it is started again with the
+    policy's current weights and the step's rollouts run again (what was in flight is given up, and nothing of it
+    is trained on), up to ``MAX_ENGINE_RESTARTS`` times; the weight sync to use from then on."""
+    for restart in range(MAX_ENGINE_RESTARTS + 1):
+        try:
+            label = f"s{step}" + (f"-restart{restart}" if restart else "")
+            episodes, metrics = svc.rollouts(tasks, cfg.train.group_size, cfg.agent.temperature, step, label)
+            metrics["engine/restarts"] = float(restart)
+            return episodes, metrics, sync
+        except ServerDiedError as exc:
+            if restart == MAX_ENGINE_RESTARTS:
+                raise
+            print(f"lit: vLLM died during the rollouts of step {step + 1} ({str(exc).splitlines()[0]}); starting it "
+                  "again with the current weights and running the step's rollouts again", file=sys.stderr)
+            sync.close()
+            svc.restart_server()
+            sync = WeightSync(svc.server.base_url, cfg.weight_sync)
+            sync.push_weights(policy.state_dict(), version=str(step))
+    raise AssertionError("unreachable")
 
 
 def update_policy(policy: Any, sync: Any, episodes: list[Episode], cfg: TrainConfig, pad_id: int,

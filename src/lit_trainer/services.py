@@ -14,7 +14,7 @@ import os
 import sys
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from lit_sdk import security
@@ -42,10 +42,26 @@ class Services:
     server: InferenceServer
     dispatcher: Dispatcher
     session: str
+    _stack: contextlib.ExitStack
 
     def llm(self, temperature: float) -> LLM:
         return LLM(self.server.openai_url, self.server.model_name, api_key=self.server.api_key or "EMPTY",
                    temperature=temperature, max_tokens=self.cfg.agent.max_tokens)
+
+    def check(self) -> None:
+        """Raise if a service the rollouts need has stopped: the collector (``CollectorError``) or vLLM
+        (``ServerDiedError``). Called while waiting for rollouts."""
+        self.collector.check()
+        self.server.check_alive()
+
+    def restart_server(self) -> None:
+        """Start vLLM again after it died, on the same port (the workers record the calls to that URL), from the
+        model of the config: the caller pushes the policy's current weights into it."""
+        port = self.server.port
+        self.server.stop()
+        print(f"lit: restarting vLLM on port {port}", file=sys.stderr, flush=True)
+        self.server = InferenceServer(replace(self.cfg.inference, port=port)).start()
+        self._stack.callback(self.server.stop)
 
     def rollouts(self, tasks: list[dict], group: int, temperature: float, step: int, label: str
                  ) -> tuple[list[Episode], dict[str, float]]:
@@ -64,10 +80,10 @@ class Services:
             bar.set_postfix(failed=failed, refresh=False)
             bar.update()
 
-        self.collector.check()
+        self.check()
         with bar:
-            outcomes = self.dispatcher.run(requests, progress, check=self.collector.check)
-        self.collector.check()
+            outcomes = self.dispatcher.run(requests, progress, check=self.check)
+        self.check()
         return gather_episodes(self.store, outcomes, self.cfg.agent.agents, self.cfg.train.success_reward)
 
 
@@ -84,7 +100,7 @@ def services(cfg: TrainConfig, store_path: Path) -> Iterator[Services]:
         print(f"lit: starting vLLM on {cfg.model} (about a minute on CPU)", file=sys.stderr, flush=True)
         server = stack.enter_context(InferenceServer(cfg.inference))
         dispatcher = stack.enter_context(Dispatcher(store, cfg.dispatch_endpoint.endpoint, collector.endpoint,
-                                                    [server.openai_url], cfg.dispatch))
+                                                    [server.openai_url], cfg.dispatch, keys=keys))
         env = {**os.environ, "LIT_SPOOL_DIR": str(store_path.parent / "spool")}
         if cfg.security.keys_dir:
             env["LIT_KEYS_DIR"] = str(Path(cfg.security.keys_dir).expanduser())
@@ -93,7 +109,7 @@ def services(cfg: TrainConfig, store_path: Path) -> Iterator[Services]:
         stack.callback(stop_workers, dispatcher, workers)
         print(f"lit: workers connect to {dispatcher.endpoint} ({len(workers)} local)", file=sys.stderr)
         dispatcher.wait_for_workers(cfg.agent.local_workers, WORKER_START_TIMEOUT_S)
-        yield Services(cfg, store, collector, server, dispatcher, uuid.uuid4().hex[:8])
+        yield Services(cfg, store, collector, server, dispatcher, uuid.uuid4().hex[:8], stack)
 
 
 def gather_episodes(store: SqliteStore, outcomes: list[Outcome], agents: tuple[str, ...], success: float

@@ -31,6 +31,7 @@ from typing import Any
 
 import zmq
 
+from lit_sdk import security
 from lit_sdk.protocol.codec import ProtocolError
 from lit_sdk.protocol.dispatch import (
     TO_TRAINER,
@@ -49,6 +50,9 @@ from lit_sdk.resources import LLM
 from lit_trainer.intake.store import RolloutRow, RolloutStatus, Store
 
 log = logging.getLogger("lit.dispatcher")
+MAX_MESSAGE_BYTES = 1 << 20
+"""What a worker may send in one message (hello, heartbeat, done: a few hundred bytes; a done's error is capped):
+ZeroMQ cuts off anything larger before it is read (``zmq.MAXMSGSIZE``), dropping that peer's connection."""
 
 
 class DispatchError(RuntimeError):
@@ -149,7 +153,10 @@ class _Round:
 
 class Dispatcher:
     def __init__(self, store: Store, endpoint: str, spans_endpoint: str, llm_base_urls: Sequence[str],
-                 config: DispatchConfig | None = None):
+                 config: DispatchConfig | None = None, keys: security.ServerKeys | None = None):
+        """``keys``: the trainer's CURVE keys (``security.load_server_keys``): only workers holding the client key
+        get in, the others are refused at the handshake and counted (``refused_peers``). Without them the
+        dispatcher binds to loopback addresses only."""
         self.store = store
         self.config = config or DispatchConfig()
         self.spans_endpoint = spans_endpoint
@@ -160,7 +167,14 @@ class Dispatcher:
         self._round = _Round()
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         bind = endpoint[:-2] + ":*" if endpoint.endswith(":0") else endpoint
+        try:
+            self._monitor = security.guard_server(self.sock, bind, keys, "the dispatcher",
+                                                  "[dispatch_endpoint] endpoint")
+        except BaseException:
+            self.sock.close()
+            raise
         try:
             self.sock.bind(bind)
         except zmq.ZMQError as exc:
@@ -168,6 +182,11 @@ class Dispatcher:
             raise DispatchError(f"cannot listen for workers on {endpoint}: {exc} (is another trainer running? "
                                 "set dispatch.endpoint to a free port, or tcp://127.0.0.1:0 for any)") from None
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    @property
+    def refused_peers(self) -> dict[str, int]:
+        """Peers refused at the CURVE handshake (with ``keys``), by kind (``security.HandshakeMonitor``)."""
+        return self._monitor.counts if self._monitor is not None else {}
 
     def close(self) -> None:
         """Tell every known worker to stop, then close the socket. Idempotent."""
@@ -214,11 +233,23 @@ class Dispatcher:
                                         f"{self.config.no_worker_timeout_s:.0f} s with {len(round_.queue)} rollouts "
                                         "waiting; start one with `lit worker --connect <endpoint> module:function`")
                 self._assign()
+        except BaseException as exc:
+            self._abandon(round_, f"the trainer stopped waiting for it ({type(exc).__name__}: {exc})"[:2000])
+            raise
         finally:
             self._round = _Round()
             for worker in self.workers.values():  # empty unless run raised: its attempts are given up
                 worker.running.clear()
         return [round_.outcomes[r.key] for r in requests]
+
+    def _abandon(self, round_: _Round, reason: str) -> None:
+        """``run`` is raising: the attempts it leaves queued or running end ``failed`` in the store with the
+        reason, so that none stays "running" there for ever (a late ``done`` for one is counted as stale)."""
+        for attempt in [*round_.running.values(), *round_.queue]:
+            try:
+                self.store.set_rollout_status(attempt.rollout_id, RolloutStatus.FAILED, reason)
+            except Exception as exc:  # the store may be what failed: the original error is the one to raise
+                log.warning("lit: could not mark rollout %s failed: %s", attempt.rollout_id, exc)
 
     def _finish(self, attempt: _Attempt, status: RolloutStatus, error: str | None, reward: float | None = None) -> None:
         """End an attempt: record it, then retry it or give its request an outcome."""

@@ -1,0 +1,135 @@
+"""``lit train`` SIGKILLed at the worst moments, then ``--resume``d, with nothing stood in: real vLLM, real worker
+processes, real ZeroMQ, real SQLite.
+
+One run of 4 steps is killed three times, each time at the second step (after the first checkpoint): during its
+rollouts, during its policy update, and during its weight sync (vLLM paused, new weights half way). Each kill is a
+SIGKILL of the trainer process from inside (a watchdog thread, or a patched function, in a small harness that then
+runs the real CLI), so it lands exactly there; vLLM and the local workers die with the trainer. The fourth run has
+its vLLM killed during the third step's rollouts: the trainer starts it again with the current weights, runs the
+step's rollouts again, and finishes. Then: no span lost (every rollout's root declares how many spans it emitted,
+and that many are stored; the workers' spools are empty), no step trained twice (each step's metrics come once,
+from the run that completed it), and the store passes SQLite's integrity check."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_train import CONFIG
+
+from lit_sdk import semconv as sc
+from lit_sdk.protocol import codec
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+TESTS = Path(__file__).parents[1]
+
+HARNESS = """
+import os, signal, sqlite3, sys, threading, time
+from pathlib import Path
+
+point, out = sys.argv[1], Path(sys.argv[2])
+
+
+def die():
+    print(f"chaos: SIGKILL during {point}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def when_rollouts_ended(step, then):
+    # call then() once two rollouts of training step `step` (from 0) have ended
+    def watch():
+        while True:
+            time.sleep(0.1)
+            try:
+                with sqlite3.connect(f"file:{out / 'lit.sqlite'}?mode=ro", uri=True) as conn:
+                    ended = conn.execute("SELECT count(*) FROM rollouts WHERE step = ? AND status != 'queued' "
+                                         "AND status != 'running'", (step,)).fetchone()[0]
+            except sqlite3.Error:
+                continue
+            if ended >= 2:
+                return then()
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def kill_vllm():
+    import psutil
+    for child in psutil.Process().children(recursive=True):
+        if "vllm" in " ".join(child.cmdline()) and child.pid == os.getpgid(child.pid):
+            print(f"chaos: SIGKILL to vLLM's process group {child.pid}", flush=True)
+            os.killpg(child.pid, signal.SIGKILL)
+
+
+if point == "rollouts":  # the second step's (index 1)
+    when_rollouts_ended(1, die)
+elif point == "vllm":  # vLLM, not the trainer, during the third step's rollouts
+    when_rollouts_ended(2, kill_vllm)
+elif point == "update":  # the first policy update of this run: the second step's
+    import lit_trainer.loop as loop
+    loop.run_update = lambda *args, **kwargs: die()
+elif point == "sync":  # the second weight sync of this run (the first pushes the checkpoint), with vLLM paused
+    from lit_trainer.engine.weight_sync import WeightSync
+    post, pauses = WeightSync.post, []
+
+    def post_then_die(self, route, *args, **kwargs):
+        answer = post(self, route, *args, **kwargs)
+        if route == "/pause":
+            pauses.append(route)
+            if len(pauses) == 2:
+                die()
+        return answer
+    WeightSync.post = post_then_die
+
+from lit_trainer.cli import main
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+def run(point: str, config: Path, out: Path, resume: bool) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-c", HARNESS, point, str(out), "train", str(config)] + (["--resume"] if resume else [])
+    env = {**os.environ, "PYTHONPATH": str(TESTS), "CI": "true"}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, start_new_session=True)
+
+
+def test_sigkill_in_rollouts_update_and_sync_then_resume_loses_and_repeats_nothing(prepared_model, tmp_path):
+    out = tmp_path / "run"
+    config = tmp_path / "config.toml"
+    config.write_text(CONFIG.format(model=prepared_model, out=out).replace("steps = 2", "steps = 4")
+                      .replace("val_every = 2", "val_every = 0"))
+    for i, point in enumerate(["rollouts", "update", "sync"]):
+        result = run(point, config, out, resume=i > 0)
+        log = result.stdout + result.stderr
+        assert result.returncode == -9 and f"chaos: SIGKILL during {point}" in log, log[-3000:]
+        assert "step 1/4" in log if i == 0 else "(step 1)" in log, log[-3000:]
+        assert "step 2/4" not in log, log[-3000:]
+    final = run("vllm", config, out, resume=True)
+    log = final.stdout + final.stderr
+    assert final.returncode == 0, log[-3000:]
+    assert (out / "checkpoints" / "step-000004" / "DONE").exists()
+
+    train = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in train if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]  # each step trained once: killed steps never logged
+    assert all(r["rollouts/failed"] == 0 and r["rollouts/unusable"] == 0 for r in train), train
+    assert "chaos: SIGKILL to vLLM" in log and "vLLM died during the rollouts of step 3" in log, log[-3000:]
+    assert [r["engine/restarts"] for r in train] == [0, 0, 1, 0]  # restarted once, and step 3 ran again
+
+    with sqlite3.connect(out / "lit.sqlite") as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        roots = conn.execute("SELECT rollout_id, attributes FROM spans WHERE parent_id IS NULL AND name = ?",
+                             (sc.ROLLOUT_SPAN,)).fetchall()
+        stored = dict(conn.execute("SELECT rollout_id, count(*) FROM spans GROUP BY rollout_id").fetchall())
+        succeeded = {r for (r,) in conn.execute("SELECT rollout_id FROM rollouts WHERE status = 'succeeded'")}
+    declared = {rid: codec.unpackb(blob, strict_map_key=False)[sc.ROLLOUT_SPANS] for rid, blob in roots}
+    assert succeeded <= set(declared), "a rollout reported succeeded without its root span stored"
+    lost = {rid: (n, stored[rid]) for rid, n in declared.items() if stored[rid] < n}
+    assert not lost, f"spans lost (declared, stored): {lost}"
+    spool = out / "spool"
+    left = [p.name for p in spool.iterdir() if p.suffix == ".seg"] if spool.exists() else []
+    assert not left, f"spans left undelivered in the spool: {left}"
+    print(f"chaos: {len(declared)} rollouts with roots, {sum(declared.values())} spans declared, "
+          f"{sum(stored[r] for r in declared)} stored, {len(succeeded)} succeeded")
