@@ -1,314 +1,427 @@
-"""The sender's disk spool: where batches of spans wait while the trainer is away, so that none is lost.
+"""The sender's disk spool: every span is appended here before it is sent, and stays until it is settled.
 
-A spool directory holds append-only segment files named ``{pid}-{token}-{seq}.seg``: the pid of the process and the
-token of the sender that own the file (one process may run several senders; the token tells them apart, and tells
-a live sender's files from those of a dead process that had the same pid, as in a restarted container). A segment
-is a run of records, each a header ``>II`` (payload length, CRC-32 of the payload) and a payload, the MessagePack
-array ``[batch_id, n_spans, frame]`` whose ``frame`` is the encoded ``spans`` frame, ready to be sent again. A
-process killed mid-write leaves a torn last record: reading stops there and keeps every record before it. A segment
-is fsynced when it is closed and deleted once every batch in it has been acknowledged (or refused, or dropped).
+What survives what. A span is appended in ``submit()``, before it returns, by copying its record into the
+segment being written, which is mapped into memory (``mmap``, shared with the file): once a span has ended it is in
+the kernel's page cache, so it survives the process's death, ``kill -9`` included, and is delivered by the next lit
+process that opens the directory. It does not survive a power loss or a kernel crash unless the kernel wrote it
+back first: nothing is fsynced on the way, only what ``shutdown()`` leaves behind (``retire``). A spool that cannot
+be written (a full disk, ``max_spool_bytes``, a process forked from the owner) leaves the span in memory only, where
+it is delivered as long as the process lives. A segment's room is reserved on disk (``posix_fallocate``) before it
+is mapped, so a full disk refuses a segment instead of killing the process on a write to the mapping.
 
-Segments whose owner is gone are adopted by the next sender that opens the directory: it claims each one with an
-atomic rename to a name of its own, so that two adopters never both take the same file.
+Files. A sender owns ``{owner}.lock`` and the segments ``{owner}-{seq}.seg``, where ``owner`` is
+``{host}-{pid}-{token}`` (the token tells apart senders of one process, and a restarted container's process that
+got the same pid). A segment is a run of records, each a header ``>II`` (payload length, CRC-32 of the payload) and
+the payload: one span, MessagePack-encoded as it goes in a ``spans`` frame; a zero length ends the records (the
+unused room of a mapped segment). A process killed mid-write leaves a torn last record: reading stops there and
+keeps every record before it. A record is released once its span is
+acknowledged, refused or dropped; a segment whose records are all released is emptied (the one being written) or
+deleted (the others).
+
+Ownership. Every live sender holds an exclusive ``flock`` on its lock file; the kernel lets go of it when the
+process dies, ``kill -9`` included, and on a file system that shares locks between hosts (local disks, NFSv4) the
+lock says whether the owner lives wherever it runs; a pid says that only on its own host, and not after it is
+reused. An adopter claims a dead owner's segments only while it holds that owner's lock (taken without waiting),
+each with an atomic rename to a name of its own, so that of two adopters exactly one takes each file. Segments
+with no lock file were left by a sender that shut down; they are claimed by the rename alone.
 """
 
 from __future__ import annotations
 
+import bisect
+import contextlib
+import fcntl
 import logging
+import mmap
 import os
 import re
+import socket
 import struct
 import sys
+import threading
 import zlib
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
-
-from lit_sdk.protocol import codec
 
 log = logging.getLogger("lit")
 
 SEGMENT_BYTES = 4 << 20
-"""A segment is closed (and fsynced) and a new one started once it is this large."""
+"""The room reserved for a segment (more for a span that needs it): once full, a new one is started."""
 
-_HEADER = struct.Struct(">II")
-_live_tokens: set[str] = set()
-"""Tokens of the spools alive in this process: their files are not orphans, though the pid is ours."""
-_NAME = re.compile(r"^(\d+)-([0-9a-f]+)-(\d+)\.seg$")
-
-
-class SpoolFull(OSError):
-    """Writing the record would take the spool over its byte limit."""
+HEADER = struct.Struct(">II")
+_SEGMENT = re.compile(r"^(.+-\d+-[0-9a-f]+)-(\d+)\.seg$")
+"""``{owner}-{seq}.seg``; the names of lit before hosts were named (``{pid}-{token}-{seq}.seg``, another record
+format) do not match."""
 
 
 class LostRecord(Exception):
-    """A record that was written cannot be read back; its spans are lost."""
+    """Records that were written cannot be read back; their spans are lost."""
 
     def __init__(self, n_spans: int, message: str):
         super().__init__(message)
         self.n_spans = n_spans
 
 
-@dataclass(frozen=True, slots=True)
-class Entry:
-    """Where one batch lies in a segment."""
-
-    offset: int
-    length: int
-    """Bytes of the record, header included."""
-    n_spans: int
-    first_seq: int
-    """The sender's sequence number of the batch's first span; 0 for adopted batches (older than anything)."""
-
-
 @dataclass(eq=False, slots=True)
 class Segment:
     path: Path
-    unread: deque[Entry] = field(default_factory=deque)
-    """Records not (or no longer) held in memory by the sender, oldest first."""
-    outstanding: int = 0
-    """Records neither acknowledged, refused nor dropped. The file goes when this is 0 and the segment is closed."""
+    fd: int = -1
+    """Open while this is the segment being written; -1 once closed."""
+    mm: mmap.mmap | None = None
+    """The segment being written, mapped: appending is a copy into the page cache, with no system call (a
+    ``write`` would let go of the GIL, and any other thread of the agent could keep it for milliseconds)."""
+    capacity: int = 0
     size: int = 0
-    min_seq: int = sys.maxsize
-    """The smallest ``first_seq`` ever written here: a bound, not exact, once records are acknowledged."""
-    closed: bool = True
+    outstanding: int = 0
+    """Records neither acknowledged, refused nor dropped. The file goes (or is emptied) when this is 0."""
+    unread: list[Entry] = field(default_factory=list)
+    """Records whose span the sender does not hold in memory, by offset: to be read back before they are sent."""
+    min_unread_seq: int | None = None
+    """Cache of the smallest ``seq`` in ``unread`` (None: to be computed)."""
 
 
 @dataclass(eq=False, slots=True)
-class Batch:
-    """One batch of spans, as the frame that carries it, wherever it is: in memory, on the wire or on disk."""
+class Entry:
+    """One span in the sender's care: where its record lies (``segment`` None: in memory only) and its order."""
 
-    batch_id: str
-    frame: bytes
-    n: int
-    first_seq: int
-    """The sending process's sequence number of its first span; 0 for one adopted from another process."""
+    segment: Segment | None
+    offset: int
+    length: int
+    """Bytes of the record, header included."""
+    seq: int
+    """The sender's sequence number of the span; 0 for adopted ones (older than anything)."""
     sent: bool = False
     """Already counted as sent by this sender."""
-    attempts: int = 0
-    resend_at: float = 0.0
-    home: tuple[Segment, Entry] | None = None
-    """The spool record that holds it too, if it was read back from one."""
+
+    def __lt__(self, other: Entry) -> bool:  # for bisect: unread records in file order
+        return self.offset < other.offset
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists (one we may not signal counts: it is someone's)."""
-    if pid <= 0:
-        return True  # not a pid we could have written; leave the file alone
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
+def owner_name(token: str) -> str:
+    """``{host}-{pid}-{token}``: who wrote a file, for people and for a lock file name."""
+    host = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:64] or "host"
+    return f"{host}-{os.getpid()}-{token}"
 
 
-def scan(path: Path) -> tuple[list[Entry], int]:
-    """The valid records of a segment and the number of bytes after them (a torn or corrupt tail), ignored."""
+def scan(path: Path) -> tuple[list[tuple[int, int]], int]:
+    """The valid records of a segment as (offset, length), and the bytes after them (a torn or corrupt tail, or the
+    unused room of a segment whose writer was killed: a zero length ends the records)."""
     data = path.read_bytes()
-    entries: list[Entry] = []
+    records: list[tuple[int, int]] = []
     offset = 0
-    while len(data) - offset >= _HEADER.size:
-        length, crc = _HEADER.unpack_from(data, offset)
-        end = offset + _HEADER.size + length
-        payload = data[offset + _HEADER.size : end]
-        record = _unpack(payload) if end <= len(data) and zlib.crc32(payload) == crc else None
-        if record is None:
+    while len(data) - offset >= HEADER.size:
+        length, crc = HEADER.unpack_from(data, offset)
+        end = offset + HEADER.size + length
+        if length == 0 or end > len(data) or zlib.crc32(data[offset + HEADER.size : end]) != crc:
             break
-        entries.append(Entry(offset, end - offset, record[1], 0))
+        records.append((offset, end - offset))
         offset = end
-    return entries, len(data) - offset
-
-
-def _unpack(payload: bytes) -> tuple[str, int, bytes] | None:
-    try:
-        batch_id, n_spans, frame = codec.unpackb(payload)
-    except Exception:
-        return None
-    if not isinstance(batch_id, str) or not isinstance(n_spans, int) or not isinstance(frame, bytes):
-        return None
-    return batch_id, n_spans, frame
+    return records, len(data[offset:].rstrip(b"\0"))
 
 
 class Spool:
-    """The segments one sender owns in one directory, the last of which may be open for writing."""
+    """The segments one sender owns in one directory. Thread-safe: callers append, the sender's thread does the
+    rest."""
 
-    def __init__(self, directory: Path, token: str, max_bytes: int):
+    def __init__(self, directory: Path, owner: str, max_bytes: int):
         self.directory = directory
+        self.owner = owner
         self.max_bytes = max_bytes
         self.bytes = 0
         """Bytes in the segment files this spool owns."""
+        self._lock = threading.Lock()
+        self._lock_fd = -1
         self._pid = os.getpid()
-        self._token = token
-        _live_tokens.add(token)
-        self._segments: deque[Segment] = deque()
-        self._writer: BinaryIO | None = None
+        self._segments: list[Segment] = []  # oldest first; the last is being written when its fd is open
         self._seq = 0
-        self._sent: set[str] = set()  # ids of the batches kept after they were counted as sent
+        self._failed: str | None = None  # why the last append failed, until one succeeds
 
-    def adopt(self) -> int:
-        """Claim the segments of dead owners; the number of spans adopted."""
+    # -- the callers' side ---------------------------------------------------------------------------------------
+
+    def append(self, payload: bytes, seq: int) -> Entry:
+        """Write one span's record; its entry (with ``segment`` None if it could not be written)."""
+        record = HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+        with self._lock:
+            if os.getpid() != self._pid:  # a forked child: the mapping is its parent's, where it must not write
+                self._failed_once(OSError("this process was forked from the one that owns the spool"))
+                return Entry(None, 0, len(record), seq)
+            try:
+                segment = self._writable(len(record))
+                self._write(segment, record)
+            except OSError as exc:
+                self._failed_once(exc)
+                return Entry(None, 0, len(record), seq)
+            entry = Entry(segment, segment.size, len(record), seq)
+            segment.size += len(record)
+            segment.outstanding += 1
+            self.bytes += len(record)
+            self._failed = None
+            return entry
+
+    def set_aside(self, entry: Entry) -> None:
+        """The sender no longer holds this (written) span in memory: it is read back from the file later."""
+        with self._lock:
+            self._set_aside(entry)
+
+    # -- the sender thread's side --------------------------------------------------------------------------------
+
+    def write_late(self, entry: Entry, payload: bytes) -> bool:
+        """Write the record of a span kept in memory only (its first write failed) and set it aside; whether it
+        could be."""
+        written = self.append(payload, entry.seq)
+        if written.segment is None:
+            return False
+        entry.segment, entry.offset = written.segment, written.offset
+        self.set_aside(entry)
+        return True
+
+    def release(self, entries: list[Entry]) -> None:
+        """These spans are settled (acknowledged, refused or dropped): their records need not be kept."""
+        with self._lock:
+            for entry in entries:
+                if entry.segment is not None:
+                    self._release(entry.segment)
+                    entry.segment = None
+
+    def take(self, max_spans: int, max_bytes: int) -> list[tuple[bytes, Entry]]:
+        """Read back the oldest set-aside spans, at least one (if any) and at most ``max_spans`` and (past the
+        first) ``max_bytes`` of records. Raises LostRecord for records that cannot be read back (released)."""
+        with self._lock:
+            segment = next((s for s in self._segments if s.unread), None)
+            if segment is None:
+                return []
+            entries: list[Entry] = []
+            total = 0
+            for entry in segment.unread:
+                if entries and (len(entries) >= max_spans or total + entry.length > max_bytes):
+                    break
+                entries.append(entry)
+                total += entry.length
+            del segment.unread[: len(entries)]
+            segment.min_unread_seq = None
+        try:
+            payloads = _read(segment.path, entries)
+        except OSError as exc:
+            payloads, why = [None] * len(entries), str(exc)
+        else:
+            why = "its bytes changed on disk"
+        lost = [e for e, p in zip(entries, payloads, strict=True) if p is None]
+        if lost:
+            self.release(lost)
+            raise LostRecord(len(lost), f"{len(lost)} spans in the spool segment {segment.path} cannot be read "
+                                        f"back: {why}")
+        return [(p, e) for e, p in zip(entries, payloads, strict=True) if p is not None]
+
+    def min_seq(self) -> int:
+        """The smallest sequence number of a set-aside span (sys.maxsize: none)."""
+        with self._lock:
+            best = sys.maxsize
+            for segment in self._segments:
+                if segment.unread:
+                    if segment.min_unread_seq is None:
+                        segment.min_unread_seq = min(e.seq for e in segment.unread)
+                    best = min(best, segment.min_unread_seq)
+            return best
+
+    def has_unread(self) -> bool:
+        with self._lock:
+            return any(s.unread for s in self._segments)
+
+    def adopt(self) -> list[Entry]:
+        """Claim the segments of owners that are gone; the entries of their spans, set aside, oldest first."""
         try:
             names = sorted(os.listdir(self.directory))
         except FileNotFoundError:
-            return 0
-        n_segments = n_spans = 0
+            return []
+        by_owner: dict[str, list[str]] = {}
         for name in names:
-            match = _NAME.match(name)
-            if match is None:
-                continue
-            pid, token = int(match[1]), match[2]
-            if (pid == self._pid and token in _live_tokens) or (pid != self._pid and pid_alive(pid)):
-                continue
-            path = self._next_path()
+            match = _SEGMENT.match(name)
+            if match and match[1] != self.owner:
+                by_owner.setdefault(match[1], []).append(name)
+        adopted: list[Entry] = []
+        n_segments = 0
+        for owner, files in by_owner.items():
+            with self._owner_gone(owner) as gone:
+                if gone:
+                    entries, claimed = self._claim(files)
+                    adopted.extend(entries)
+                    n_segments += claimed
+        if adopted:
+            log.info("lit: adopted %d spans in %d spool segments left at %s by senders that are gone",
+                     len(adopted), n_segments, self.directory)
+        return adopted
+
+    def retire(self) -> None:
+        """Close for good at shutdown: sync the segments still holding spans, delete the others, let go of the
+        lock. What is left is an orphan from now on, for the next sender to adopt."""
+        with self._lock:
+            for segment in list(self._segments):
+                self._close(segment)  # cut to its records first, so that the size is synced too
+                if segment.outstanding <= 0:
+                    self._delete(segment)
+                    continue
+                try:
+                    fd = os.open(segment.path, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                except OSError as exc:
+                    log.warning("lit: could not sync the spool segment %s: %s", segment.path, exc)
+            if self._lock_fd >= 0:
+                with contextlib.suppress(OSError):
+                    (self.directory / f"{self.owner}.lock").unlink()
+                os.close(self._lock_fd)  # the lock goes with the descriptor
+                self._lock_fd = -1
+
+    # -- inside ----------------------------------------------------------------------------------------------------
+
+    def _writable(self, record_bytes: int) -> Segment:
+        """The segment to append to, opened (with the owner's lock taken first) when needed. Raises OSError."""
+        if self.bytes + record_bytes > self.max_bytes:
+            raise OSError(f"the spool is full (max_spool_bytes={self.max_bytes})")
+        current = self._segments[-1] if self._segments and self._segments[-1].mm is not None else None
+        if current is not None and current.size + record_bytes + HEADER.size <= current.capacity:
+            return current
+        if current is not None:
+            self._close(current)
+        if self._lock_fd < 0:
+            self._take_own_lock()
+        self._seq += 1
+        path = self.directory / f"{self.owner}-{self._seq:06d}.seg"
+        capacity = -(-max(SEGMENT_BYTES, record_bytes + HEADER.size) // mmap.PAGESIZE) * mmap.PAGESIZE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            # Blocks reserved now: a write through the mapping to a page the disk has no room for would kill the
+            # process (SIGBUS); this fails instead, and the spans stay in memory.
+            os.posix_fallocate(fd, 0, capacity)
+            mm = mmap.mmap(fd, capacity)
+        except OSError:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            raise
+        segment = Segment(path, fd, mm=mm, capacity=capacity)
+        self._segments.append(segment)
+        return segment
+
+    def _write(self, segment: Segment, record: bytes) -> None:
+        """Append one record (room for it and a zero header after it was checked): in the page cache, where it
+        survives the process, when this returns."""
+        assert segment.mm is not None
+        start, end = segment.size, segment.size + len(record)
+        # The zero header after it first: a process killed in between leaves a record whose CRC fails, and never
+        # one followed by records of before an emptying (``_release``).
+        segment.mm[end : end + HEADER.size] = bytes(HEADER.size)
+        segment.mm[start:end] = record
+
+    def _take_own_lock(self) -> None:
+        """Create and lock ``{owner}.lock`` under a temporary name, then rename it: an adopter never sees it
+        unlocked while this sender lives."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        final = self.directory / f"{self.owner}.lock"
+        temp = self.directory / f".{self.owner}.lock.new"
+        fd = os.open(temp, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(temp, final)
+        except OSError:
+            os.close(fd)
+            raise
+        self._lock_fd = fd
+
+    @contextlib.contextmanager
+    def _owner_gone(self, owner: str):
+        """Whether ``owner`` is gone, holding its lock (if it still has one) until the block ends."""
+        path = self.directory / f"{owner}.lock"
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            # It shut down and removed its lock: a live sender's lock file is there before its first segment.
+            yield True
+            return
+        except OSError:
+            yield False
+            return
+        try:
             try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                yield False  # alive, wherever it runs (or another adopter is at it)
+                return
+            yield True
+            with contextlib.suppress(OSError):
+                path.unlink()  # while we hold it: whoever opens it after finds nothing left to claim
+        finally:
+            os.close(fd)
+
+    def _claim(self, files: list[str]) -> tuple[list[Entry], int]:
+        """Rename ``files`` to names of ours and read their records; their entries and how many were claimed."""
+        entries: list[Entry] = []
+        claimed = 0
+        for name in files:
+            try:
+                with self._lock:
+                    if self._lock_fd < 0:
+                        self._take_own_lock()  # our claimed files must be ours in the eyes of the next adopter
+                    self._seq += 1
+                    path = self.directory / f"{self.owner}-{self._seq:06d}.seg"
                 os.rename(self.directory / name, path)
             except FileNotFoundError:
                 continue  # another adopter took it first
+            except OSError as exc:
+                log.warning("lit: could not claim the spool segment %s: %s", name, exc)
+                continue
             try:
-                entries, torn = scan(path)
+                records, torn = scan(path)
             except OSError as exc:
                 log.warning("lit: could not read the spool segment %s: %s", path, exc)
                 continue  # it stays, under our name; the next process tries again
             if torn:
                 log.warning("lit: ignored %d torn bytes at the end of the spool segment %s", torn, name)
-            if not entries:
-                path.unlink()
-                continue
-            segment = Segment(path, deque(entries), len(entries), path.stat().st_size, min_seq=0)
-            self._segments.appendleft(segment)  # older than anything this sender will write
-            self.bytes += segment.size
-            n_segments += 1
-            n_spans += sum(e.n_spans for e in entries)
-        if n_segments:
-            log.info("lit: adopted %d spans in %d spool segments left at %s by processes that exited",
-                     n_spans, n_segments, self.directory)
-        return n_spans
+            claimed += 1
+            segment = Segment(path, size=path.stat().st_size, outstanding=len(records))
+            segment.unread = [Entry(segment, offset, length, 0) for offset, length in records]
+            with self._lock:
+                self.bytes += segment.size
+                self._segments.insert(0, segment)  # older than anything this sender wrote
+                if not records:
+                    self._delete(segment)
+            entries.extend(segment.unread)
+        return entries, claimed
 
-    def keep(self, batch: Batch) -> bool:
-        """Put a batch the sender no longer holds in memory on disk: True if written now, False if its record was
-        still in its file. Raises OSError (SpoolFull included) when it cannot be kept."""
-        if batch.sent:
-            self._sent.add(batch.batch_id)
-        if batch.home is not None:
-            batch.home[0].unread.appendleft(batch.home[1])
-            return False
-        try:
-            self._write(batch)
-        except OSError:
-            self._sent.discard(batch.batch_id)
-            raise
-        return True
-
-    def take(self, max_spans: int) -> Batch | None:
-        """Read the oldest unread batch back into memory, if it has at most ``max_spans`` spans.
-        Raises LostRecord when its record cannot be read back."""
-        segment = next((s for s in self._segments if s.unread), None)
-        if segment is None or segment.unread[0].n_spans > max_spans:
-            return None
-        if not segment.closed:
-            self.close()  # records are read back only from a closed (synced) file
-        entry = segment.unread.popleft()
-        try:
-            with open(segment.path, "rb") as f:
-                f.seek(entry.offset)
-                data = f.read(entry.length)
-        except OSError as exc:
-            record, why = None, str(exc)
-        else:
-            payload = data[_HEADER.size :]
-            intact = len(data) == entry.length and _HEADER.unpack_from(data) == (len(payload), zlib.crc32(payload))
-            record, why = (_unpack(payload) if intact else None), "its bytes changed on disk"
-        if record is None:
-            self._release(segment)
-            raise LostRecord(entry.n_spans, f"a batch in the spool segment {segment.path} cannot be read: {why}")
-        batch_id, n_spans, frame = record
-        return Batch(batch_id, frame, n_spans, entry.first_seq, sent=batch_id in self._sent, home=(segment, entry))
-
-    def release(self, batch: Batch) -> None:
-        """The batch is settled (acknowledged, refused or dropped): its record need not be kept."""
-        self._sent.discard(batch.batch_id)
-        if batch.home is not None:
-            self._release(batch.home[0])
-
-    def close(self) -> None:
-        """Sync and close the segment being written, if any."""
-        if self._writer is None:
-            return
-        segment, writer, self._writer = self._segments[-1], self._writer, None
-        segment.closed = True
-        try:
-            writer.flush()
-            os.fsync(writer.fileno())
-        except OSError as exc:
-            log.warning("lit: could not sync the spool segment %s: %s", segment.path, exc)
-        finally:
-            writer.close()
-        if segment.outstanding <= 0:
-            self._delete(segment)
-
-    def retire(self) -> None:
-        """Close for good: the files left are orphans from now on, to be adopted by the next sender."""
-        self.close()
-        _live_tokens.discard(self._token)
-
-    def min_seq(self) -> int:
-        return min((s.min_seq for s in self._segments if s.outstanding > 0), default=sys.maxsize)
-
-    def has_unread(self) -> bool:
-        return any(s.unread for s in self._segments)
-
-    def _write(self, batch: Batch) -> None:
-        payload = codec.packb([batch.batch_id, batch.n, batch.frame])
-        record = _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
-        if self.bytes + len(record) > self.max_bytes:
-            raise SpoolFull(f"the spool is full (max_spool_bytes={self.max_bytes})")
-        segment = self._segments[-1] if self._writer is not None else None
-        if segment is None or segment.size >= SEGMENT_BYTES:
-            segment = self._open_segment()
-        assert self._writer is not None
-        try:
-            self._writer.write(record)
-        except OSError:
-            self._abandon_writer(segment)
-            raise
-        segment.unread.append(Entry(segment.size, len(record), batch.n, batch.first_seq))
-        segment.outstanding += 1
-        segment.size += len(record)
-        segment.min_seq = min(segment.min_seq, batch.first_seq)
-        self.bytes += len(record)
+    def _set_aside(self, entry: Entry) -> None:
+        segment = entry.segment
+        assert segment is not None
+        bisect.insort(segment.unread, entry)
+        if segment.min_unread_seq is not None:
+            segment.min_unread_seq = min(segment.min_unread_seq, entry.seq)
 
     def _release(self, segment: Segment) -> None:
         segment.outstanding -= 1
-        if segment.outstanding <= 0 and segment.closed:
+        if segment.outstanding > 0:
+            return
+        if segment.mm is None:
             self._delete(segment)
+            return
+        # The segment being written: empty it, so that a kill -9 now leaves nothing to send again.
+        segment.mm[: HEADER.size] = bytes(HEADER.size)
+        self.bytes -= segment.size
+        segment.size = 0
 
-    def _next_path(self) -> Path:
-        self._seq += 1
-        return self.directory / f"{self._pid}-{self._token}-{self._seq:06d}.seg"
-
-    def _open_segment(self) -> Segment:
-        self.close()
-        self.directory.mkdir(parents=True, exist_ok=True)
-        path = self._next_path()
-        # Unbuffered, so that a killed process leaves every record written (bar a torn last one) in the file.
-        self._writer = open(path, "ab", buffering=0)
-        segment = Segment(path, closed=False)
-        self._segments.append(segment)
-        return segment
-
-    def _abandon_writer(self, segment: Segment) -> None:
-        """After a failed write: cut the torn record off (so that an adopter reads past nothing) and close."""
-        try:
-            assert self._writer is not None
-            self._writer.truncate(segment.size)
-        except OSError:
-            pass  # the reader stops at the torn record; it costs the records after it, and there are none
-        self.close()
+    def _close(self, segment: Segment) -> None:
+        if segment.mm is not None:
+            segment.mm.close()
+            segment.mm = None
+            with contextlib.suppress(OSError):
+                os.ftruncate(segment.fd, segment.size)  # give back the room reserved and not used
+        if segment.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(segment.fd)
+            segment.fd = -1
 
     def _delete(self, segment: Segment) -> None:
+        self._close(segment)
         try:
             segment.path.unlink()
         except FileNotFoundError:
@@ -317,3 +430,25 @@ class Spool:
             log.warning("lit: could not delete the delivered spool segment %s: %s", segment.path, exc)
         self._segments.remove(segment)
         self.bytes -= segment.size
+
+    def _failed_once(self, exc: OSError) -> None:
+        why = str(exc)
+        if why != self._failed:
+            self._failed = why
+            log.warning("lit: the spool at %s cannot keep spans (%s); they stay in memory only, where a crash of "
+                        "this process loses them", self.directory, why)
+
+
+def _read(path: Path, entries: list[Entry]) -> list[bytes | None]:
+    """The payloads of ``entries`` (None for one whose bytes do not check out)."""
+    out: list[bytes | None] = []
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for entry in entries:
+            data = os.pread(fd, entry.length, entry.offset)
+            payload = data[HEADER.size :]
+            ok = len(data) == entry.length and HEADER.unpack_from(data) == (len(payload), zlib.crc32(payload))
+            out.append(payload if ok else None)
+    finally:
+        os.close(fd)
+    return out

@@ -1,18 +1,27 @@
 """The agent side of span delivery: ``SpanSender`` takes finished spans in wire form and gets them to the trainer.
 
-``submit`` appends a span to a deque and returns: it never blocks the agent's thread and never raises. One
-background thread owns the ZeroMQ DEALER socket (connected to the collector's ROUTER) and the disk spool. It groups
-spans into batches (``max_batch_spans``, or whatever came within ``linger_s``), sends each as a ``spans`` frame and
-keeps it until the collector's ``ack``; a batch not acknowledged within ``ack_timeout_s`` is sent again, with a
-doubling, capped back-off. While the trainer is away, batches wait in memory (``max_memory_spans``) and then, oldest
-first, in the spool (``_spool``), from which they are sent when it comes back: by this process, or by the next lit
-process to open the same spool directory if this one exits first (it adopts the files of dead processes).
+``submit`` encodes a span, appends it to the disk spool (``_spool``: a copy into a memory-mapped file, no fsync) and
+to a deque, and returns: it never waits for the network and never raises. One background thread owns the ZeroMQ
+DEALER socket (connected to the collector's ROUTER). It groups spans into batches (at most ``max_batch_spans`` spans and
+``max_batch_bytes`` bytes, or whatever came within ``linger_s``), sends each as a ``spans`` frame and keeps it until
+the collector's ``ack``; a batch not acknowledged within ``ack_timeout_s`` is sent again, with a doubling, capped
+back-off. While the trainer is away, spans wait in memory (``max_memory_spans``, ``max_memory_bytes``) and beyond
+that on disk alone, read back from the spool when the trainer comes back.
+
+What is promised. Once ``submit()`` has returned, the span is in the spool file (in the kernel's page cache), so it
+survives the death of the process, ``kill -9`` included: the next lit process to open the same spool directory
+adopts the files of senders that are gone and delivers them. It survives a power loss or a kernel crash only if the
+kernel wrote it back first: nothing is fsynced but what ``shutdown()`` leaves in the spool. A span the spool could
+not take (a full or unwritable disk, ``max_spool_bytes``) is kept in memory only, and survives only as long as the
+process. A span is never split across frames: one that does not fit in a frame of ``protocol.MAX_FRAME_BYTES`` is
+dropped at ``submit()`` (counted and logged), since the collector could never take it.
 
 Delivery guarantee: at least once. A span leaves the sender's care only when the collector acknowledges its batch,
 refuses it for good with a ``nack`` (counted as rejected), or it can be kept neither in memory nor on disk (counted
-as dropped and logged: a full or unwritable spool, a span submitted after shutdown). A batch whose ack was lost is
-sent again, so the collector may receive a span twice; it keeps the first copy by span id and reports the others
-as duplicates, so that each span is stored exactly once.
+as dropped and logged: a full or unwritable spool, a span too large for a frame or that cannot be encoded, one
+submitted after shutdown). A batch whose ack was lost is sent again, and a process killed after sending leaves its
+spans in the spool to be sent again, so the collector may receive a span twice; it keeps the first copy by
+(rollout id, span id) and reports the others as duplicates, so that each span is stored exactly once.
 
 It takes wire dicts (as ``SpanRecord.to_wire()`` makes them), not OpenTelemetry span objects.
 """
@@ -22,7 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import socket
+import struct
 import threading
 import time
 from collections import deque
@@ -33,7 +42,8 @@ from typing import Any
 import zmq
 
 from lit_sdk import protocol
-from lit_sdk._spool import Batch, LostRecord, Spool
+from lit_sdk._spool import Entry, LostRecord, Spool, owner_name
+from lit_sdk.protocol import codec
 
 log = logging.getLogger("lit")
 
@@ -63,14 +73,38 @@ class DeliveryCounts:
     duplicates: int
     """Of the acknowledged spans, those the collector already had (a resend whose first ack was lost)."""
     spooled: int
-    """Spans written to the disk spool."""
+    """Spans left on disk alone, no longer held in memory: beyond ``max_memory_spans`` or ``max_memory_bytes``,
+    or still undelivered at ``shutdown()``. (Every span is also written to the spool when it is submitted, so that
+    it survives the process being killed; that is not counted here.)"""
     rejected: int
     """Spans of batches the collector refused for good (``nack``)."""
     dropped: int
-    """Spans lost and logged: the spool could not keep them (disk full, write error, ``max_spool_bytes``), they
-    could not be encoded, or they were submitted after ``shutdown()``."""
+    """Spans lost and logged: kept neither in memory nor in the spool (disk full, write error,
+    ``max_spool_bytes``), too large for one frame, impossible to encode, or submitted after ``shutdown()``."""
     pending: int
     """Spans neither acknowledged, rejected nor dropped yet: in memory, on the wire or in the spool."""
+    timed_out: bool = False
+    """From ``flush(timeout)``: True when it returned because ``timeout`` passed before every span submitted
+    before the call was settled (some may still be pending). False from ``counts``, ``shutdown()``, and a flush
+    that finished."""
+
+
+@dataclass(eq=False, slots=True)
+class Batch:
+    """Spans sent (or to be sent) in one frame, as the MessagePack bytes each encodes to."""
+
+    batch_id: str
+    payloads: list[bytes]
+    entries: list[Entry]
+    nbytes: int
+    first_seq: int
+    """The smallest sequence number of its spans (0 for adopted ones)."""
+    attempts: int = 0
+    resend_at: float = 0.0
+
+    @property
+    def n(self) -> int:
+        return len(self.payloads)
 
 
 class SpanSender:
@@ -88,21 +122,37 @@ class SpanSender:
         ack_timeout_s: float = 2.0,
         max_inflight_batches: int = 64,
         max_spool_bytes: int = 1 << 30,
+        max_batch_bytes: int = 4 << 20,
+        max_memory_bytes: int = 256 << 20,
     ):
         for name, value in (("max_batch_spans", max_batch_spans), ("max_memory_spans", max_memory_spans),
-                            ("max_inflight_batches", max_inflight_batches), ("ack_timeout_s", ack_timeout_s)):
+                            ("max_inflight_batches", max_inflight_batches), ("ack_timeout_s", ack_timeout_s),
+                            ("max_batch_bytes", max_batch_bytes), ("max_memory_bytes", max_memory_bytes)):
             if value <= 0:
                 raise ValueError(f"SpanSender: {name} must be positive, got {value!r}")
+        if max_batch_spans > codec.MAX_SPANS_PER_FRAME:
+            raise ValueError(f"SpanSender: max_batch_spans must be at most {codec.MAX_SPANS_PER_FRAME} (spans in "
+                             f"one frame), got {max_batch_spans}")
         self.endpoint = endpoint
         self.spool_dir = Path(spool_dir)
         self._token = secrets.token_hex(6)
-        self.sender_id = sender_id or f"{socket.gethostname()}-{os.getpid()}-{self._token}"
-        self._max_batch, self._linger, self._max_memory = max_batch_spans, max(linger_s, 0.0), max_memory_spans
+        owner = owner_name(self._token)
+        self.sender_id = sender_id or owner
+        # What a frame holds besides its spans (batch ids grow; this one is longer than any we make).
+        self._max_span_bytes = protocol.MAX_FRAME_BYTES - len(self._frame_head(f"{self._token}-{1 << 64}", 1 << 20))
+        if max_batch_bytes > self._max_span_bytes:
+            raise ValueError(f"SpanSender: max_batch_bytes must leave room in a frame of protocol.MAX_FRAME_BYTES "
+                             f"({protocol.MAX_FRAME_BYTES}): at most {self._max_span_bytes}, got {max_batch_bytes}")
+        self._max_batch, self._max_batch_bytes, self._linger = max_batch_spans, max_batch_bytes, max(linger_s, 0.0)
+        self._max_memory, self._max_memory_bytes = max_memory_spans, max_memory_bytes
         self._ack_timeout, self._max_inflight = ack_timeout_s, max_inflight_batches
+        self._spool = Spool(self.spool_dir, owner, max_spool_bytes)
         # Shared with the callers' threads, under _lock.
         self._lock = threading.Lock()
-        self._incoming: deque[dict[str, Any]] = deque()
-        self._appended = 0  # sequence number of the last span put in _incoming
+        self._incoming: deque[tuple[bytes, Entry]] = deque()
+        self._incoming_bytes = 0
+        self._held_spans = self._held_bytes = 0  # in memory: in _incoming, _waiting and _inflight
+        self._appended = 0  # sequence number of the last span submitted
         self._tally = dict.fromkeys(("submitted", "sent", "acknowledged", "duplicates", "spooled", "rejected",
                                      "dropped"), 0)
         self._waiters: list[tuple[int, threading.Event]] = []
@@ -112,41 +162,47 @@ class SpanSender:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         # The thread's own.
-        self._drained = 0  # spans taken out of _incoming
         self._fill_since: float | None = None
         self._waiting: deque[Batch] = deque()
         self._inflight: dict[str, Batch] = {}
-        self._memory = 0  # spans in _waiting and _inflight
         self._away_until = 0.0
         self._batch_no = 0
         self._unlogged_drops: dict[str, int] = {}
         self._next_drop_log = 0.0
-        self._spool = Spool(self.spool_dir, self._token, max_spool_bytes)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lit-span-sender", daemon=True)
         self._thread.start()
 
     def submit(self, span: dict[str, Any]) -> None:
-        """Take one span (a wire dict) for delivery. Thread-safe; never blocks, never raises."""
+        """Take one span (a wire dict) for delivery: on disk (see the module docstring) when this returns.
+        Thread-safe; never waits for the network, never raises."""
         try:
+            try:
+                payload: bytes | None = codec.packb(span)
+                why = ""
+            except Exception as exc:
+                payload, why = None, f"{type(exc).__name__}: {exc}"
             with self._lock:
                 self._tally["submitted"] += 1
                 if self._closed:
-                    self._tally["dropped"] += 1
-                    self._log_once("closed", logging.WARNING, "lit: a span was submitted after the span sender "
-                                   "was shut down; it is dropped, as will be any later ones (see counts.dropped)")
-                    return
-                self._incoming.append(span)
-                self._appended += 1
-                n = len(self._incoming)
-                if n == 1 or n == self._max_batch:
-                    self._wake()
+                    self._refuse("closed", "lit: a span was submitted after the span sender was shut down; it is "
+                                 "dropped, as will be any later ones (see counts.dropped)")
+                elif payload is None:
+                    self._refuse("encode", "lit: a span could not be encoded (%s); it is dropped (see "
+                                  "counts.dropped)", why)
+                elif len(payload) > self._max_span_bytes:
+                    self._refuse("too_large", "lit: a span of %d bytes is dropped: it does not fit in one frame of "
+                                 "protocol.MAX_FRAME_BYTES (%d bytes), which the collector could never take (see "
+                                 "counts.dropped)", len(payload), protocol.MAX_FRAME_BYTES)
+                else:
+                    self._take(payload)
         except Exception:  # telemetry never breaks the user's call
             log.exception("lit: could not take a span for delivery")
 
     def flush(self, timeout: float | None = None) -> DeliveryCounts:
         """Send at once, and wait until every span submitted before this call (and every adopted one) is
-        acknowledged, rejected or dropped, or ``timeout`` seconds pass (None: no limit). The counts."""
+        acknowledged, rejected or dropped, or ``timeout`` seconds pass (None: no limit). The counts, with
+        ``timed_out`` True if it stopped waiting because of ``timeout``."""
         event = threading.Event()
         with self._lock:
             if self._closed:
@@ -154,15 +210,17 @@ class SpanSender:
             waiter = (self._appended, event)
             self._waiters.append(waiter)
             self._wake()
-        event.wait(timeout)
+        finished = event.wait(timeout)
         with self._lock:
             if waiter in self._waiters:
                 self._waiters.remove(waiter)
-            return self._counts_locked()
+            counts = self._counts_locked()
+        # Nothing pending at all: whatever came before the call is settled, even if the thread had no turn yet.
+        return counts if finished or not counts.pending else self._counts_locked(timed_out=True)
 
     def shutdown(self, timeout: float = 5.0) -> DeliveryCounts:
-        """Flush for up to ``timeout`` seconds, spool what is still unacknowledged (the next lit process to open
-        the spool directory delivers it), stop the thread and close the socket. Idempotent."""
+        """Flush for up to ``timeout`` seconds, leave what is still unacknowledged in the spool (synced; the next
+        lit process to open the spool directory delivers it), stop the thread and close the socket. Idempotent."""
         with self._lock:
             first, self._closing = not self._closing, True
         if first:
@@ -191,10 +249,33 @@ class SpanSender:
         with self._lock:
             return self._counts_locked()
 
-    def _counts_locked(self) -> DeliveryCounts:
+    def _take(self, payload: bytes) -> None:
+        """Write the span ahead to the spool and hold it in memory, or leave it on disk alone when memory is full
+        (call with _lock held: the spool's order is the order of sequence numbers)."""
+        self._appended += 1
+        entry = self._spool.append(payload, self._appended)
+        size = len(payload)
+        if entry.segment is not None and (self._held_spans >= self._max_memory
+                                          or self._held_bytes + size > self._max_memory_bytes):
+            self._spool.set_aside(entry)
+            self._tally["spooled"] += 1
+            return
+        self._incoming.append((payload, entry))
+        self._held_spans += 1
+        self._held_bytes += size
+        before, self._incoming_bytes = self._incoming_bytes, self._incoming_bytes + size
+        n = len(self._incoming)
+        if n == 1 or n == self._max_batch or before < self._max_batch_bytes <= self._incoming_bytes:
+            self._wake()
+
+    def _refuse(self, key: str, message: str, *args: Any) -> None:
+        self._tally["dropped"] += 1
+        self._log_once(key, logging.WARNING, message, *args)
+
+    def _counts_locked(self, timed_out: bool = False) -> DeliveryCounts:
         t = self._tally
         pending = t["submitted"] - t["acknowledged"] - t["rejected"] - t["dropped"]
-        return DeliveryCounts(**t, pending=pending)
+        return DeliveryCounts(**t, pending=pending, timed_out=timed_out)
 
     def _wake(self) -> None:
         """Interrupt the thread's poll (call with _lock held, so that the pipe is not closed meanwhile)."""
@@ -212,6 +293,16 @@ class SpanSender:
         with self._lock:
             for name, n in counts.items():
                 self._tally[name] += n
+
+    def _frame_head(self, batch_id: str, n: int) -> bytes:
+        """A ``spans`` frame up to its spans: ``protocol.encode_span_dicts`` of ``n`` spans is this followed by
+        their encodings (spans are encoded once, in ``submit``, and kept so)."""
+        head = codec.packb({"v": protocol.VERSION, "t": protocol.SPANS, "batch": batch_id, "sender": self.sender_id,
+                            "spans": []})
+        # "spans" is the last key and [] its last byte; MessagePack array headers: fixarray, array 16, array 32.
+        count = bytes([0x90 | n]) if n < 16 else (b"\xdc" + struct.pack(">H", n) if n < 1 << 16
+                                                  else b"\xdd" + struct.pack(">I", n))
+        return head[:-1] + count
 
     def _run(self) -> None:
         sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -239,25 +330,27 @@ class SpanSender:
             log.exception("lit: the span sender stopped on an error")
         finally:
             sock.close(linger=0)
+            self._stop_callers()  # first: no span may be written to the spool once it is retired
             self._spool.retire()
-            self._stop_callers()
 
     def _stop_callers(self) -> None:
-        """The thread is ending: later spans are dropped, flushes return, and anything lost is counted."""
+        """The thread is ending: later spans are dropped, flushes return, and spans in memory only are lost."""
         with self._lock:
             self._closed = True
-            lost = len(self._incoming) + self._memory
+            held = [e for _, e in self._incoming]
             self._incoming.clear()
             for _, event in self._waiters:
                 event.set()
             self._waiters.clear()
+        held.extend(e for b in [*self._waiting, *self._inflight.values()] for e in b.entries)
+        lost = sum(1 for e in held if e.segment is None)  # the others are in the spool, for the next process
         if lost:
             self._drop(lost, "the span sender stopped on an error")
             self._log_drops()
 
     def _adopt(self) -> None:
         try:
-            self._add(submitted=self._spool.adopt())
+            self._add(submitted=len(self._spool.adopt()))
         except OSError as exc:
             log.warning("lit: could not look for spans left in the spool at %s: %s", self.spool_dir, exc)
 
@@ -284,7 +377,8 @@ class SpanSender:
     def _poll_timeout(self) -> float:
         now = time.monotonic()
         deadlines = [now + _IDLE_S]
-        if self._incoming and (len(self._incoming) >= self._max_batch or self._waiters):
+        if self._incoming and (len(self._incoming) >= self._max_batch or self._waiters
+                               or self._incoming_bytes >= self._max_batch_bytes):
             deadlines.append(now)
         elif self._fill_since is not None:
             deadlines.append(self._fill_since + self._linger)
@@ -295,45 +389,67 @@ class SpanSender:
         return max(0.0, min(deadlines) - now)
 
     def _form_batches(self, now: float, force: bool) -> None:
-        if not self._incoming:
-            self._fill_since = None
-            return
-        if self._fill_since is None:
-            self._fill_since = now
+        with self._lock:
+            if not self._incoming:
+                self._fill_since = None
+                return
+            if self._fill_since is None:
+                self._fill_since = now
         force = force or now - self._fill_since >= self._linger
         for _ in range(_TURN_BATCHES):
-            k = min(len(self._incoming), self._max_batch)
-            if k == 0 or (k < self._max_batch and not force):
+            with self._lock:  # one batch at a time: the callers' submit() waits for this lock
+                batch = self._next_batch(force)
+            if batch is None:
                 break
-            spans = [self._incoming.popleft() for _ in range(k)]
-            first_seq, self._drained = self._drained + 1, self._drained + k
-            self._batch_no += 1
-            batch_id = f"{self._token}-{self._batch_no}"
-            try:
-                frame = protocol.encode_span_dicts(batch_id, self.sender_id, spans)
-            except Exception as exc:
-                self._drop(k, f"a batch could not be encoded ({type(exc).__name__}: {exc})")
-                continue
-            self._waiting.append(Batch(batch_id, frame, k, first_seq))
-            self._memory += k
-        if not self._incoming:
-            self._fill_since = None
-        elif force:
-            self._fill_since = now
+            self._waiting.append(batch)
+        with self._lock:
+            if not self._incoming:
+                self._fill_since = None
+            elif force:
+                self._fill_since = now
+
+    def _next_batch(self, force: bool) -> Batch | None:
+        """Take a batch out of _incoming: a full one (``max_batch_spans`` or ``max_batch_bytes``), or with ``force``
+        whatever is there. Call with _lock held."""
+        full = len(self._incoming) >= self._max_batch or self._incoming_bytes >= self._max_batch_bytes
+        if not self._incoming or not (full or force):
+            return None
+        payloads: list[bytes] = []
+        entries: list[Entry] = []
+        nbytes = 0
+        while self._incoming and len(payloads) < self._max_batch:
+            payload, entry = self._incoming[0]
+            if payloads and nbytes + len(payload) > self._max_batch_bytes:
+                break
+            self._incoming.popleft()
+            payloads.append(payload)
+            entries.append(entry)
+            nbytes += len(payload)
+        self._incoming_bytes -= nbytes
+        self._batch_no += 1
+        return Batch(f"{self._token}-{self._batch_no}", payloads, entries, nbytes, entries[0].seq)
 
     def _spill(self) -> None:
-        """Keep memory within ``max_memory_spans``: the oldest waiting batches go to the spool."""
-        while self._waiting and len(self._incoming) + self._memory > self._max_memory:
-            batch = self._waiting.popleft()
-            self._memory -= batch.n
-            self._to_spool(batch)
+        """Keep memory within its bounds: the newest waiting batches are left on disk alone."""
+        while self._waiting and (self._held_spans > self._max_memory or self._held_bytes > self._max_memory_bytes):
+            self._set_aside(self._waiting.pop())
 
-    def _to_spool(self, batch: Batch) -> None:
-        try:
-            if self._spool.keep(batch):
-                self._add(spooled=batch.n)
-        except OSError as exc:
-            self._drop(batch.n, f"the spool at {self.spool_dir} could not keep them: {exc}")
+    def _set_aside(self, batch: Batch) -> None:
+        """Stop holding a batch in memory: its spans are read back from the spool when their turn comes."""
+        kept = 0
+        for payload, entry in zip(batch.payloads, batch.entries, strict=True):
+            if entry.segment is not None:
+                self._spool.set_aside(entry)
+                kept += 1
+            elif self._spool.write_late(entry, payload):  # its first write failed: try again
+                kept += 1
+        with self._lock:
+            self._held_spans -= batch.n
+            self._held_bytes -= batch.nbytes
+            self._tally["spooled"] += kept
+        if kept < batch.n:
+            self._drop(batch.n - kept, f"the spool at {self.spool_dir} could not keep them (see the warning "
+                                       "about it above)")
 
     def _send(self, sock: zmq.Socket, now: float) -> None:
         if now < self._away_until:
@@ -346,10 +462,7 @@ class SpanSender:
         for _ in range(self._max_inflight):
             if len(self._inflight) >= self._max_inflight or (not self._waiting and not self._read_back()):
                 return
-            batch = self._waiting[0]
-            if self._inflight and sum(b.n for b in self._inflight.values()) + batch.n > self._max_memory:
-                return
-            self._waiting.popleft()
+            batch = self._waiting.popleft()
             if not self._transmit(sock, batch, now):
                 self._waiting.appendleft(batch)
                 return
@@ -357,7 +470,8 @@ class SpanSender:
     def _transmit(self, sock: zmq.Socket, batch: Batch, now: float) -> bool:
         """Send a batch and count it in flight; False (and the trainer taken as away) if it cannot go now."""
         try:
-            sock.send(batch.frame, zmq.NOBLOCK)
+            sock.send_multipart([b"".join([self._frame_head(batch.batch_id, batch.n), *batch.payloads])],
+                                zmq.NOBLOCK)
         except zmq.Again:  # IMMEDIATE: no collector connected
             self._away_until = now + _PROBE_S
             return False
@@ -365,9 +479,13 @@ class SpanSender:
             self._log_once(f"send:{exc.errno}", logging.WARNING, "lit: could not send spans: %s", exc)
             self._away_until = now + _PROBE_S
             return False
-        if not batch.sent:
-            batch.sent = True
-            self._add(sent=batch.n)
+        first_time = 0
+        for entry in batch.entries:
+            if not entry.sent:
+                entry.sent = True
+                first_time += 1
+        if first_time:
+            self._add(sent=first_time)
         batch.attempts += 1
         backoff = min(2 ** (batch.attempts - 1), _MAX_BACKOFF)
         batch.resend_at = now + self._ack_timeout * backoff
@@ -375,18 +493,31 @@ class SpanSender:
         return True
 
     def _read_back(self) -> bool:
-        """Move the oldest spooled batch into memory if it fits; whether one came."""
+        """Move the oldest spans left on disk into memory, as one batch, if there is room; whether one came."""
         for _ in range(_TURN_BATCHES):
-            room = self._max_memory - len(self._incoming) - self._memory
+            with self._lock:
+                room_spans = self._max_memory - self._held_spans
+                room_bytes = self._max_memory_bytes - self._held_bytes
+                empty = self._held_spans == 0
+            if not empty and (room_spans <= 0 or room_bytes <= 0):
+                return False  # one batch at least, however big, when memory holds nothing
             try:
-                batch = self._spool.take(room if self._memory else 1 << 62)  # one at least, however big
+                items = self._spool.take(min(self._max_batch, max(room_spans, 1)),
+                                         min(self._max_batch_bytes, max(room_bytes, 1)))
             except LostRecord as exc:
                 self._drop(exc.n_spans, str(exc))
                 continue
-            if batch is None:
+            if not items:
                 return False
-            self._waiting.append(batch)
-            self._memory += batch.n
+            payloads = [p for p, _ in items]
+            entries = [e for _, e in items]
+            nbytes = sum(map(len, payloads))
+            with self._lock:
+                self._held_spans += len(items)
+                self._held_bytes += nbytes
+            self._batch_no += 1
+            batch_id = f"{self._token}-{self._batch_no}"
+            self._waiting.append(Batch(batch_id, payloads, entries, nbytes, min(e.seq for e in entries)))
             return True
         return False
 
@@ -407,7 +538,7 @@ class SpanSender:
                 continue
             batch = self._inflight.pop(frame.batch, None)
             if batch is None:
-                continue  # a late ack of a batch resent or spooled since: it is acknowledged again later
+                continue  # a late ack of a batch resent or set aside since: it is acknowledged again later
             if isinstance(frame, protocol.AckFrame):
                 self._settle_batch(batch, acknowledged=batch.n, duplicates=min(max(frame.duplicates, 0), batch.n))
             else:
@@ -416,24 +547,25 @@ class SpanSender:
                 self._settle_batch(batch, rejected=batch.n)
 
     def _settle_batch(self, batch: Batch, **counts: int) -> None:
-        self._memory -= batch.n
-        self._add(**counts)
-        self._spool.release(batch)
+        self._spool.release(batch.entries)
+        with self._lock:
+            self._held_spans -= batch.n
+            self._held_bytes -= batch.nbytes
+            for name, n in counts.items():
+                self._tally[name] += n
 
     def _settle(self, waiters: list[tuple[int, threading.Event]]) -> None:
         """Wake the flushes whose spans are all settled."""
         seqs = [self._spool.min_seq(), *(b.first_seq for b in self._waiting)]
         seqs.extend(b.first_seq for b in self._inflight.values())
-        if self._incoming:
-            seqs.append(self._drained + 1)
-        oldest = min(seqs)
-        done = [w for w in waiters if w[0] < oldest]
-        if done:
-            with self._lock:
-                for waiter in done:
-                    waiter[1].set()
-                    if waiter in self._waiters:
-                        self._waiters.remove(waiter)
+        with self._lock:
+            if self._incoming:
+                seqs.append(self._incoming[0][1].seq)
+            oldest = min(seqs)
+            for waiter in [w for w in waiters if w[0] < oldest]:
+                waiter[1].set()
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
 
     def _drop(self, n: int, why: str) -> None:
         self._add(dropped=n)
@@ -449,15 +581,13 @@ class SpanSender:
         self._next_drop_log = time.monotonic() + _DROP_LOG_S
 
     def _keep_the_rest(self, sock: zmq.Socket) -> None:
-        """At shutdown: take the last acks, then spool every batch still waiting or in flight."""
+        """At shutdown: take the last acks, then leave every span still in memory to the spool alone."""
         self._receive(sock)
         while self._incoming:
             self._form_batches(time.monotonic(), force=True)
         for batch in [*self._inflight.values(), *self._waiting]:
-            self._to_spool(batch)
+            self._set_aside(batch)
         self._inflight.clear()
         self._waiting.clear()
-        self._memory = 0
-        self._spool.close()
         if self._unlogged_drops:
             self._log_drops()
