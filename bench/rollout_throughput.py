@@ -96,6 +96,8 @@ class LoadResult:
     """Spans the collector received again after storing them (resends); stored once all the same."""
     rejected: int
     peak_rss_mb: dict[str, float]
+    rss_growth_mb: dict[str, float]
+    """Peak resident memory above each process's own at the start: what running the rollouts cost it."""
 
 
 def run_load(rollouts: int, workers: int, concurrency: int, llm_url: str, work_dir: Path) -> LoadResult:
@@ -119,8 +121,11 @@ def run_load(rollouts: int, workers: int, concurrency: int, llm_url: str, work_d
         requests = [RolloutRequest(f"load-{i}", f"t{i}", {"id": i}, llm, 0) for i in range(rollouts)]
         watched = [psutil.Process(), *(psutil.Process(p.pid) for p in procs)]
 
+        names = ["trainer", *(f"worker{i}" for i in range(workers))]
+        start = {name: proc.memory_info().rss / 2**20 for name, proc in zip(names, watched, strict=True)}
+
         def sample(_: object = None) -> None:
-            for name, proc in zip(["trainer", *(f"worker{i}" for i in range(workers))], watched, strict=True):
+            for name, proc in zip(names, watched, strict=True):
                 peaks[name] = max(peaks.get(name, 0.0), proc.memory_info().rss / 2**20)
 
         t0 = time.perf_counter()
@@ -136,7 +141,8 @@ def run_load(rollouts: int, workers: int, concurrency: int, llm_url: str, work_d
             declared += root[0].attributes.get("lit.rollout.spans", 0) if root else 0
         counts = collector.counts
         return LoadResult(rollouts, len(ok), seconds, rollouts / seconds, declared, store.counts()["spans"],
-                          incomplete, counts.duplicates, sum(counts.rejected.values()), peaks)
+                          incomplete, counts.duplicates, sum(counts.rejected.values()), peaks,
+                          {name: round(peaks[name] - start[name], 1) for name in names})
     finally:
         stop_workers(dispatcher, procs)
         collector.stop()

@@ -20,7 +20,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
-from lit_sdk import _agents, _state, config
+from lit_sdk import _agents, _state, config, security
 from lit_sdk._processor import LitSpanProcessor
 from lit_sdk.openai_instrumentor import LitOpenAIInstrumentor
 from lit_sdk.sender import DeliveryCounts, SpanSender
@@ -52,7 +52,8 @@ class Instrumentation:
     def __init__(self, settings: config.SdkSettings):
         self.settings = settings
         self.provider = _own_provider(settings.service_name)
-        self.sender = SpanSender(settings.endpoint, spool_dir=settings.spool_dir)
+        self.sender = SpanSender(settings.endpoint, spool_dir=settings.spool_dir,
+                                 keys=security.client_keys(settings.keys_dir))
         self.processor = LitSpanProcessor(self.sender.submit)
         self.provider.add_span_processor(self.processor)
         self.tracer = self.provider.get_tracer("lit_sdk")

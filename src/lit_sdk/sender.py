@@ -23,6 +23,9 @@ submitted after shutdown). A batch whose ack was lost is sent again, and a proce
 spans in the spool to be sent again, so the collector may receive a span twice; it keeps the first copy by
 (rollout id, span id) and reports the others as duplicates, so that each span is stored exactly once.
 
+With ``keys`` (``security.ClientKeys``) the socket is a CURVE client of a collector holding the server key; without
+them it reaches only a collector on this machine (``security.check_connect``).
+
 It takes wire dicts (as ``SpanRecord.to_wire()`` makes them), not OpenTelemetry span objects.
 """
 
@@ -41,7 +44,7 @@ from typing import Any
 
 import zmq
 
-from lit_sdk import protocol
+from lit_sdk import protocol, security
 from lit_sdk._spool import Entry, LostRecord, Spool, owner_name
 from lit_sdk.protocol import codec
 
@@ -124,6 +127,7 @@ class SpanSender:
         max_spool_bytes: int = 1 << 30,
         max_batch_bytes: int = 4 << 20,
         max_memory_bytes: int = 256 << 20,
+        keys: security.ClientKeys | None = None,
     ):
         for name, value in (("max_batch_spans", max_batch_spans), ("max_memory_spans", max_memory_spans),
                             ("max_inflight_batches", max_inflight_batches), ("ack_timeout_s", ack_timeout_s),
@@ -133,7 +137,8 @@ class SpanSender:
         if max_batch_spans > codec.MAX_SPANS_PER_FRAME:
             raise ValueError(f"SpanSender: max_batch_spans must be at most {codec.MAX_SPANS_PER_FRAME} (spans in "
                              f"one frame), got {max_batch_spans}")
-        self.endpoint = endpoint
+        security.check_connect(endpoint, keys, "lit.instrument()")
+        self.endpoint, self._keys = endpoint, keys
         self.spool_dir = Path(spool_dir)
         self._token = secrets.token_hex(6)
         owner = owner_name(self._token)
@@ -313,6 +318,7 @@ class SpanSender:
                                   (zmq.RECONNECT_IVL, 100), (zmq.RECONNECT_IVL_MAX, 2000),
                                   (zmq.HEARTBEAT_IVL, 2000), (zmq.HEARTBEAT_TIMEOUT, 10_000)):
                 sock.setsockopt(option, value)
+            security.guard_client(sock, self.endpoint, self._keys, "lit.instrument()")
             sock.connect(self.endpoint)
             self._adopt()
             poller = zmq.Poller()

@@ -37,7 +37,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import traceback
 import uuid
 from collections.abc import Callable
@@ -69,7 +68,6 @@ from lit_sdk.protocol.dispatch import (
     encode_dispatch,
 )
 from lit_sdk.resources import LLM
-from lit_sdk.sender import DeliveryCounts
 
 log = logging.getLogger("lit.worker")
 DEFAULT_DISPATCH_ENDPOINT = "tcp://127.0.0.1:7374"
@@ -213,22 +211,15 @@ class Worker:
 
     async def _flush(self, lost_before: int) -> str | None:
         """Wait until this process's spans are delivered; what went wrong, in words, or None."""
-        def timed_flush() -> tuple[DeliveryCounts | None, float]:
-            start = time.monotonic()
-            return flush(self.flush_timeout_s), time.monotonic() - start
-
-        counts, took = await asyncio.to_thread(timed_flush)
+        counts = await asyncio.to_thread(flush, self.flush_timeout_s)
         if counts is None:  # not instrumented: no welcome yet
             return None
-        timed_out = getattr(counts, "timed_out", None)
-        if timed_out is None:  # DeliveryCounts without the flag: the clock says whether the flush gave up
-            timed_out = took >= self.flush_timeout_s
         lost = counts.dropped + counts.rejected
         self._lost = max(self._lost, lost)
         if lost > lost_before:
             return (f"spans of this process were dropped or refused by the collector while it ran "
                     f"({lost - lost_before} of them; see the worker's log)")
-        if timed_out:
+        if counts.timed_out:
             return (f"its spans were not all delivered within {self.flush_timeout_s:g} s (is the trainer's "
                     "collector reachable? the worker's flush_timeout_s sets the wait)")
         return None

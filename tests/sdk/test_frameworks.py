@@ -49,7 +49,7 @@ def check_llm_span(span: dict, response: dict, request: dict, agent: str, rollou
     assert span["status"] == 1 and span["rollout_id"] == rollout_id
 
 
-def check_root(span: dict, name: str, task: str, reward: float) -> str:
+def check_root(span: dict, name: str, task: str, reward: float, n_spans: int) -> str:
     attrs = dict(span["attributes"])
     rollout_id = span["rollout_id"]
     assert span["name"] == sc.ROLLOUT_SPAN and span["parent_id"] is None and span["status"] == 1
@@ -57,6 +57,7 @@ def check_root(span: dict, name: str, task: str, reward: float) -> str:
     assert attrs.pop(sc.ROLLOUT_INPUT) == f'{{"args": ["{task}"], "kwargs": {{}}}}'
     assert attrs.pop(sc.ROLLOUT_OUTPUT) == repr(reward)
     assert attrs.pop(sc.ROLLOUT_RETURN_REWARD) == reward
+    assert attrs.pop(sc.ROLLOUT_SPANS) == n_spans  # the rollout's spans that had ended by then, the root included
     pop_rollout_ids(attrs, rollout_id)
     assert attrs == {}
     return rollout_id
@@ -79,7 +80,8 @@ def check_rollout(tracing, name: str, agent: str, n_calls: int) -> dict[str, Any
     roots = [s for s in spans if s["name"] == sc.ROLLOUT_SPAN]
     assert len(roots) == 1
     root = roots[0]
-    rollout_id = check_root(root, name, "2+3?", 1.0)
+    ended_first = [s for s in spans if s["end_ns"] <= root["end_ns"]]  # AutoGen ends a span in the background
+    rollout_id = check_root(root, name, "2+3?", 1.0, len(ended_first))
     assert all(s["rollout_id"] == rollout_id for s in spans)
     llm_spans = sorted((s for s in spans if s["name"] == sc.LLM_SPAN), key=lambda s: s["start_ns"])
     assert len(llm_spans) == n_calls == len(tracing.llm.responses)

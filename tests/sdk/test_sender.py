@@ -345,3 +345,11 @@ def test_garbage_replies_are_ignored_and_logged_once(make_sender, caplog):
     finally:
         router.close(linger=0)
     assert caplog.text.count("not a valid frame") == 1
+
+
+def test_a_collector_on_another_machine_without_keys_is_refused_with_the_fix(tmp_path):
+    from lit_sdk.security import SecurityError
+
+    with pytest.raises(SecurityError, match="LIT_KEYS_DIR"):
+        SpanSender("tcp://10.1.2.3:5555", spool_dir=tmp_path)
+    assert not any(tmp_path.iterdir())  # refused before it made a spool file

@@ -217,6 +217,9 @@ def write_guard(folder: Path) -> Path:
 def pick_port(config: InferenceConfig) -> int:
     """The configured port after checking it is free, or a free one the kernel picks."""
     with socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET) as sock:
+        # As uvicorn binds: a listener makes the port busy, the TIME_WAIT connections of a server that just died
+        # (restart_server reuses its port) do not.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((config.host, config.port))
         except OSError as exc:

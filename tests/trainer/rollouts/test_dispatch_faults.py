@@ -213,6 +213,28 @@ def test_junk_from_anyone_is_counted_and_a_good_worker_is_served_after_it(make_d
         bad.close()
 
 
+def test_a_message_over_1_mib_is_cut_off_before_the_dispatcher_reads_it(make_dispatcher):
+    """zmq.MAXMSGSIZE on the dispatch socket: ZeroMQ drops the connection of a peer whose message is over
+    MAX_MESSAGE_BYTES, so the dispatcher never receives (never allocates) it; the next worker is served."""
+    from lit_trainer.rollouts.dispatcher import MAX_MESSAGE_BYTES
+
+    dispatcher = make_dispatcher(rollout_timeout_s=20)
+    big = dealer(dispatcher.endpoint)
+    try:
+        big.send(hello(host="h" * (MAX_MESSAGE_BYTES + 1)))
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            dispatcher._drain(50)
+        assert dispatcher.rejected == {} and dispatcher.workers == {}  # nothing of it was read
+        good = FakeWorker(dispatcher.endpoint, worker_id="good")
+        good.start()
+        dispatcher.wait_for_workers(1, timeout_s=10)
+        [outcome] = dispatcher.run(requests(1))
+        assert (outcome.status, outcome.reward) == (RolloutStatus.SUCCEEDED, 0.0) and good.error is None
+    finally:
+        big.close()
+
+
 def test_a_done_for_a_rollout_not_running_on_its_sender_is_rejected(make_dispatcher):
     dispatcher = make_dispatcher(rollout_timeout_s=20)
     a, b = dealer(dispatcher.endpoint), dealer(dispatcher.endpoint)
@@ -582,3 +604,42 @@ def test_what_check_raises_stops_run(make_dispatcher):
         assert all(not w.running for w in dispatcher.workers.values())
     finally:
         silent.close()
+
+
+# -- only workers with the client key connect ---------------------------------------------------------------------
+
+def test_with_keys_only_workers_holding_the_client_key_take_rollouts(tmp_path):
+    """Hole: anyone reaching the dispatch port could say hello with many slots and take every task. With keys a
+    real worker process holding the client key runs the rollouts; a peer without it is refused at the handshake,
+    counted, and never becomes a worker."""
+    from pathlib import Path
+
+    from lit_sdk import security
+    from lit_sdk.worker import spawn
+    from lit_trainer.intake.collector import Collector
+    from lit_trainer.services import stop_workers
+
+    security.generate_keys(tmp_path / "keys")
+    keys = security.load_server_keys(tmp_path / "keys")
+    tests = Path(__file__).parents[2]
+    with SqliteStore(tmp_path / "lit.sqlite") as store, \
+            Collector(store, "tcp://127.0.0.1:0", keys=keys) as collector:
+        dispatcher = Dispatcher(store, "tcp://127.0.0.1:0", collector.endpoint, [NO_LLM.base_url], keys=keys)
+        rogue = zmq.Context.instance().socket(zmq.DEALER)
+        rogue.setsockopt(zmq.LINGER, 0)
+        rogue.connect(dispatcher.endpoint)
+        rogue.send(hello(slots=1024))
+        env = {**os.environ, "PYTHONPATH": str(tests), "LIT_SPOOL_DIR": str(tmp_path / "spool"),
+               "LIT_KEYS_DIR": str(tmp_path / "keys")}
+        procs = [spawn("rollout_agents:returns_task_value", dispatcher.endpoint, 4, env)]
+        try:
+            dispatcher.wait_for_workers(1, timeout_s=60)
+            requests = [RolloutRequest(f"r{i}", f"t{i}", {"value": i}, NO_LLM, 0) for i in range(8)]
+            outcomes = dispatcher.run(requests)
+            assert [o.status for o in outcomes] == [RolloutStatus.SUCCEEDED] * 8
+            assert len(dispatcher.workers) == 1 and not rogue.poll(100), "the rogue peer got in"
+            assert sum(dispatcher.refused_peers.values()) >= 1, dispatcher.refused_peers
+            assert all(store.missing_spans(o.rollout_id) is None for o in outcomes)  # spans came over CURVE too
+        finally:
+            rogue.close()
+            stop_workers(dispatcher, procs)
