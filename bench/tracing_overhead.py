@@ -4,7 +4,8 @@ Each framework's call goes to a mock HTTP transport (httpx.MockTransport) answer
 only client-side work is timed. For each case the same calls run untraced (baseline) and traced inside a
 @lit.trace rollout, alternating rounds so that machine noise hits both alike; the figure is the median per-call
 time of each, their difference (added ms per call) and ratio. Spans go over a real ZeroMQ socket to a collector
-that acknowledges them, as in production.
+that acknowledges them, in a process of its own as in production (the trainer's): its decoding is not the agent's
+cost, and in the agent's process it would hold the GIL the agent's thread waits for.
 
     .venv/bin/python bench/tracing_overhead.py [--calls 300] [--rounds 7]
 
@@ -17,6 +18,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -27,7 +29,7 @@ import httpx
 
 TESTS = Path(__file__).resolve().parents[1] / "tests"
 sys.path[:0] = [str(TESTS / "sdk"), str(TESTS)]
-from ack_server import AckServer  # noqa: E402  (the collector of issue #4 will replace it)
+from ack_server import AckServer  # noqa: E402  (a test collector: acknowledges, stores nothing)
 
 import lit_sdk as lit  # noqa: E402
 
@@ -145,16 +147,41 @@ def measure(cases, calls: int, rounds: int, frameworks: list[str], endpoint: str
     return results
 
 
+def serve_acks() -> None:
+    """The acknowledging collector, in this (separate) process: prints its endpoint, serves until stdin closes."""
+    with AckServer() as server:
+        print(server.endpoint, flush=True)
+        sys.stdin.read()
+
+
+def start_ack_server() -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, __file__, "--serve-acks"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    return proc, proc.stdout.readline().strip()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--serve-acks", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.serve_acks:
+        return serve_acks()
     cases = make_cases()
-    with AckServer() as server, tempfile.TemporaryDirectory() as spool:
+    server, endpoint = start_ack_server()
+    try:
+        run_all(cases, args, endpoint)
+    finally:
+        server.communicate("", timeout=10)
+
+
+def run_all(cases: dict[str, Callable[[int], None]], args: argparse.Namespace, endpoint: str) -> None:
+    with tempfile.TemporaryDirectory() as spool:
         for label, frameworks in (("lit patch only (frameworks=[])", []),
                                   ("lit + openinference instrumentors (default)", None)):
-            results = measure(cases, args.calls, args.rounds, frameworks, server.endpoint, spool)
+            results = measure(cases, args.calls, args.rounds, frameworks, endpoint, spool)
             print(f"\n{label}: {args.calls} calls x {args.rounds} rounds, ms per call")
             print("(added = median of the per-round differences traced - untraced; IQR = their middle half)")
             head = ("call", "untraced", "traced", "added ms", "IQR of added", "ratio")
