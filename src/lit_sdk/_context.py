@@ -32,7 +32,8 @@ def current_rollout() -> Rollout | None:
 
 @contextlib.contextmanager
 def assign(rollout_id: str, task_id: str = "", attempt: int = 1, weight_version: str | None = None) -> Iterator[None]:
-    """Run the next ``@lit.trace`` function as this rollout (the trainer's workers use it; users need not)."""
+    """Run the next ``@lit.trace`` function as this rollout, with this id (``lit.assign_rollout``; the trainer's
+    workers and ``lit_trainer.Playground`` use it; outside them a rollout gets a fresh id)."""
     token = _assigned.set(Rollout(rollout_id, task_id, attempt, weight_version))
     try:
         yield

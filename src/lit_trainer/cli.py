@@ -7,7 +7,10 @@ Errors that a user can fix (a bad path, a missing extra) end the command with on
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -22,7 +25,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["worker"]:  # the worker has its own parser (and stays free of torch)
         return _worker_main(argv[1:])
     parser = _build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # overrides may come after options too: lit eval CFG --checkpoint runs/calc train.seed=3
+        if not hasattr(args, "overrides") or any("=" not in item or item.startswith("-") for item in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     if not hasattr(args, "run"):
         parser.print_help()
         return 2
@@ -32,15 +39,37 @@ def main(argv: list[str] | None = None) -> int:
         # Config, model, checkpoint, port and server errors: their messages name the fix.
         print(f"lit: error: {exc}", file=sys.stderr)
         return 1
+    except ModuleNotFoundError as exc:
+        install = _INSTALL_FOR.get((exc.name or "").partition(".")[0])
+        if install is None:
+            raise
+        print(f"lit: error: this command needs {exc.name}, which is not installed; install it with\n    {install}\n"
+              "(torch first: see docs/install.md for the CPU and the GPU build)", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("lit: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `lit config keys | head`: the reader had enough
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+_TRAINER_MODULES = ("torch", "transformers", "accelerate", "peft", "safetensors", "gguf", "sentencepiece", "tqdm",
+                    "numpy", "requests", "matplotlib", "msgspec", "psutil")
+_INSTALL_FOR = {name: "pip install 'lit-rl[trainer,vllm]'" for name in _TRAINER_MODULES} | {
+    "vllm": "pip install 'lit-rl[vllm]'   (on a machine with a CUDA GPU: 'lit-rl[vllm-gpu]')"}
+"""The install command for a top-level module of the trainer's extras, which ``pip install lit-rl`` (the SDK
+alone) lacks: ``lit train``, ``eval``, ``model`` and ``config`` say it instead of a traceback."""
+CONFIG_HELP = ("Every config key, with its default and meaning: `lit config keys` (the dataclasses in "
+               "src/lit_trainer/config.py and the classes it names). Overrides are section.key=value in TOML syntax, "
+               "before or after the options.")
 
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lit",
         description="Train any AI agent with reinforcement learning, without changing the agent's code.",
+        epilog=CONFIG_HELP,
     )
     parser.add_argument("--version", action="version", version=f"lit {__version__}")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
@@ -67,18 +96,29 @@ def _build_parser() -> argparse.ArgumentParser:
     path.set_defaults(run=_model_path)
     model.set_defaults(run=lambda _args: (model.print_help(), 2)[1])
 
-    train = commands.add_parser("train", help="train an agent from a config file")
+    train = commands.add_parser("train", help="train an agent from a config file", epilog=CONFIG_HELP)
     train.add_argument("config", type=Path, help="a TOML config (see examples/calc/config.toml)")
     train.add_argument("overrides", nargs="*", metavar="section.key=value", help="change config values")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
     train.set_defaults(run=_train)
-    evaluate = commands.add_parser("eval", help="run validation of a checkpoint (or of the base model)")
+    evaluate = commands.add_parser("eval", help="run validation of a checkpoint (or of the base model)",
+                                   epilog=CONFIG_HELP)
     evaluate.add_argument("config", type=Path)
-    evaluate.add_argument("overrides", nargs="*", metavar="section.key=value")
+    evaluate.add_argument("overrides", nargs="*", metavar="section.key=value", help="change config values")
     evaluate.add_argument("--checkpoint", help="a checkpoints/step-N folder or a run's output_dir; "
                           "default: the config's base model")
     evaluate.add_argument("--output", type=Path, help="also write the result as JSON here")
     evaluate.set_defaults(run=_eval)
+    config = commands.add_parser("config", help="list the config keys, or show a config with its overrides applied")
+    config_commands = config.add_subparsers(title="config commands", metavar="COMMAND")
+    keys_list = config_commands.add_parser("keys", help="every config key with its default and meaning")
+    keys_list.add_argument("section", nargs="?", help="only this section (e.g. train)")
+    keys_list.set_defaults(run=_config_keys)
+    show_config = config_commands.add_parser("show", help="the full config a train or eval command would use")
+    show_config.add_argument("config", type=Path)
+    show_config.add_argument("overrides", nargs="*", metavar="section.key=value")
+    show_config.set_defaults(run=_config_show)
+    config.set_defaults(run=lambda _args: (config.print_help(), 2)[1])
     keys = commands.add_parser("keys", help="make the keys that let workers on other hosts in")
     keys_commands = keys.add_subparsers(title="keys commands", metavar="COMMAND")
     generate = keys_commands.add_parser(
@@ -88,6 +128,14 @@ def _build_parser() -> argparse.ArgumentParser:
                           help="where to write them (created 0700; default %(default)s); never overwritten")
     generate.set_defaults(run=_keys_generate)
     keys.set_defaults(run=lambda _args: (keys.print_help(), 2)[1])
+    show = commands.add_parser("show", help="write one rollout as an HTML page: its spans, tokens, advantages and "
+                               "rewards (docs/viewer.md); without an id, list the rollouts of a step")
+    show.add_argument("rollout_id", nargs="?", help="a rollout id; without one, list the last step's rollouts")
+    show.add_argument("--run", dest="run_dir", type=Path, required=True,
+                      help="the run's train.output_dir (the folder holding lit.sqlite)")
+    show.add_argument("--output", type=Path, help="where to write the page (default: RUN/rollouts/ROLLOUT_ID.html)")
+    show.add_argument("--step", type=int, help="list the rollouts of this step (from 0) instead of the last one")
+    show.set_defaults(run=_show)
     worker = commands.add_parser("worker", help="run agent rollouts for a trainer", add_help=False)
     worker.add_argument("rest", nargs=argparse.REMAINDER)
     worker.set_defaults(run=lambda args: _worker_main(args.rest))
@@ -125,25 +173,64 @@ def _model_check(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from lit_trainer import loop
-    from lit_trainer.config import load
+    import lit_trainer
+    from lit_trainer.evaluate import accuracy_line
 
-    cfg = load(args.config, args.overrides)
-    result = loop.run(cfg, resume=args.resume)
-    if result:
-        from lit_trainer.evaluate import accuracy_line
-
-        print(f"final held-out {accuracy_line(result)}")
+    run = lit_trainer.train(lit_trainer.load_config(args.config, args.overrides), resume=args.resume)
+    validations = run.validations()
+    if validations:
+        print(f"final held-out {accuracy_line(validations[-1])}")
     return 0
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from lit_trainer import evaluate
-    from lit_trainer.config import load
+    import lit_trainer
 
-    result = evaluate.evaluate(load(args.config, args.overrides), args.checkpoint, args.output)
-    print(f"held-out {evaluate.accuracy_line(result)} ({result['tasks']} tasks, model {result['model']})")
+    config = lit_trainer.load_config(args.config, args.overrides)
+    result = lit_trainer.evaluate(config, args.checkpoint, args.output)
+    if args.output:  # the result line itself was printed by the validation: "checkpoint ... (step N): accuracy"
+        print(f"lit: {result['evaluated']} evaluated; result written to {args.output}", file=sys.stderr)
     return 0
+
+
+def _config_keys(args: argparse.Namespace) -> int:
+    from lit_trainer.config import config_keys
+
+    keys = [k for k in config_keys() if not args.section or k.name.startswith(f"{args.section}.")]
+    if not keys:
+        raise ValueError(f"no config section {args.section!r}; the sections are "
+                         f"{sorted({k.name.split('.')[0] for k in config_keys() if '.' in k.name})}")
+    for key in keys:
+        print(f"{key.name} = {_toml_value(key.default)}")
+        if key.doc:
+            print(textwrap.fill(key.doc, width=100, initial_indent="    ", subsequent_indent="    "))
+    return 0
+
+
+def _config_show(args: argparse.Namespace) -> int:
+    import lit_trainer
+
+    table = lit_trainer.load_config(args.config, args.overrides).to_dict()
+    table.pop("source", None)
+    for name, value in table.items():
+        if not isinstance(value, dict):
+            print(f"{name} = {_toml_value(value)}")
+    for name, value in table.items():
+        if isinstance(value, dict):
+            print(f"\n[{name}]")
+            for key, item in value.items():
+                print(f"{key} = {_toml_value(item)}")
+    return 0
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(str(value))
 
 
 def _keys_generate(args: argparse.Namespace) -> int:
@@ -160,6 +247,29 @@ On each host that runs `lit worker`, copy only {CLIENT_SECRET} and {SERVER_PUBLI
 can read (mkdir -m 700 ~/.lit/keys; keep {CLIENT_SECRET} at mode 600), then:
     {KEYS_ENV}=~/.lit/keys lit worker --connect tcp://TRAINER:PORT module:function
 server.key_secret and api_key never leave this host.""", file=sys.stderr)
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from lit_trainer import viewer
+
+    if args.rollout_id is not None:
+        output = args.output or args.run_dir / "rollouts" / f"{args.rollout_id}.html"
+        print(viewer.view_rollout(args.run_dir, args.rollout_id).save(output))
+        return 0
+    with viewer.open_run(args.run_dir) as store:
+        step = store.last_step() if args.step is None else args.step
+        rows = viewer.list_rollouts(store, step) if step is not None else []
+    if not rows:
+        raise ValueError(f"no rollouts of step {step} in {args.run_dir}" if step is not None
+                         else f"no rollouts in {args.run_dir} yet")
+    print(f"rollouts of step {step} (from 0); open one with: lit show ROLLOUT_ID --run {args.run_dir}",
+          file=sys.stderr)
+    width = max(len(r.rollout_id) for r, _ in rows)
+    print(f"{'rollout':<{width}}  {'task':<10} {'status':<10} return")
+    for row, episode_return in rows:
+        shown = "-" if episode_return is None else f"{episode_return:+.3f}"
+        print(f"{row.rollout_id:<{width}}  {row.task_id:<10} {row.status.value:<10} {shown}")
     return 0
 
 

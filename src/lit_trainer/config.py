@@ -29,6 +29,7 @@ from lit_trainer.engine.config import InferenceConfig, WeightSyncConfig
 from lit_trainer.learner.batching import BatchingConfig
 from lit_trainer.learner.policy import PolicyConfig
 from lit_trainer.learner.schedule import UpdateConfig
+from lit_trainer.metrics import check_trackers
 from lit_trainer.rollouts.dispatcher import DispatchConfig
 from lit_trainer.rollouts.tasks import DataConfig
 
@@ -85,7 +86,11 @@ class TrainLoopConfig:
     max_minutes: float = 0.0
     """Stop (with validation and a checkpoint) once a step ends past this many minutes of training; 0: no limit."""
     trackers: tuple[str, ...] = ()
-    """accelerate trackers to log to as well as metrics.jsonl, e.g. ``["tensorboard"]`` or ``["wandb"]``."""
+    """Also log to ``["tensorboard"]`` and/or ``["wandb"]`` (extras ``lit-rl[tensorboard]``, ``lit-rl[wandb]``),
+    under ``output_dir``; a missing package is an error at start. W&B without an account: ``WANDB_MODE=offline``."""
+
+    def __post_init__(self) -> None:
+        check_trackers(self.trackers)
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,8 @@ class SecurityConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     model: str = "smollm2-135m"
+    """The policy: a Hugging Face model folder, or ``smollm2-135m`` (the embedded default, ``lit model prepare``);
+    sets ``policy.model`` and ``inference.model`` unless those sections name their own."""
     agent: AgentConfig = field(default_factory=AgentConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
@@ -243,3 +250,50 @@ def _coerce(value: Any, default: Any, key: str) -> Any:
     if not ok:
         raise ConfigError(f"{key} must be {type(default).__name__} (like {default!r}), got {value!r}")
     return value
+
+
+@dataclass(frozen=True)
+class ConfigKey:
+    """One settable key of the config, for ``lit config keys``."""
+
+    name: str
+    """``section.key`` (or ``key`` at the top level)."""
+    default: Any
+    doc: str
+
+
+def config_keys(cls: type = TrainConfig, prefix: str = "") -> list[ConfigKey]:
+    """Every key of the config with its default and the docstring under its field, in file order; the source of
+    ``lit config keys``. Sections are the fields whose default is a dataclass."""
+    docs = _field_docs(cls)
+    keys = []
+    for f in dataclasses.fields(cls):
+        if f.name == "source":
+            continue
+        default = _default(f)
+        if dataclasses.is_dataclass(default):
+            keys.extend(config_keys(type(default), f"{prefix}{f.name}."))
+        else:
+            keys.append(ConfigKey(prefix + f.name, default, docs.get(f.name, "")))
+    return keys
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """The string literal under each field of a dataclass (the convention of every config class here)."""
+    import ast
+    import inspect
+    import itertools
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs = {}
+    for field_node, after in itertools.pairwise(body):
+        if (isinstance(field_node, ast.AnnAssign) and isinstance(field_node.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
+            docs[field_node.target.id] = " ".join(after.value.value.split())
+    return docs

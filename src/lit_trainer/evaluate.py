@@ -7,6 +7,7 @@ import json
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from lit_trainer.config import TrainConfig
 from lit_trainer.learner import checkpoint as ckpt
@@ -15,14 +16,16 @@ from lit_trainer.rollouts.tasks import load_tasks
 from lit_trainer.services import Services, services
 
 
-def validate(svc: Services, tasks: list[dict], log: MetricsLog, step: int, minutes: float) -> dict[str, float]:
+def validate(svc: Services, tasks: list[dict], log: MetricsLog, step: int, minutes: float,
+             title: str = "") -> dict[str, float]:
     """One greedy rollout per held-out task; accuracy counts failed rollouts as wrong (and reports them), overall
-    and per task kind (``accuracy/<kind>``, ``reward/<kind>``) when the tasks carry a ``"kind"``."""
+    and per task kind (``accuracy/<kind>``, ``reward/<kind>``) when the tasks carry a ``"kind"``. ``title``: what
+    the printed line says was validated (default: ``validation after step N``)."""
     t0 = time.perf_counter()
     _, metrics = svc.rollouts(tasks, 1, svc.cfg.agent.val_temperature, step, f"val{step}")
     metrics.update({"minutes": minutes, "time/validation": time.perf_counter() - t0})
     log.log(step, metrics, kind="validation")
-    print(f"validation after step {step}: {accuracy_line(metrics)} on {len(tasks)} held-out tasks "
+    print(f"{title or f'validation after step {step}'}: {accuracy_line(metrics)} on {len(tasks)} held-out tasks "
           f"(failed {metrics['rollouts/failed']:.0f}, {metrics['time/validation']:.0f} s)", flush=True)
     return metrics
 
@@ -35,20 +38,23 @@ def accuracy_line(metrics: dict[str, float]) -> str:
     return f"accuracy {metrics['accuracy']:.3f}" + (f" ({', '.join(kinds)})" if kinds else "")
 
 
-def evaluate(cfg: TrainConfig, checkpoint: str | None, output: Path | None = None) -> dict[str, float]:
-    """``lit eval``: validation of a checkpoint (or the base model when None), written as JSON to ``output``."""
-    model = cfg.model
+def evaluate(cfg: TrainConfig, checkpoint: str | Path | None = None, output: Path | None = None) -> dict[str, Any]:
+    """``lit eval``: validation of a checkpoint (a ``checkpoints/step-N`` folder or a run's output_dir: its
+    latest) or of the base model when None; also written as JSON to ``output``. The result holds the metrics and
+    what was evaluated: ``model`` (the folder vLLM served), ``evaluated`` (in words), ``step`` (the checkpoint's,
+    0 for the base model) and ``tasks``."""
+    model, step, what = cfg.model, 0, f"the base model {cfg.model}"
     if checkpoint:
         found = ckpt.resolve(checkpoint)
-        model = str(found.model_dir)
+        model, step, what = str(found.model_dir), found.step, f"checkpoint {found.path} (step {found.step})"
         cfg = replace(cfg, model=model, inference=replace(cfg.inference, model=model))
     _, val_tasks = load_tasks(cfg.data)
     out = Path(cfg.train.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     log = MetricsLog(out / "eval.jsonl")
     with services(cfg, out / "eval.sqlite") as svc:
-        metrics = validate(svc, val_tasks, log, 0, 0.0)
-    result = {"model": model, "tasks": len(val_tasks), **metrics}
+        metrics = validate(svc, val_tasks, log, step, 0.0, title=what)
+    result = {"model": model, "evaluated": what, "step": step, "tasks": len(val_tasks), **metrics}
     if output:
         output.write_text(json.dumps(result, indent=2))
     return result

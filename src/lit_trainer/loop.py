@@ -32,6 +32,7 @@ from lit_trainer.engine.server import ServerDiedError
 from lit_trainer.engine.weight_sync import WeightSync, WeightSyncError
 from lit_trainer.evaluate import validate
 from lit_trainer.intake.episodes import Episode, unsupported_sampling
+from lit_trainer.intake.store import AdvantageRow, Store
 from lit_trainer.learner import checkpoint as ckpt
 from lit_trainer.learner.batching import keep_usable
 from lit_trainer.learner.schedule import mask_overlong, run_update
@@ -85,7 +86,7 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
             tasks = sample_tasks(train_tasks, cfg.train.seed, step, cfg.train.tasks_per_step)
             episodes, metrics, sync = step_rollouts(svc, sync, policy, tasks, cfg, step)
             metrics["time/rollout"] = time.perf_counter() - t0
-            metrics.update(update_policy(policy, sync, episodes, cfg, pad_id, step + 1))
+            metrics.update(update_policy(policy, sync, svc.store, episodes, cfg, pad_id, step + 1))
             step += 1
             minutes += (time.perf_counter() - t0) / 60
             metrics["minutes"] = minutes
@@ -129,10 +130,11 @@ def step_rollouts(svc: Any, sync: WeightSync, policy: Any, tasks: list[dict], cf
     raise AssertionError("unreachable")
 
 
-def update_policy(policy: Any, sync: Any, episodes: list[Episode], cfg: TrainConfig, pad_id: int,
+def update_policy(policy: Any, sync: Any, store: Store, episodes: list[Episode], cfg: TrainConfig, pad_id: int,
                   step: int) -> dict[str, float]:
     """LightningRL on the episodes of training step ``step`` (from 1), the optimizer steps, and the weight sync
-    (weight version ``step``); their metrics."""
+    (weight version ``step``); their metrics. Every transition's advantage goes to ``store`` (for ``lit show``),
+    also of those then left out of the update."""
     version = str(step)
     groups = collections.Counter(e.task_id for e in episodes)
     kept = [e for e in episodes if groups[e.task_id] >= cfg.train.min_group_size]
@@ -149,6 +151,7 @@ def update_policy(policy: Any, sync: Any, episodes: list[Episode], cfg: TrainCon
     metrics.update(adv_metrics)
     pairs = [(t, float(a)) for e, adv in zip(kept, advantages, strict=True)
              for t, a in zip(e.transitions, adv.tolist(), strict=True)]
+    store.save_advantages(AdvantageRow(t.rollout_id, t.index, step, a) for t, a in pairs)
     pairs, skipped = keep_usable(pairs, cfg.batching)  # a bad transition costs itself, not the step
     metrics.update({f"update/skipped_{reason}": float(n) for reason, n in skipped.items()})
     pairs, overlong = mask_overlong(pairs, cfg.update)
@@ -157,8 +160,11 @@ def update_policy(policy: Any, sync: Any, episodes: list[Episode], cfg: TrainCon
     if not pairs or (cfg.loss.kl_beta == 0 and not any(a != 0.0 for _, a in pairs)):
         return metrics  # all-correct or all-wrong groups (or only unusable transitions): nothing to learn from
     t0 = time.perf_counter()
+    trainer_logprobs: dict[int, list[float]] = {}
     metrics.update(run_update(policy, pairs, cfg.update, cfg.loss, cfg.batching, pad_id,
-                              seed=cfg.train.seed * 100_003 + step))
+                              seed=cfg.train.seed * 100_003 + step, trainer_logprobs=trainer_logprobs))
+    store.save_trainer_logprobs((pairs[i][0].rollout_id, pairs[i][0].index, values)
+                                for i, values in trainer_logprobs.items())
     metrics["time/update"] = time.perf_counter() - t0
     metrics["time/sync"] = sync.push_weights(policy.state_dict(), version=version).total_s
     every = cfg.train.check_sync_every

@@ -1,12 +1,15 @@
 """Where a run's numbers go: one JSON line per record in ``metrics.jsonl`` (the source of truth, appended and
-flushed as it goes, so a killed run keeps what it measured), accelerate's trackers when asked, one summary line per
-step on the terminal, and a PNG of the reward/accuracy curve at the end.
+flushed as it goes, so a killed run keeps what it measured), accelerate's trackers when asked (TensorBoard or W&B,
+both under the run's output folder), one summary line per step on the terminal, and a PNG of the reward/accuracy
+curve at the end.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -43,13 +46,37 @@ def _peak_rss() -> float:
     return float(peak if sys.platform == "darwin" else peak * 1024)
 
 
+TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb"}
+"""The ``train.trackers`` lit offers, each with the package it needs; the extra of ``lit-rl`` that installs it has
+the tracker's name."""
+
+
+def check_trackers(trackers: Sequence[str]) -> None:
+    """Raise ValueError for a tracker lit does not offer or whose package is missing: accelerate would leave such a
+    tracker out without a word, and the run would log nowhere but metrics.jsonl."""
+    setting = "train.trackers = " + json.dumps(list(trackers))
+    for name in trackers:
+        if name not in TRACKERS:
+            raise ValueError(f"{setting}: unknown tracker {name!r}; lit supports {', '.join(TRACKERS)}")
+        if importlib.util.find_spec(TRACKERS[name]) is None:
+            raise ValueError(f"{setting} needs the {TRACKERS[name]} package: pip install 'lit-rl[{name}]'")
+
+
 class MetricsLog:
     def __init__(self, path: Path, accelerator: Any = None, trackers: Sequence[str] = (), config: dict | None = None):
+        """``trackers`` start on ``accelerator``, which logs under its ``project_dir``: TensorBoard's event files go
+        to ``project_dir/lit/``; W&B's run folder to ``path``'s folder (the run's output folder) unless ``WANDB_DIR``
+        says otherwise."""
         self.path = path
         _drop_cut_line(path)  # a resumed run appends after the last whole record, not onto a half-written one
         self.accelerator = accelerator if trackers else None
         if self.accelerator is not None:
-            self.accelerator.init_trackers("lit", config=_flat(config or {}))
+            wandb_dir = os.environ.get("WANDB_DIR") or str(path.parent)  # wandb's own default is ./wandb
+            self.accelerator.init_trackers("lit", config=_flat(config or {}), init_kwargs={"wandb": {"dir": wandb_dir}})
+            started = {tracker.name for tracker in self.accelerator.trackers}
+            if missing := [name for name in trackers if name not in started]:
+                raise RuntimeError(f"accelerate did not start the tracker(s) {missing} of train.trackers: the "
+                                   "Accelerator was made without them in log_with, or their package is missing")
 
     def log(self, step: int, metrics: dict[str, float], kind: str = "train") -> None:
         record = {"kind": kind, "step": step, "time": time.time(), **metrics}

@@ -26,6 +26,7 @@ from lit_trainer.engine.server import InferenceServer
 from lit_trainer.intake.collector import Collector
 from lit_trainer.intake.episodes import Episode, UnusableRollout, build_episode
 from lit_trainer.intake.store import RolloutStatus, SqliteStore
+from lit_trainer.progress import progress_bar
 from lit_trainer.rollouts.dispatcher import Dispatcher, Outcome, RolloutRequest
 
 WORKER_START_TIMEOUT_S = 180.0
@@ -66,12 +67,10 @@ class Services:
     def rollouts(self, tasks: list[dict], group: int, temperature: float, step: int, label: str
                  ) -> tuple[list[Episode], dict[str, float]]:
         """Run ``group`` rollouts of each task (with a progress bar); the episodes and the rollout metrics."""
-        from tqdm import tqdm
-
         llm = self.llm(temperature)
         requests = [RolloutRequest(f"{self.session}-{label}-t{t['id']}-g{g}", str(t["id"]), t, llm, step)
                     for t in tasks for g in range(group)]
-        bar = tqdm(total=len(requests), desc=f"{label} rollouts", unit="rollout", leave=False, disable=None)
+        bar = progress_bar(total=len(requests), desc=f"{label} rollouts", unit="rollout", leave=False)
         failed = 0
 
         def progress(outcome: Outcome) -> None:

@@ -3,7 +3,8 @@ config is accepted, 3 steps train and sync (vLLM's logprobs checked against the 
 checkpoint is written, ``--resume`` continues to step 4, and ``lit eval --checkpoint`` serves the result.
 
 - LoRA with a KL term: the adapter trains, merged weights reach vLLM, the reference is the base under the adapter,
-  the checkpoint is a plain model for ``lit eval`` and resumes as base + adapter.
+  the checkpoint is a plain model for ``lit eval`` and resumes as base + adapter; the TensorBoard tracker logs
+  every step, the resumed one too.
 - Full fine-tune with every schedule option: KL to a frozen copy, 2 PPO epochs x 2 mini-batches, recomputed old
   logprobs with truncated importance sampling, overlong responses masked, the ``kept`` normaliser.
 
@@ -47,7 +48,8 @@ learning_rate = 1e-5
 """
 
 OPTIONS = {
-    "lora_kl": ["policy.lora_rank=8", "policy.learning_rate=1e-4", "loss.kl_beta=0.05"],
+    "lora_kl": ["policy.lora_rank=8", "policy.learning_rate=1e-4", "loss.kl_beta=0.05",
+                "train.trackers=['tensorboard']"],
     "ppo_schedule": ["loss.kl_beta=0.05", "update.ppo_epochs=2", "update.mini_batches=2",
                      "update.recompute_old_logprobs=true", "loss.is_correction='truncate'", "update.overlong='mask'",
                      "loss.normalizer='kept'"],
@@ -92,8 +94,21 @@ def test_option_trains_syncs_checkpoints_resumes_and_evaluates(name: str, prepar
         assert any(r["loss/kl"] > 0 for r in trained[1:] or trained)
 
     result_file = tmp_path / "eval.json"
-    evaluated = _lit("eval", str(config), f"train.output_dir={tmp_path / 'eval'}", "--checkpoint", str(out),
-                     "--output", str(result_file))
+    # an override after the options, as people type it
+    evaluated = _lit("eval", str(config), "--checkpoint", str(out), "--output", str(result_file),
+                     f"train.output_dir={tmp_path / 'eval'}")
     assert evaluated.returncode == 0, (evaluated.stdout + evaluated.stderr)[-3000:]
     result = json.loads(result_file.read_text())
-    assert result["model"].endswith("step-000004/model") and result["tasks"] == 4
+    assert result["model"].endswith("step-000004/model") and result["tasks"] == 4 and result["step"] == 4
+    assert (tmp_path / "eval" / "eval.jsonl").exists()
+    assert f"checkpoint {out / 'checkpoints' / 'step-000004'} (step 4): accuracy" in evaluated.stdout, evaluated.stdout
+    if "train.trackers=['tensorboard']" in OPTIONS[name]:  # the tracker logged every step, the resumed one too
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        steps = set()
+        for events_file in (out / "lit").glob("events.out.tfevents.*"):  # accelerate's run "lit" in output_dir
+            events = EventAccumulator(str(events_file))
+            events.Reload()
+            steps |= {e.step for e in events.Scalars("train/reward/mean")}
+        assert steps == {1, 2, 3, 4}, steps
+

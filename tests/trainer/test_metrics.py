@@ -46,8 +46,8 @@ def test_read_refuses_a_damaged_line_before_the_last(tmp_path):
 
 
 class _RecordingTracker(GeneralTracker):
-    """A tracker in accelerate's own plug-in API that keeps what it is given (TensorBoard and W&B are not installed
-    here; the accelerator and its routing are the real ones)."""
+    """A tracker in accelerate's own plug-in API that keeps what it is given, to check how lit names what it logs
+    (the accelerator and its routing are the real ones; tests/trainer/test_trackers.py logs to TensorBoard and W&B)."""
 
     name = "recording"
     requires_logging_directory = False

@@ -53,6 +53,7 @@ from lit_trainer.engine import route_guard
 from lit_trainer.engine.config import InferenceConfig
 from lit_trainer.engine.served_model import chat_template_for, untied_view
 from lit_trainer.models import cache_dir, resolve_model
+from lit_trainer.progress import progress_bar
 
 if TYPE_CHECKING:
     from typing import Self
@@ -324,7 +325,8 @@ class InferenceServer:
         return self
 
     def _wait_healthy(self, t0: float) -> None:
-        spinner = _Spinner(f"starting vLLM ({self.config.served_model_name}) on {self.base_url}")
+        bar = progress_bar(desc=f"starting vLLM ({self.config.served_model_name})", total=None,
+                           bar_format="{desc}: {elapsed}  {postfix}", leave=False)
         try:
             while True:
                 self.check_alive()
@@ -336,10 +338,11 @@ class InferenceServer:
                         f"vLLM did not answer /health within {self.config.startup_timeout_s:.0f} s "
                         f"(InferenceConfig.startup_timeout_s); log {self.log_path}:\n{self.log_tail()}"
                     )
-                spinner.tick(elapsed, self._last_log_line())
+                bar.set_postfix_str(self._last_log_line()[:80], refresh=False)
+                bar.update(0)  # redraws the elapsed time
                 time.sleep(0.5)
         finally:
-            spinner.close()
+            bar.close()
 
     def is_healthy(self) -> bool:
         try:
@@ -398,27 +401,3 @@ class InferenceServer:
         # The leader may be gone while engine-core children linger: stop_child kills what is left of the group, and
         # returns only once none is left (a killed process takes a moment to release gigabytes of memory).
         stop_child(process, self.config.shutdown_timeout_s, name="vLLM")
-
-
-class _Spinner:
-    """One self-rewriting progress line on stderr; silent (no output at all) when stderr is not a terminal."""
-
-    _FRAMES = "|/-\\"
-
-    def __init__(self, label: str) -> None:
-        self.label = label
-        self.enabled = sys.stderr.isatty()
-        self.count = 0
-
-    def tick(self, elapsed: float, detail: str) -> None:
-        if not self.enabled:
-            return
-        frame = self._FRAMES[self.count % len(self._FRAMES)]
-        self.count += 1
-        sys.stderr.write(f"\r\x1b[2K{frame} {self.label}: {elapsed:4.0f} s  {detail}")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled and self.count:
-            sys.stderr.write("\r\x1b[2K")
-            sys.stderr.flush()

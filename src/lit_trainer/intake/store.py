@@ -25,7 +25,8 @@
   may end directly (it timed out waiting, failed to start, or its root span arrived before the running notice).
   An ended rollout is final; a retry is a new rollout with ``attempt + 1``.
 
-Episodes are stored as whatever MessagePack-able dict the caller gives. The store knows the span record of
+Episodes are stored as whatever MessagePack-able dict the caller gives; the advantage each transition got in the
+update, so that a rollout can be viewed as it was trained on (``lit show``). The store knows the span record of
 ``lit_sdk.protocol`` and, from ``semconv``, which span is a rollout's root (so that it can say which roots a batch
 stored for the first time).
 """
@@ -46,7 +47,9 @@ from lit_sdk import semconv
 from lit_sdk.protocol import SPAN_FIELDS, PackedSpan, SpanRecord, codec, pack_span
 
 SCHEMA_VERSION = 2
-"""1: spans in a rowid table with span-id and rollout indexes. 2: ``WITHOUT ROWID``, keyed by (rollout, span)."""
+"""1: spans in a rowid table with span-id and rollout indexes. 2: ``WITHOUT ROWID``, keyed by (rollout, span).
+Tables added since (``_ADDED``) are created on open when missing: a store of an earlier version 2 gains them, and an
+earlier lit ignores them, so they need no new version."""
 _APP = "lit"
 _PAGE_SIZE = 16384
 _BUSY_TIMEOUT_S = 30.0
@@ -107,6 +110,17 @@ class EpisodeRow:
 
 
 @dataclass(slots=True)
+class AdvantageRow:
+    """The advantage one transition (LLM call) got in the update of training step ``step`` (from 1)."""
+
+    rollout_id: str
+    index: int
+    """The transition's position in its episode, from 0 (``Transition.index``)."""
+    step: int
+    advantage: float
+
+
+@dataclass(slots=True)
 class BatchOutcome:
     """What storing one batch of spans did."""
 
@@ -128,10 +142,15 @@ class Store(Protocol):
     def set_rollout_status(self, rollout_id: str, status: RolloutStatus, error: str | None = None) -> None: ...
     def get_rollout(self, rollout_id: str) -> RolloutRow | None: ...
     def rollouts_of_step(self, step: int) -> list[RolloutRow]: ...
+    def last_step(self) -> int | None: ...
     def add_tasks(self, rows: Iterable[TaskRow]) -> int: ...
     def get_task(self, task_id: str) -> TaskRow | None: ...
     def save_episode(self, rollout_id: str, data: dict[str, Any], episode_return: float | None) -> None: ...
     def get_episode(self, rollout_id: str) -> EpisodeRow | None: ...
+    def save_advantages(self, rows: Iterable[AdvantageRow]) -> None: ...
+    def advantages_of_rollout(self, rollout_id: str) -> dict[int, float]: ...
+    def save_trainer_logprobs(self, rows: Iterable[tuple[str, int, list[float]]]) -> None: ...
+    def trainer_logprobs_of_rollout(self, rollout_id: str) -> dict[int, list[float]]: ...
     def counts(self) -> dict[str, int]: ...
     def close(self) -> None: ...
 
@@ -150,6 +169,12 @@ CREATE TABLE tasks (task_id TEXT PRIMARY KEY, split TEXT NOT NULL, payload TEXT 
 CREATE TABLE episodes (
     rollout_id TEXT PRIMARY KEY, data BLOB NOT NULL, episode_return REAL, built_at REAL NOT NULL);
 """
+_ADDED = """
+CREATE TABLE IF NOT EXISTS advantages (
+    rollout_id TEXT NOT NULL, transition INTEGER NOT NULL, step INTEGER NOT NULL, advantage REAL NOT NULL,
+    trainer_logprobs BLOB, PRIMARY KEY (rollout_id, transition)) WITHOUT ROWID;
+"""
+"""Tables added to schema version 2 (see ``SCHEMA_VERSION``)."""
 _ROLLOUT_KEY_IN, _ROLLOUT_KEY_OUT = "coalesce(?, x'')", "nullif(rollout_id, x'')"
 """A span outside any rollout is keyed by the empty BLOB (key columns cannot be NULL) and read back as None."""
 _SPAN_COLUMNS = ", ".join(SPAN_FIELDS)
@@ -213,7 +238,7 @@ class SqliteStore:
     def _check_schema(self, conn: sqlite3.Connection) -> None:
         tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         if not tables:
-            for statement in filter(str.strip, _SCHEMA.split(";")):
+            for statement in filter(str.strip, (_SCHEMA + _ADDED).split(";")):
                 conn.execute(statement)
             conn.execute("INSERT INTO lit_schema VALUES (?, ?)", (_APP, SCHEMA_VERSION))
             return
@@ -226,6 +251,8 @@ class SqliteStore:
         if row[1] != SCHEMA_VERSION:
             raise StoreError(f"the store at {self.path} has schema version {row[1]}; this lit reads version "
                              f"{SCHEMA_VERSION} only (use a new store file, or the lit version that wrote it)")
+        for statement in filter(str.strip, _ADDED.split(";")):
+            conn.execute(statement)
 
     def close(self) -> None:
         """Close every thread's connection. Idempotent; later calls of any method raise StoreError."""
@@ -325,6 +352,10 @@ class SqliteStore:
                                     (step,))
         return [_rollout_row(row) for row in rows]
 
+    def last_step(self) -> int | None:
+        """The latest step of any rollout (validation rollouts count too); None when there is no rollout."""
+        return self._conn().execute("SELECT max(step) FROM rollouts").fetchone()[0]
+
     # -- tasks and episodes -------------------------------------------------------------------------------------
 
     def add_tasks(self, rows: Iterable[TaskRow]) -> int:
@@ -354,6 +385,35 @@ class SqliteStore:
         row = self._conn().execute("SELECT rollout_id, data, episode_return, built_at FROM episodes "
                                    "WHERE rollout_id = ?", (rollout_id,)).fetchone()
         return None if row is None else EpisodeRow(row[0], codec.unpackb(row[1], strict_map_key=False), row[2], row[3])
+
+    def save_advantages(self, rows: Iterable[AdvantageRow]) -> None:
+        """Keep the advantages of an update, in one transaction, replacing earlier ones of the same transitions."""
+        values = [(r.rollout_id, r.index, r.step, r.advantage) for r in rows]
+        conn = self._conn()
+        with self._write(conn):
+            conn.executemany("INSERT OR REPLACE INTO advantages (rollout_id, transition, step, advantage) "
+                             "VALUES (?,?,?,?)", values)
+
+    def save_trainer_logprobs(self, rows: Iterable[tuple[str, int, list[float]]]) -> None:
+        """Keep the trainer's logprob of each response token of transitions whose advantage is saved: (rollout id,
+        transition index, logprobs), for the viewer's trainer-vs-engine gap."""
+        values = [(codec.packb(list(logprobs)), rollout_id, index) for rollout_id, index, logprobs in rows]
+        conn = self._conn()
+        with self._write(conn):
+            conn.executemany("UPDATE advantages SET trainer_logprobs = ? WHERE rollout_id = ? AND transition = ?",
+                             values)
+
+    def trainer_logprobs_of_rollout(self, rollout_id: str) -> dict[int, list[float]]:
+        """Transition index → the trainer's token logprobs, for the rollout's transitions an update trained on."""
+        rows = self._conn().execute("SELECT transition, trainer_logprobs FROM advantages WHERE rollout_id = ? AND "
+                                    "trainer_logprobs IS NOT NULL", (rollout_id,))
+        return {index: codec.unpackb(blob) for index, blob in rows.fetchall()}
+
+    def advantages_of_rollout(self, rollout_id: str) -> dict[int, float]:
+        """Transition index → advantage, for the rollout's transitions that an update saw (empty: none did)."""
+        rows = self._conn().execute("SELECT transition, advantage FROM advantages WHERE rollout_id = ?",
+                                    (rollout_id,))
+        return dict(rows.fetchall())
 
     def counts(self) -> dict[str, int]:
         """Rows per table: spans, rollouts, tasks, episodes."""

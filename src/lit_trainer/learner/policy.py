@@ -107,9 +107,12 @@ class Policy:
         token was drawn from (0 elsewhere). Both (B, T)."""
         return logprobs.token_logprobs(self.model, batch, with_entropy=with_entropy)
 
-    def update(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn) -> dict[str, float]:
+    def update(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn,
+               keep_logprobs: dict[int, list[float]] | None = None) -> dict[str, float]:
         """One optimizer step over all micro-batches: the gradients of their loss terms add up (see ``LossFn``), so
-        the step is that of the whole batch as one. Metrics are averaged over micro-batches by response tokens."""
+        the step is that of the whole batch as one. Metrics are averaged over micro-batches by response tokens.
+        ``keep_logprobs``: filled with the trainer's logprob of each response token before the step, by row
+        (``MicroBatch.index``), for the rollout viewer's trainer-vs-engine gap."""
         assert micro_batches, "update() needs at least one micro-batch"
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -125,6 +128,9 @@ class Policy:
                 raise FloatingPointError(f"the loss is {loss.item()} on micro-batch rows {mb.index}")
             self.accelerator.backward(loss)
             mask = mb.response_mask.to(logp.device)
+            if keep_logprobs is not None:
+                for b, row in enumerate(mb.index):
+                    keep_logprobs[row] = logp[b].detach()[mask[b].bool()].tolist()
             gap_sum += ((logp.detach() - mb.old_logprobs.to(logp.device)).abs() * mask).sum().item()
             gap_tokens += int(mask.sum().item())
             for key, value in metrics.items():

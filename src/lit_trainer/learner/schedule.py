@@ -30,6 +30,7 @@ import torch
 from lit_trainer.algorithm.loss import LossConfig, normalizer_of, step_loss
 from lit_trainer.intake.episodes import Transition
 from lit_trainer.learner.batching import BatchingConfig, MicroBatch, make_micro_batches
+from lit_trainer.progress import progress_bar
 
 OVERLONG = ("train", "mask")
 
@@ -83,12 +84,17 @@ def mask_overlong(pairs: Sequence[tuple[Transition, float]], config: UpdateConfi
 
 
 def run_update(policy: Any, pairs: Sequence[tuple[Transition, float]], update: UpdateConfig, loss: LossConfig,
-               batching: BatchingConfig, pad_id: int, seed: int) -> dict[str, float]:
+               batching: BatchingConfig, pad_id: int, seed: int,
+               trainer_logprobs: dict[int, list[float]] | None = None) -> dict[str, float]:
     """Every optimizer step of one training step (module docstring) on ``policy``; their metrics, averaged over
-    the optimizer steps by the response tokens each trained on, plus ``update/optimizer_steps``."""
+    the optimizer steps by the response tokens each trained on, plus ``update/optimizer_steps``.
+    ``trainer_logprobs``: filled with the trainer's token logprobs of each trained pair (by index in ``pairs``) in
+    the first optimizer step that trains it, before that step changes the weights."""
     prox = _old_logprobs(policy, pairs, batching, pad_id) if update.recompute_old_logprobs else None
     sums: dict[str, float] = {}
     tokens, steps = 0.0, 0
+    bar = progress_bar(total=update.ppo_epochs * update.mini_batches, desc="update", unit="optimizer step",
+                       leave=False)
     for epoch in range(update.ppo_epochs):
         for part in split(len(pairs), update.mini_batches, seed * 1000 + epoch):
             chosen = [pairs[i] for i in part]
@@ -102,12 +108,17 @@ def run_update(policy: Any, pairs: Sequence[tuple[Transition, float]], update: U
             if prox is not None:  # mb.index counts rows of ``train``
                 for mb in batches:
                     mb.prox_logprobs = _rows(mb, [prox[i] for i in train])
-            metrics = policy.update(batches, step_loss(loss, batches, normalizer=normalizer))
+            kept: dict[int, list[float]] | None = {} if trainer_logprobs is not None and epoch == 0 else None
+            metrics = policy.update(batches, step_loss(loss, batches, normalizer=normalizer), keep_logprobs=kept)
+            for row, values in (kept or {}).items():
+                trainer_logprobs.setdefault(train[row], values)  # type: ignore[union-attr]
             weight = metrics["policy/response_tokens"]
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + value * weight
             tokens += weight
             steps += 1
+            bar.update()
+    bar.close()
     out = {key: value / max(tokens, 1.0) for key, value in sums.items()}
     out["policy/response_tokens"] = tokens
     out["update/optimizer_steps"] = float(steps)

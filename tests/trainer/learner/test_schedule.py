@@ -143,3 +143,20 @@ def test_lora_reference_is_the_base_under_the_adapter(tiny_model: Path):
     mask = mb.response_mask.bool()
     assert_close(lora.reference_logprobs(mb)[mask], base.token_logprobs(mb)[0].detach()[mask], atol=1e-5, rtol=0)
     assert not torch.allclose(lora.token_logprobs(mb)[0].detach()[mask], base.token_logprobs(mb)[0].detach()[mask])
+
+
+def test_the_trainer_logprobs_kept_for_the_viewer_are_those_before_each_pairs_first_step(tiny_model: Path):
+    """``run_update(trainer_logprobs=...)`` keeps, for each trained pair, its tokens' logprobs under the weights
+    that pair's first optimizer step starts from: with one mini-batch, the weights before the update."""
+    pairs = [(t, adv) for t, adv in zip(rows([(4, 3), (5, 6), (3, 2), (6, 4)]), [1.0, 0.0, -1.0, 0.5], strict=True)]
+    policy = Policy(PolicyConfig(model=str(tiny_model)))
+    mb = make_micro_batches([t for t, _ in pairs], [a for _, a in pairs], BATCHING, pad_id=0)[0]
+    with torch.no_grad():
+        own = policy.token_logprobs(mb)[0]  # (B, T)
+    before = {i: own[b][mb.response_mask[b].bool()].tolist() for b, i in enumerate(mb.index)}
+    kept: dict[int, list[float]] = {}
+    run_update(policy, pairs, UpdateConfig(ppo_epochs=2), LossConfig(), BATCHING, 0, 0, trainer_logprobs=kept)
+    assert sorted(kept) == [0, 2, 3]  # the zero-advantage pair is not trained on (kl_beta = 0)
+    for i, values in kept.items():
+        assert len(values) == len(pairs[i][0].response_ids)
+        assert values == pytest.approx(before[i], abs=1e-5)

@@ -1,0 +1,136 @@
+"""Run an agent by hand, in this process, the way ``lit train``'s workers run it, and see what lit records.
+
+    with lit_trainer.Playground(cfg) as pg:           # the store, the collector and vLLM; lit.instrument() on
+        attempt = pg.run(calc_agent, task)            # one rollout: the agent's result, its spans, its episode
+        attempt.episode.transitions[0].response_ids   # what training would use
+        pg.show(attempt.rollout_id)                   # the rollout viewer
+
+It starts what one rollout needs: a SQLite store, the collector on a loopback port, and vLLM serving the config's
+model, then instruments this process (``lit.instrument``) to send spans there and record the token ids of calls to
+that vLLM. ``run`` calls the agent exactly as a worker does (``fn(task, llm)``, sync or async; from a notebook too,
+whose event loop is already running), waits until every span of the rollout is stored, and rebuilds its episode.
+Nothing is trained: ``lit_trainer.train`` starts its own services.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lit_sdk as lit
+from lit_sdk.resources import LLM
+from lit_trainer.config import TrainConfig
+from lit_trainer.engine.server import InferenceServer
+from lit_trainer.intake.collector import Collector
+from lit_trainer.intake.episodes import Episode, UnusableRollout, build_episode
+from lit_trainer.intake.store import SqliteStore
+
+STORED_TIMEOUT_S = 30.0
+"""How long ``run`` waits for the rollout's spans to be stored after the agent returned."""
+
+
+@dataclass
+class Attempt:
+    """One rollout run by hand: what the agent returned (or raised), its spans and its episode."""
+
+    rollout_id: str
+    result: Any
+    error: BaseException | None
+    spans: list
+    episode: Episode | UnusableRollout
+    seconds: float
+
+    @property
+    def reward(self) -> float | None:
+        return self.episode.episode_return if isinstance(self.episode, Episode) else None
+
+
+class Playground:
+    """vLLM and lit's intake for this process, with ``lit.instrument()`` pointed at them (module docstring)."""
+
+    def __init__(self, cfg: TrainConfig, folder: str | Path | None = None):
+        self.cfg = cfg
+        self.folder = Path(folder or Path(cfg.train.output_dir) / "playground")
+        self._stack = contextlib.ExitStack()
+        self.store: SqliteStore | None = None
+        self.server: InferenceServer | None = None
+
+    def __enter__(self) -> Playground:
+        if self.cfg.security.keys_dir:
+            raise ValueError("the playground runs on loopback without keys: leave [security] keys_dir empty")
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2, default=str))
+        try:
+            self.store = self._stack.enter_context(SqliteStore(self.folder / "lit.sqlite"))
+            collector = self._stack.enter_context(Collector(self.store, "tcp://127.0.0.1:0"))
+            print(f"lit: starting vLLM on {self.cfg.model} (about a minute on CPU)", file=sys.stderr, flush=True)
+            self.server = self._stack.enter_context(InferenceServer(self.cfg.inference))
+            lit.instrument(endpoint=collector.endpoint, llm_base_urls=[self.server.openai_url],
+                           spool_dir=self.folder / "spool")
+            self._stack.callback(lit.uninstrument)
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stack.close()
+
+    def llm(self, temperature: float | None = None) -> LLM:
+        """What an agent gets as ``llm``: the served model's URL, name and key, and the sampling settings."""
+        if self.server is None:
+            raise RuntimeError("use the Playground in a with-block: `with Playground(cfg) as pg: ...`")
+        return LLM(self.server.openai_url, self.server.model_name, api_key=self.server.api_key or "EMPTY",
+                   temperature=self.cfg.agent.temperature if temperature is None else temperature,
+                   max_tokens=self.cfg.agent.max_tokens)
+
+    def run(self, agent: Callable[..., Any], task: dict[str, Any], temperature: float | None = None) -> Attempt:
+        """One rollout of ``agent`` (an ``@lit.trace`` function ``fn(task, llm)``) on ``task``; raises nothing
+        the agent raises (it is in ``Attempt.error``), only a failure of lit's (spans not stored in time)."""
+        llm = self.llm(temperature)
+        rollout_id = f"playground-{uuid.uuid4().hex[:12]}"
+        outcome: dict[str, Any] = {}
+
+        def call() -> None:
+            with lit.assign_rollout(rollout_id, str(task.get("id", ""))):
+                try:
+                    value = agent(task, llm)
+                    outcome["result"] = asyncio.run(value) if inspect.isawaitable(value) else value
+                except BaseException as exc:  # the agent's own failure: reported, as a worker would
+                    outcome["error"] = exc
+
+        t0 = time.perf_counter()
+        thread = threading.Thread(target=call, name="lit-playground-agent")  # a notebook's loop is running
+        thread.start()
+        thread.join()
+        seconds = time.perf_counter() - t0
+        lit.flush(STORED_TIMEOUT_S)
+        spans = self._wait_stored(rollout_id)
+        agents = self.cfg.agent.agents or None
+        return Attempt(rollout_id, outcome.get("result"), outcome.get("error"), spans,
+                       build_episode(spans, agents), seconds)
+
+    def _wait_stored(self, rollout_id: str) -> list:
+        assert self.store is not None
+        deadline = time.monotonic() + STORED_TIMEOUT_S
+        while (missing := self.store.missing_spans(rollout_id)) is not None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rollout {rollout_id}: {missing} after {STORED_TIMEOUT_S:.0f} s")
+            time.sleep(0.05)
+        return self.store.spans_of_rollout(rollout_id)
+
+    def show(self, rollout_id: str) -> Any:
+        """The rollout viewer for one of this playground's rollouts (no advantages: nothing was trained)."""
+        from lit_trainer.viewer import view_rollout
+
+        return view_rollout(self.folder, rollout_id)

@@ -1,0 +1,386 @@
+"""``lit show``: one rollout as a self-contained HTML page, as it was trained on.
+
+The page holds the rollout's span tree (with where each reward attaches), then every LLM call with its prompt and
+response tokens, decoded one by one with the run's tokenizer. Response tokens are coloured by the advantage their
+call got in the update (green above 0, red below, full colour at |A| >= 1), or, with the switch at the top, by the
+engine's logprob of each token (the darker, the less likely the sampled token was), or by the gap between the
+trainer's logprob of the token (kept by the update for the calls it trained on, before its first optimizer step on
+them) and the engine's: where vLLM and the trainer disagree on the same weights (the run's mean is the metric
+``policy/vllm_logprob_gap``).
+
+Everything is inline: CSS only (the colour switch is a pair of radio buttons), no script, no external link, so the
+page opens from a file and displays in a notebook (``RolloutView._repr_html_``). All text from the store (token text,
+span names, attributes) is HTML-escaped.
+"""
+
+from __future__ import annotations
+
+import bisect
+import html
+import json
+import math
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lit_sdk import semconv as sc
+from lit_sdk.protocol import STATUS_ERROR, SpanRecord
+from lit_trainer.intake.episodes import Episode, Transition, UnusableRollout, build_episode
+from lit_trainer.intake.store import RolloutRow, SqliteStore, Store
+
+STORE_FILE = "lit.sqlite"
+"""The store's file in a run's ``train.output_dir``."""
+ADVANTAGE_FULL = 1.0
+"""|advantage| at and above which a token has its full colour."""
+GAP_FULL = 0.1
+"""|trainer − engine logprob| (nats) at and above which a token has its full colour in the gap view."""
+PROMPT_TAIL = 48
+"""Prompt tokens shown while the prompt is folded: its last ones, where the newest message is."""
+
+_CSS = """
+.lit-view{font:13px/1.45 system-ui,-apple-system,sans-serif;color:#1f2328;max-width:1150px}
+.lit-view h2{font-size:17px;margin:2px 0 6px}.lit-view h3{font-size:14px;margin:14px 0 4px}
+.lit-view table.meta td{padding:0 14px 0 0;vertical-align:top}
+.lit-view td.k{white-space:nowrap;color:#57606a}
+.lit-view .tree ul{list-style:none;margin:0;padding-left:16px;border-left:1px solid #d0d7de}
+.lit-view .tree>ul{padding-left:0;border:0}.lit-view .tree li{margin:1px 0}
+.lit-view .err{color:#cf222e}.lit-view .dim{color:#57606a}
+.lit-view .tag{display:inline-block;padding:0 6px;border-radius:9px;background:#eaeef2;font-size:11px;margin-left:4px}
+.lit-view .rew{background:#fff1a8}.lit-view .pos{background:#c9f0d3}.lit-view .neg{background:#ffd5d2}
+.lit-view .call{border:1px solid #d0d7de;border-radius:6px;padding:4px 10px 8px;margin:8px 0}
+.lit-view .toks{font:12px/1.75 ui-monospace,Menlo,Consolas,monospace;white-space:pre-wrap;word-break:break-word}
+.lit-view .tok{background:var(--a);box-shadow:inset -1px 0 rgba(0,0,0,.22)}
+.lit-view .prompt .tok,.lit-view .prompt-tail .tok{background:none;color:#57606a}
+.lit-view .response{border-left:3px solid #8c959f;padding-left:6px}
+.lit-view details[open]+.prompt-tail{display:none}
+.lit-view input.lit-lp:checked~.lit-body .tok{background:var(--l)}
+.lit-view input.lit-gap:checked~.lit-body .tok{background:var(--g)}
+.lit-view .lg-l,.lit-view .lg-g,.lit-view input.lit-lp:checked~.lit-body .lg-a{display:none}
+.lit-view input.lit-gap:checked~.lit-body .lg-a{display:none}
+.lit-view input.lit-lp:checked~.lit-body .lg-l,.lit-view input.lit-gap:checked~.lit-body .lg-g{display:inline}
+.lit-view .legend .tok{padding:0 6px;margin-right:4px}.lit-view summary{cursor:pointer;color:#57606a}
+"""
+
+
+@dataclass(frozen=True)
+class RolloutView:
+    """One rollout's page. Displays itself in a notebook; ``save`` writes it as a standalone HTML file."""
+
+    rollout_id: str
+    body: str
+    """The page's HTML fragment (its CSS inside): what a notebook displays."""
+
+    def _repr_html_(self) -> str:
+        return self.body
+
+    def html(self) -> str:
+        """The whole HTML document."""
+        return (f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>rollout {_esc(self.rollout_id)}'
+                f"</title></head><body>\n{self.body}\n</body></html>\n")
+
+    def save(self, path: str | Path) -> Path:
+        """Write the document to ``path`` (its folder is created); the path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.html(), encoding="utf-8")
+        return path
+
+
+def view_rollout(run: str | Path | Store, rollout_id: str, tokenizer: Any = None) -> RolloutView:
+    """The page of rollout ``rollout_id`` of ``run``: a run's ``train.output_dir`` (its store and, for the
+    tokenizer, its model) or an open store. Without a tokenizer (a store given, or the run's model not found),
+    tokens are shown as their ids."""
+    if not isinstance(run, (str, Path)):
+        return _view(run, rollout_id, _decoder(tokenizer))
+    with open_run(run) as store:
+        return _view(store, rollout_id, _decoder(tokenizer if tokenizer is not None else run_tokenizer(run)))
+
+
+def open_run(run_dir: str | Path) -> SqliteStore:
+    """The store of a run's ``train.output_dir``; FileNotFoundError (never a new empty store) when it has none."""
+    path = Path(run_dir).expanduser() / STORE_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no {STORE_FILE} in {path.parent}: give a run's train.output_dir")
+    return SqliteStore(path)
+
+
+def run_tokenizer(run_dir: str | Path) -> Any:
+    """The tokenizer of the model in the run's ``config.json``; None when it cannot be loaded."""
+    from lit_trainer.models import ModelError, resolve_model
+
+    try:
+        model = json.loads((Path(run_dir).expanduser() / "config.json").read_text())["model"]
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(resolve_model(model))
+    except (OSError, KeyError, ValueError, ModelError, ImportError):
+        return None
+
+
+def list_rollouts(store: Store, step: int) -> list[tuple[RolloutRow, float | None]]:
+    """The rollouts of training step ``step`` (from 0) with their episode returns (None: no episode)."""
+    rows = store.rollouts_of_step(step)
+    episodes = [store.get_episode(r.rollout_id) for r in rows]
+    return [(r, None if e is None else e.episode_return) for r, e in zip(rows, episodes, strict=True)]
+
+
+def _view(store: Store, rollout_id: str, decode: Callable[[int], str] | None) -> RolloutView:
+    spans = store.spans_of_rollout(rollout_id)
+    rollout = store.get_rollout(rollout_id)
+    if not spans and rollout is None:
+        raise ValueError(f"no rollout {rollout_id!r} in the store (`lit show --run RUN_DIR` lists the last step's)")
+    stored = store.get_episode(rollout_id)
+    episode = Episode.from_dict(stored.data) if stored is not None else build_episode(spans)
+    body = render_rollout(rollout_id, spans, rollout, episode, store.advantages_of_rollout(rollout_id), decode,
+                          stored=stored is not None, trainer_logprobs=store.trainer_logprobs_of_rollout(rollout_id))
+    return RolloutView(rollout_id, body)
+
+
+def _decoder(tokenizer: Any) -> Callable[[int], str] | None:
+    if tokenizer is None:
+        return None
+    cache: dict[int, str] = {}
+
+    def decode(token_id: int) -> str:
+        if token_id not in cache:
+            cache[token_id] = tokenizer.decode([token_id])
+        return cache[token_id]
+
+    return decode
+
+
+# -- the page, from store rows --------------------------------------------------------------------------------------
+
+
+def render_rollout(rollout_id: str, spans: Sequence[SpanRecord], rollout: RolloutRow | None,
+                   episode: Episode | UnusableRollout, advantages: dict[int, float],
+                   decode: Callable[[int], str] | None, stored: bool = True,
+                   trainer_logprobs: dict[int, list[float]] | None = None) -> str:
+    """The page's HTML fragment. ``advantages`` maps transition index → advantage; ``decode`` turns one token id
+    into text (None: show ids); ``stored`` says whether ``episode`` is the one the trainer kept;
+    ``trainer_logprobs`` maps transition index → the trainer's token logprobs (for the gap)."""
+    transitions = {t.span_id: t for t in episode.transitions} if isinstance(episode, Episode) else {}
+    calls = [s for s in sorted(spans, key=lambda s: (s.start_ns, s.end_ns, s.span_id)) if s.name == sc.LLM_SPAN]
+    numbers = {s.span_id: k for k, s in enumerate(calls, 1)}
+    attach = _reward_targets(spans, [s for s in calls if s.span_id in transitions], numbers)
+    uid = f"lit{uuid.uuid4().hex[:12]}"  # the colour switch's radio names: one per view among a notebook's outputs
+    parts = [f'<div class="lit-view"><style>{_CSS}</style>',
+             _header(rollout_id, spans, rollout, episode, stored, decode,
+                     {t.index: numbers.get(t.span_id, 0) for t in transitions.values()}),
+             f'<input type="radio" class="lit-adv" name="{uid}" id="{uid}a" checked>'
+             f'<label for="{uid}a">colour by advantage</label> '
+             f'<input type="radio" class="lit-lp" name="{uid}" id="{uid}l">'
+             f'<label for="{uid}l">colour by engine logprob</label> '
+             f'<input type="radio" class="lit-gap" name="{uid}" id="{uid}g">'
+             f'<label for="{uid}g">colour by trainer − engine logprob gap</label>',
+             '<div class="lit-body">', _legend(),
+             "<h3>Span tree</h3>", _tree(spans, uid, numbers, transitions, advantages, attach),
+             f"<h3>LLM calls ({len(calls)})</h3>"]
+    for call in calls:
+        parts.append(_call(call, uid, numbers[call.span_id], transitions.get(call.span_id), advantages, decode,
+                           trainer_logprobs or {}))
+    parts.append("</div></div>")
+    return "\n".join(parts)
+
+
+def _header(rollout_id: str, spans: Sequence[SpanRecord], rollout: RolloutRow | None,
+            episode: Episode | UnusableRollout, stored: bool, decode: Callable[[int], str] | None,
+            call_of: dict[int, int]) -> str:
+    """Who, what, how it ended; ``call_of`` maps a transition index to its call's number."""
+    root = next((s for s in spans if s.name == sc.ROLLOUT_SPAN and s.parent_id is None), None)
+    attrs = root.attributes if root is not None else {}
+    rows = [("task", rollout.task_id if rollout else attrs.get(sc.TASK_ID, "")),
+            ("step", f"{rollout.step} (from 0), attempt {rollout.attempt}" if rollout else "not in the store"),
+            ("status", rollout.status.value + (f": {rollout.error}" if rollout and rollout.error else "")
+             if rollout else "unknown")]
+    if isinstance(episode, Episode):
+        source = "" if stored else " (not stored by the trainer: rebuilt from the spans for this page)"
+        rows += [("return", f"{episode.episode_return:+.4g}{source}"),
+                 ("final reward", "none" if episode.final_reward is None else f"{episode.final_reward:+.4g}"),
+                 ("rewards", ", ".join(f"{_name(n)} {v:+.4g} → " + (f"call #{call_of.get(i)}" if i >= 0 else
+                                                                     "the episode") for n, v, i in episode.rewards)
+                  or "none besides the final reward")]
+    else:
+        rows.append(("episode", f"unusable: {episode.reason.value}" + (f" ({episode.detail})" if episode.detail
+                                                                           else "")))
+    rows += [("input", str(attrs.get(sc.ROLLOUT_INPUT, ""))), ("output", str(attrs.get(sc.ROLLOUT_OUTPUT, "")))]
+    if decode is None:
+        rows.append(("tokens", "shown as ids: no tokenizer (none given, or the run's model was not found)"))
+    cells = "".join(f'<tr><td class="k">{_esc(k)}</td><td>{_esc(v)}</td></tr>' for k, v in rows)
+    name = attrs.get(sc.ROLLOUT_NAME, "")
+    return (f"<h2>Rollout {_esc(rollout_id)} <span class='dim'>{_esc(name)}</span></h2>"
+            f"<table class='meta'>{cells}</table>")
+
+
+def _legend() -> str:
+    advantage = "".join(f'<span class="tok" style="--a:{_adv_colour(a)}">A = {a:+g}</span>'
+                        for a in (-1, -0.5, 0.5, 1))
+    logprob = "".join(f'<span class="tok" style="--l:{_logprob_colour(math.log(p))}">p = {p:g}</span>'
+                      for p in (0.99, 0.5, 0.1, 0.01))
+    gap = "".join(f'<span class="tok" style="--g:{_gap_colour(g)}">{g:g} nats</span>' for g in (0.001, 0.01, 0.05, 0.1))
+    return (f'<div class="legend dim"><span class="lg-a">{advantage} the advantage of the call in its update (full '
+            f'colour at |A| ≥ {ADVANTAGE_FULL:g})</span><span class="lg-l">{logprob} the engine\'s probability of '
+            f'the sampled token</span><span class="lg-g">{gap} |trainer − engine logprob| of the sampled token '
+            "(calls the update trained on; none: not trained on)</span>. Hover a token for its id and values.</div>")
+
+
+def _tree(spans: Sequence[SpanRecord], uid: str, numbers: dict[str, int], transitions: dict[str, Transition],
+          advantages: dict[int, float], attach: dict[str, int]) -> str:
+    """Nested lists, children by start time; a span whose parent is not stored hangs under the root."""
+    ids = {s.span_id for s in spans}
+    root = next((s.span_id for s in spans if s.name == sc.ROLLOUT_SPAN and s.parent_id is None), None)
+    children: dict[str | None, list[SpanRecord]] = {}
+    for s in sorted(spans, key=lambda s: (s.start_ns, s.end_ns, s.span_id)):
+        parent = s.parent_id if s.parent_id in ids else (root if s.span_id != root else None)
+        children.setdefault(parent, []).append(s)
+
+    def branch(parent: str | None) -> str:
+        items = "".join(f"<li>{_span_line(s, uid, numbers, transitions, advantages, attach)}"
+                        f"{branch(s.span_id)}</li>" for s in children.get(parent, []))
+        return f"<ul>{items}</ul>" if items else ""
+
+    return f'<div class="tree">{branch(None)}</div>'
+
+
+def _span_line(s: SpanRecord, uid: str, numbers: dict[str, int], transitions: dict[str, Transition],
+               advantages: dict[int, float], attach: dict[str, int]) -> str:
+    a = s.attributes
+    text = f"<b>{_esc(s.name)}</b> <span class='dim'>{(s.end_ns - s.start_ns) / 1e6:.0f} ms</span>"
+    if s.name == sc.ROLLOUT_SPAN:
+        text += _tag(_esc(a.get(sc.ROLLOUT_NAME, "")))
+        if isinstance(a.get(sc.ROLLOUT_RETURN_REWARD), (int, float)):
+            text += _tag(f"returned {float(a[sc.ROLLOUT_RETURN_REWARD]):+.4g}", "rew")
+    elif s.name == sc.LLM_SPAN:
+        k = numbers[s.span_id]
+        text += f' <a href="#{uid}c{k}">call #{k}</a>' + _tag(f"agent {_esc(a.get(sc.AGENT_NAME, ''))}")
+        t = transitions.get(s.span_id)
+        text += _advantage_tag(advantages.get(t.index) if t else None, t is not None)
+    elif s.name == sc.REWARD_SPAN:
+        value = a.get(sc.REWARD_VALUE)
+        text += _tag(_esc(f"{_name(a.get(sc.REWARD_NAME, ''))} {_num(value)}"), "rew")
+        target = attach.get(s.span_id)
+        text += (f' → <a href="#{uid}c{target}">call #{target}</a>' if target else " → the episode (no call before)")
+    else:
+        kind = a.get(sc.OI_SPAN_KIND) or ""
+        agent = a.get(sc.OI_GRAPH_NODE_ID) or a.get(sc.OI_AGENT_NAME) or ""
+        text += (_tag(_esc(kind)) if kind else "") + (_tag(f"agent {_esc(agent)}") if agent else "")
+    if s.status == STATUS_ERROR:
+        text += f" <span class='err'>error: {_esc(s.status_message)}</span>"
+    return text
+
+
+def _call(span: SpanRecord, uid: str, k: int, t: Transition | None, advantages: dict[int, float],
+          decode: Callable[[int], str] | None, trainer_logprobs: dict[int, list[float]]) -> str:
+    a = span.attributes
+    prompt, response = a.get(sc.LLM_PROMPT_TOKEN_IDS), a.get(sc.LLM_RESPONSE_TOKEN_IDS)
+    advantage = advantages.get(t.index) if t is not None else None
+    head = (f'<div class="call" id="{uid}c{k}"><b>call #{k}</b>' + _tag(f"agent {_esc(a.get(sc.AGENT_NAME, ''))}")
+            + _tag(f"finish {_esc(a.get(sc.LLM_FINISH_REASON, '?'))}")
+            + _tag(f"temperature {_esc(a.get(sc.LLM_TEMPERATURE, 'default'))}"))
+    if t is not None:
+        head += _tag(f"transition {t.index}") + _advantage_tag(advantage, True)
+        head += _tag(f"reward {t.reward:+.4g} attached", "rew") if t.reward is not None else ""
+    else:
+        head += _tag("not trained on: agent not selected, failed, or no token ids")
+    if span.status == STATUS_ERROR:
+        head += f" <span class='err'>error: {_esc(span.status_message)}</span>"
+    if not isinstance(prompt, list) or not isinstance(response, list):
+        return head + "<div class='dim'>no token ids recorded</div></div>"
+    logprobs = a.get(sc.LLM_RESPONSE_LOGPROBS)
+    logprobs = logprobs if isinstance(logprobs, list) and len(logprobs) == len(response) else [None] * len(response)
+    prompt_html = "".join(_token(i, decode) for i in prompt)
+    tail = "".join(_token(i, decode) for i in prompt[-PROMPT_TAIL:])
+    tail = f"<div class='toks prompt-tail'>{'… ' if len(prompt) > PROMPT_TAIL else ''}{tail}</div>"
+    trainer = trainer_logprobs.get(t.index) if t is not None else None
+    trainer = trainer if trainer is not None and len(trainer) == len(response) else [None] * len(response)
+    response_html = "".join(_token(i, decode, lp, advantage, tr)
+                            for i, lp, tr in zip(response, logprobs, trainer, strict=True))
+    return (f"{head}<details class='prompt'><summary>prompt: {len(prompt)} tokens (folded: the last "
+            f"{min(len(prompt), PROMPT_TAIL)})</summary>"
+            f"<div class='toks'>{prompt_html}</div></details>{tail}"
+            f"<div class='dim'>response: {len(response)} tokens</div>"
+            f"<div class='toks response'>{response_html}</div></div>")
+
+
+def _token(token_id: int, decode: Callable[[int], str] | None, logprob: float | None = None,
+           advantage: float | None = None, trainer_logprob: float | None = None) -> str:
+    """One token as a span: its text (or id), its colours as CSS variables, its values as data attributes."""
+    text = decode(token_id) if decode is not None else f"[{token_id}]"
+    text = text.replace("\n", "↵\n")  # a newline token stays visible
+    title, data, style = [f"id {token_id}"], "", ""
+    if logprob is not None:
+        title.append(f"engine logprob {logprob:.4f} (p {math.exp(logprob):.3f})")
+        data += f' data-lp="{logprob:.4f}"'
+        style += f"--l:{_logprob_colour(logprob)};"
+    if trainer_logprob is not None and logprob is not None:
+        gap = trainer_logprob - logprob
+        title.append(f"trainer logprob {trainer_logprob:.4f} (gap {gap:+.2e})")
+        data += f' data-gap="{gap:.3e}"'
+        style += f"--g:{_gap_colour(gap)};"
+    if advantage is not None:
+        title.append(f"advantage {advantage:+.4f}")
+        data += f' data-adv="{advantage:.4f}"'
+        style += f"--a:{_adv_colour(advantage)};"
+    style_attr = f' style="{style}"' if style else ""
+    return f'<span class="tok"{data}{style_attr} title="{" · ".join(title)}">{_esc(text)}</span>'
+
+
+def _adv_colour(advantage: float) -> str:
+    """Green above 0, red below, more opaque the larger |advantage| (full at ``ADVANTAGE_FULL``)."""
+    if advantage == 0.0:
+        return "transparent"
+    strength = min(abs(advantage) / ADVANTAGE_FULL, 1.0)
+    rgb = "26,127,55" if advantage > 0 else "207,34,46"
+    return f"rgba({rgb},{0.1 + 0.5 * strength:.3f})"
+
+
+def _gap_colour(gap: float) -> str:
+    """Clear where trainer and engine agree, purple as |gap| grows (full at ``GAP_FULL`` nats)."""
+    return f"rgba(130,80,223,{0.7 * min(abs(gap) / GAP_FULL, 1.0):.3f})"
+
+
+def _logprob_colour(logprob: float) -> str:
+    """Clear for a token the engine was sure of, dark orange for one it sampled against the odds."""
+    surprise = 1.0 - math.exp(min(logprob, 0.0))
+    return f"rgba(219,109,40,{0.65 * surprise:.3f})"
+
+
+def _advantage_tag(advantage: float | None, is_transition: bool) -> str:
+    if not is_transition:
+        return _tag("not trained on")
+    if advantage is None:
+        return _tag("no advantage saved (not in an update)")
+    return _tag(f"advantage {advantage:+.4f}", "pos" if advantage > 0 else "neg" if advantage < 0 else "")
+
+
+def _reward_targets(spans: Sequence[SpanRecord], transition_calls: list[SpanRecord], numbers: dict[str, int]
+                    ) -> dict[str, int]:
+    """Reward span id → the number of the call it attaches to: the latest trained call that started at or before
+    it (episodes.py's rule). A reward before every such call is the episode's and is absent here."""
+    starts = [c.start_ns for c in transition_calls]
+    out = {}
+    for s in spans:
+        if s.name == sc.REWARD_SPAN:
+            index = bisect.bisect_right(starts, s.start_ns) - 1
+            if index >= 0:
+                out[s.span_id] = numbers[transition_calls[index].span_id]
+    return out
+
+
+def _tag(text: str, kind: str = "") -> str:
+    """A pill; ``text`` is HTML already."""
+    return f' <span class="tag {kind}">{text}</span>'
+
+
+def _name(name: object) -> str:
+    return f"'{name}'" if name else "(unnamed)"
+
+
+def _num(value: object) -> str:
+    return f"{value:+.4g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+
+
+def _esc(value: object) -> str:
+    return html.escape(str(value), quote=True)

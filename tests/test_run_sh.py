@@ -1,0 +1,110 @@
+"""run.sh's CPU set-up: torch comes from the PyTorch CPU index when it answers, from PyPI when it does not (or when
+LIT_TORCH_INDEX is empty, or the install from the index fails), one ``[lit]`` line says which; a second run with
+nothing changed installs nothing. Every ``python -m pip``/``-m pytest`` goes to a fake python that only writes down
+its arguments; the version check and the index's HEAD request run for real, against a local HTTP server."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+RUN_SH = Path(__file__).parents[1] / "run.sh"
+FAKE_PYTHON = f"""#!/usr/bin/env bash
+if [[ "$1" == -m && ( "$2" == pip || "$2" == pytest ) ]]; then
+  echo "${{*:2}}" >> "$FAKE_LOG"
+  [[ -n "${{FAKE_INDEX_FAILS:-}}" && " $* " == *" --index-url "* ]] && exit 1
+  exit 0
+fi
+exec {sys.executable} "$@"
+"""
+PIP = "pip install --disable-pip-version-check"
+
+
+@pytest.fixture
+def index(tmp_path: Path) -> Iterator[str]:
+    """A local stand-in for https://download.pytorch.org/whl/cpu: a folder with ``torch/`` in it."""
+    root = tmp_path / "pytorch"
+    (root / "whl" / "cpu" / "torch").mkdir(parents=True)
+    handler = functools.partial(_QuietHandler, directory=str(root))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_port}/whl/cpu"
+    server.shutdown()
+    server.server_close()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format, *args):
+        pass
+
+
+def _closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/whl/cpu"  # nothing listens there: connection refused
+
+
+def _run_sh(tmp_path: Path, torch_index: str, **env: str) -> tuple[str, list[str]]:
+    """``bash run.sh test`` on a fake environment in ``tmp_path``: its output and the pip/pytest calls made."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True, exist_ok=True)
+    fake = venv / "bin" / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    log = tmp_path / "calls.log"
+    log.unlink(missing_ok=True)
+    env = {**os.environ, "LIT_VENV": str(venv), "LIT_PYTHON": str(fake), "LIT_ACCELERATOR": "cpu",
+           "LIT_TORCH_INDEX": torch_index, "FAKE_LOG": str(log), **env}  # fmt: skip
+    result = subprocess.run(["bash", str(RUN_SH), "test"], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout, log.read_text().splitlines()
+
+
+def _lit_install_and_tests(calls: list[str]) -> None:
+    assert calls[-3:] == [f"{PIP} -c constraints.txt -e .[trainer,vllm,frameworks,dev]",
+                          "pip uninstall --quiet -y torchvision torchaudio torchcodec", "pytest tests"]  # fmt: skip
+
+
+def test_a_reachable_index_gives_the_cpu_build_and_a_second_run_installs_nothing(tmp_path, index):
+    out, calls = _run_sh(tmp_path, index)
+    assert f"[lit] installing torch 2.13.0 (CPU build) from {index}\n" in out
+    assert calls[:2] == [f"{PIP} --quiet pip==25.3",
+                         f"{PIP} --timeout 10 --retries 0 --index-url {index} torch==2.13.0"]  # fmt: skip
+    _lit_install_and_tests(calls)
+    assert len(calls) == 5  # torch once, from the index
+    _, again = _run_sh(tmp_path, index)
+    assert again == ["pytest tests"]  # the stamp matches: no set-up
+
+
+def test_an_unreachable_index_falls_back_to_pypi(tmp_path):
+    url = _closed_port_url()
+    out, calls = _run_sh(tmp_path, url)
+    assert f"[lit] {url} does not answer: installing torch 2.13.0 from PyPI" in out
+    assert calls[:2] == [f"{PIP} --quiet pip==25.3", f"{PIP} torch==2.13.0"]
+    _lit_install_and_tests(calls)
+    assert len(calls) == 5
+
+
+def test_an_empty_lit_torch_index_goes_straight_to_pypi(tmp_path):
+    out, calls = _run_sh(tmp_path, "")
+    assert "[lit] LIT_TORCH_INDEX is empty: installing torch 2.13.0 from PyPI\n" in out
+    assert calls[:2] == [f"{PIP} --quiet pip==25.3", f"{PIP} torch==2.13.0"]
+    _lit_install_and_tests(calls)
+
+
+def test_a_failed_install_from_the_index_falls_back_to_pypi(tmp_path, index):
+    out, calls = _run_sh(tmp_path, index, FAKE_INDEX_FAILS="1")
+    assert f"[lit] the install from {index} failed: installing torch 2.13.0 from PyPI\n" in out
+    assert calls[1:3] == [f"{PIP} --timeout 10 --retries 0 --index-url {index} torch==2.13.0", f"{PIP} torch==2.13.0"]
+    _lit_install_and_tests(calls)

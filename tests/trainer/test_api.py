@@ -1,0 +1,74 @@
+"""The Python API of ``lit_trainer``: configs from a file or from code, a run's folder read back. Training and the
+playground start vLLM; the notebooks (tests/test_notebooks.py) and tests/e2e run them for real."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import lit_trainer as lt
+from lit_trainer.intake.store import RolloutRow, RolloutStatus, SqliteStore
+
+
+def test_importing_the_package_loads_neither_torch_nor_vllm():
+    code = "import sys, lit_trainer; print(sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_make_config_checks_sections_like_a_file(tmp_path):
+    cfg = lt.make_config(model="smollm2-135m", agent={"function": "m:f", "agents": ["a"]}, train={"steps": 2})
+    assert cfg.agent.function == "m:f" and cfg.agent.agents == ("a",) and cfg.train.steps == 2
+    assert cfg.policy.model == cfg.inference.model == "smollm2-135m"
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['stepz'\]"):
+        lt.make_config(train={"stepz": 2})
+    with pytest.raises(ValueError, match=r"make_config \[train\]: steps must be int"):
+        lt.make_config(train={"steps": "two"})
+    config = tmp_path / "c.toml"
+    config.write_text('[agent]\nfunction = "m:f"\n[train]\nsteps = 5\n')
+    assert lt.load_config(config, ["train.steps=7"]).train.steps == 7
+    assert lt.load_config(config).train == lt.make_config(agent={"function": "m:f"}, train={"steps": 5}).train
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    """A run's folder as ``lit train`` leaves it: metrics, config, store, one complete and one torn checkpoint."""
+    records = [{"kind": "validation", "step": 0, "minutes": 0.0, "accuracy": 0.25},
+               {"kind": "train", "step": 1, "minutes": 1.0, "accuracy": 0.5, "reward/mean": 0.5},
+               {"kind": "train", "step": 2, "minutes": 2.0, "accuracy": 0.75, "reward/mean": 0.75},
+               {"kind": "validation", "step": 2, "minutes": 2.0, "accuracy": 0.5}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"kind": "tr')
+    (tmp_path / "config.json").write_text(json.dumps({"model": "smollm2-135m", "agent": {"agents": ["calc"]}}))
+    with SqliteStore(tmp_path / "lit.sqlite") as store:
+        store.add_rollouts([RolloutRow("s0-a", "t1", 0), RolloutRow("s1-a", "t2", 1), RolloutRow("s1-b", "t3", 1)])
+        store.set_rollout_status("s1-b", RolloutStatus.FAILED, "boom")
+    for name, done in (("step-000002", True), ("step-000004", False)):
+        (tmp_path / "checkpoints" / name).mkdir(parents=True)
+        if done:
+            (tmp_path / "checkpoints" / name / "DONE").write_text("step 2\n")
+    return tmp_path
+
+
+def test_a_run_folder_reads_back_metrics_rollouts_and_checkpoints(run_dir: Path):
+    with lt.open_run(run_dir) as run:
+        assert [r["step"] for r in run.metrics()] == [0, 1, 2, 2]  # the line a kill cut short is left out
+        assert [r["accuracy"] for r in run.metrics("train")] == [0.5, 0.75]
+        assert [r["accuracy"] for r in run.validations()] == [0.25, 0.5]
+        assert run.config["agent"]["agents"] == ["calc"]
+        assert [r.rollout_id for r in run.rollouts()] == ["s1-a", "s1-b"]  # the last step by default
+        failed = [r for r in run.rollouts(step=1) if r.status is RolloutStatus.FAILED]
+        assert [(r.rollout_id, r.error) for r in failed] == [("s1-b", "boom")]
+        assert [r.rollout_id for r in run.rollouts(step=0)] == ["s0-a"] and run.rollouts(step=9) == []
+        assert run.checkpoints() == [run_dir / "checkpoints" / "step-000002"]  # the torn one is not listed
+        curve = run.plot()
+        assert curve.path == run_dir / "curve.png" and curve._repr_png_().startswith(b"\x89PNG")
+        assert run.spans("s0-a") == []
+
+
+def test_open_run_refuses_a_folder_that_is_not_a_run(tmp_path: Path):
+    with pytest.raises(FileNotFoundError, match="is not a lit run"):
+        lt.open_run(tmp_path)

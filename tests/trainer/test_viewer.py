@@ -1,0 +1,241 @@
+"""The rollout viewer: real spans in a real SQLite store, rendered to HTML and read back with an HTML parser, and
+the advantages that ``update_policy`` saves for it."""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from lit_sdk import semconv as sc
+from lit_sdk.protocol import STATUS_ERROR, STATUS_OK, SpanRecord
+from lit_trainer import viewer
+from lit_trainer.algorithm.advantages import episode_advantages
+from lit_trainer.cli import main
+from lit_trainer.config import TrainConfig
+from lit_trainer.intake.episodes import Episode, Transition, build_episode
+from lit_trainer.intake.store import AdvantageRow, RolloutRow, RolloutStatus, SqliteStore
+from lit_trainer.loop import update_policy
+
+TRACE = "ab" * 16
+SCRIPT = "<script>alert(1)</script>"
+
+
+class Rollout:
+    """One rollout's spans, built like lit's span processor stamps them; times in ticks."""
+
+    def __init__(self, rollout_id: str, task_id: str = "t1") -> None:
+        self.rollout_id, self.task_id = rollout_id, task_id
+        self.spans: list[SpanRecord] = []
+
+    def add(self, name: str, parent: str | None, start: int, status: int = STATUS_OK, message: str = "",
+            **attrs: object) -> str:
+        span_id = format(len(self.spans) + 1, "016x")
+        self.spans.append(SpanRecord(TRACE, span_id, parent, name, start, start + 5, status, message,
+                                     self.rollout_id, {sc.ROLLOUT_ID: self.rollout_id, sc.TASK_ID: self.task_id,
+                                                       sc.ATTEMPT: 1, **attrs}))
+        return span_id
+
+    def call(self, parent: str, start: int, agent: str, prompt: list[int], response: list[int]) -> str:
+        logprobs = [-0.05 * (i + 1) for i in range(len(response))]
+        return self.add(sc.LLM_SPAN, parent, start, **{
+            sc.AGENT_NAME: agent, sc.LLM_PROMPT_TOKEN_IDS: prompt, sc.LLM_RESPONSE_TOKEN_IDS: response,
+            sc.LLM_RESPONSE_LOGPROBS: logprobs, sc.LLM_FINISH_REASON: "stop", sc.LLM_TEMPERATURE: 0.7})
+
+    def store(self, store: SqliteStore, step: int = 0) -> Episode:
+        """Store the spans, the rollout row and the episode, as a training step does."""
+        store.add_spans(self.spans)
+        store.add_rollouts([RolloutRow(self.rollout_id, self.task_id, step, status=RolloutStatus.RUNNING)])
+        store.set_rollout_status(self.rollout_id, RolloutStatus.SUCCEEDED)
+        episode = build_episode(self.spans)
+        assert isinstance(episode, Episode)
+        store.save_episode(self.rollout_id, episode.to_dict(), episode.episode_return)
+        return episode
+
+
+class Tokens(HTMLParser):
+    """Every token span of a page: (call number or 0, part, text, attributes); the parts are "legend", "prompt",
+    "prompt-tail" (the end of the prompt, shown while it is folded) and "response"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens: list[tuple[int, str, str, dict[str, str | None]]] = []
+        self.call, self.part, self.open = 0, "legend", None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        classes = (a.get("class") or "").split()
+        if "call" in classes:
+            self.call = int((a["id"] or "").rpartition("c")[2])
+        for part in ("prompt", "prompt-tail", "response"):
+            if part in classes:
+                self.part = part
+        if tag == "span" and "tok" in classes:
+            self.open = [self.call, self.part, "", a]
+
+    def handle_data(self, data: str) -> None:
+        if self.open is not None:
+            self.open[2] += data
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "span" and self.open is not None:
+            self.tokens.append(tuple(self.open))
+            self.open = None
+
+    def of(self, call: int, part: str) -> list[tuple[str, dict[str, str | None]]]:
+        return [(text, attrs) for c, p, text, attrs in self.tokens if c == call and p == part]
+
+
+def tokens_of(page: str) -> Tokens:
+    parser = Tokens()
+    parser.feed(page)
+    return parser
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps({"model": "smollm2-135m"}))
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(prepared_model: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(prepared_model)
+
+
+def test_one_call_rollout_shows_its_tokens_decoded_coloured_and_escaped(run_dir, tokenizer):
+    prompt = tokenizer(f"What is 2+3? {SCRIPT}")["input_ids"]
+    response = tokenizer(" The answer is 5.\nDone")["input_ids"]
+    r = Rollout("s0-t1-g0")
+    root = r.add(sc.ROLLOUT_SPAN, None, 0, **{sc.ROLLOUT_NAME: "calc_agent", sc.ROLLOUT_RETURN_REWARD: 1.0,
+                                              sc.ROLLOUT_INPUT: json.dumps({"question": SCRIPT})})
+    r.call(root, 1, "calc", prompt, response)
+    with SqliteStore(run_dir / "lit.sqlite") as store:
+        r.store(store)
+        store.save_advantages([AdvantageRow(r.rollout_id, 0, 1, 0.75)])
+    page = viewer.view_rollout(run_dir, r.rollout_id)._repr_html_()
+
+    assert "<script" not in page
+    assert html.escape(json.dumps({"question": SCRIPT})) in page  # the rollout's input, in the header
+    parsed = tokens_of(page)
+    prompt_tokens, response_tokens = parsed.of(1, "prompt"), parsed.of(1, "response")
+    assert [text for text, _ in prompt_tokens] == [tokenizer.decode([i]) for i in prompt]
+    assert "".join(text for text, _ in prompt_tokens).endswith(SCRIPT)  # shown as text, not run
+    assert [text for text, _ in response_tokens] == [tokenizer.decode([i]).replace("\n", "↵\n") for i in response]
+    for k, (_, attrs) in enumerate(response_tokens):
+        assert attrs["data-adv"] == "0.7500"
+        assert attrs["data-lp"] == f"{-0.05 * (k + 1):.4f}"
+        assert "--a:rgba(26,127,55,0.475)" in (attrs["style"] or "")  # green, 0.1 + 0.5 * 0.75
+        assert f"id {response[k]} " in (attrs["title"] or "")
+    assert all("data-adv" not in attrs and "style" not in attrs for _, attrs in prompt_tokens)
+    for text in ("lit.rollout", "lit.llm", "calc_agent", "returned +1", "advantage +0.7500", "agent calc",
+                 "final reward</td><td>+1", "succeeded"):
+        assert text in page
+
+
+def test_multi_call_rollout_shows_each_call_its_advantage_and_where_rewards_attach(tmp_path):
+    r = Rollout("s0-t7-g1", task_id="t7")
+    root = r.add(sc.ROLLOUT_SPAN, None, 0, **{sc.ROLLOUT_NAME: "sql_agent", sc.ROLLOUT_RETURN_REWARD: 0.5})
+    node = r.add("writer_node", root, 1, **{sc.OI_SPAN_KIND: "CHAIN", sc.OI_GRAPH_NODE_ID: "writer"})
+    r.call(node, 2, "writer", [1, 2, 3], [10, 11, 12])
+    r.add("run_query", node, 10, status=STATUS_ERROR, message=f"no such table {SCRIPT}",
+          **{sc.OI_SPAN_KIND: "TOOL"})
+    r.add(sc.REWARD_SPAN, node, 11, **{sc.REWARD_VALUE: 0.25, sc.REWARD_NAME: "<b>format</b>"})
+    r.call(root, 20, "checker", [1, 2, 3, 10, 11, 12, 4], [20, 21])
+    with SqliteStore(tmp_path / "lit.sqlite") as store:
+        episode = r.store(store)
+        store.save_advantages([AdvantageRow(r.rollout_id, 0, 1, 0.5), AdvantageRow(r.rollout_id, 1, 1, -1.25)])
+        store.save_trainer_logprobs([(r.rollout_id, 0, [-0.05, -0.12, -0.35])])  # call 2: not trained on
+        page = viewer.view_rollout(store, r.rollout_id).html()
+
+    assert page.startswith("<!DOCTYPE html>") and "<script" not in page and "<b>format" not in page
+    assert "http://" not in page and "https://" not in page and "src=" not in page  # self-contained
+    parsed = tokens_of(page)
+    for call, prompt, response, advantage in ((1, [1, 2, 3], [10, 11, 12], "0.5000"),
+                                              (2, [1, 2, 3, 10, 11, 12, 4], [20, 21], "-1.2500")):
+        assert [text for text, _ in parsed.of(call, "prompt")] == [f"[{i}]" for i in prompt]  # no tokenizer: ids
+        assert [text for text, _ in parsed.of(call, "response")] == [f"[{i}]" for i in response]
+        assert {attrs["data-adv"] for _, attrs in parsed.of(call, "response")} == {advantage}
+    assert "--a:rgba(207,34,46,0.600)" in page  # red at full colour: |-1.25| >= 1
+    # the trainer-vs-engine gap: trainer minus engine logprob (engine: -0.05, -0.10, -0.15), where the update kept it
+    assert [attrs["data-gap"] for _, attrs in parsed.of(1, "response")] == ["0.000e+00", "-2.000e-02", "-2.000e-01"]
+    assert all("data-gap" not in attrs for _, attrs in parsed.of(2, "response"))
+    assert "--g:rgba(130,80,223,0.700)" in page and "colour by trainer − engine logprob gap" in page
+    assert [t.reward for t in episode.transitions] == [0.25, None]
+    assert "&#x27;&lt;b&gt;format&lt;/b&gt;&#x27; +0.25</span> → <a href=" in page  # the reward, in the tree
+    assert "reward +0.25 attached" in page  # on call #1's card
+    for text in ("lit.rollout", "lit.llm", "lit.reward", "writer_node", "run_query", "agent writer",
+                 "agent checker", "TOOL", f"error: no such table {SCRIPT.replace('<', '&lt;').replace('>', '&gt;')}",
+                 "transition 1", "advantage -1.2500", "tokens</td><td>shown as ids"):
+        assert text in page
+
+
+def test_a_rollout_without_saved_advantages_or_episode_says_so(tmp_path):
+    r = Rollout("s0-t2-g0")
+    root = r.add(sc.ROLLOUT_SPAN, None, 0, status=STATUS_ERROR, message="agent crashed")
+    r.call(root, 1, "calc", [1, 2], [3])
+    with SqliteStore(tmp_path / "lit.sqlite") as store:
+        store.add_spans(r.spans)
+        page = viewer.view_rollout(store, r.rollout_id)._repr_html_()
+        with pytest.raises(ValueError, match="no rollout 'nope'"):
+            viewer.view_rollout(store, "nope")
+    assert "unusable: the rollout failed" in page and "agent crashed" in page
+    assert "not trained on" in page and "data-adv" not in page and "data-lp" in page
+
+
+def test_lit_show_writes_the_page_and_lists_the_last_steps_rollouts(run_dir, capsys):
+    with SqliteStore(run_dir / "lit.sqlite") as store:
+        for step, g in ((0, 0), (1, 0), (1, 1)):
+            r = Rollout(f"s{step}-t1-g{g}")
+            root = r.add(sc.ROLLOUT_SPAN, None, 0, **{sc.ROLLOUT_RETURN_REWARD: float(g)})
+            r.call(root, 1, "calc", [1, 2], [3, 4])
+            r.store(store, step)
+    assert main(["show", "s1-t1-g1", "--run", str(run_dir)]) == 0
+    written = run_dir / "rollouts" / "s1-t1-g1.html"
+    assert capsys.readouterr().out.strip() == str(written)
+    assert "Rollout s1-t1-g1" in written.read_text()
+    assert main(["show", "s0-t1-g0", "--run", str(run_dir), "--output", str(run_dir / "x.html")]) == 0
+    assert "Rollout s0-t1-g0" in (run_dir / "x.html").read_text()
+
+    capsys.readouterr()
+    assert main(["show", "--run", str(run_dir)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split() for line in lines[1:]] == [["s1-t1-g0", "t1", "succeeded", "+0.000"],
+                                                    ["s1-t1-g1", "t1", "succeeded", "+1.000"]]
+    assert main(["show", "--run", str(run_dir), "--step", "0"]) == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]] == ["s0-t1-g0"]
+    assert main(["show", "missing", "--run", str(run_dir)]) == 1
+    assert main(["show", "--run", str(run_dir / "nowhere")]) == 1
+    assert "no lit.sqlite" in capsys.readouterr().err
+
+
+def transition(rollout_id: str, task_id: str, index: int, reward: float | None = None) -> Transition:
+    return Transition(prompt_ids=[1, 2], response_ids=[3], logprobs=None, reward=reward, agent="a",
+                      rollout_id=rollout_id, task_id=task_id, index=index, span_id=f"{index:016x}")
+
+
+def test_update_policy_saves_the_advantages_it_computes(tmp_path):
+    rollouts = [("t1", "r1", 1.0, 2), ("t1", "r2", 0.0, 1), ("t1", "r3", 0.5, 3), ("t2", "r4", 0.2, 1),
+                ("t2", "r5", 0.9, 2), ("t3", "r6", 1.0, 1)]  # t3: a group of one, dropped before the advantages
+    episodes = [Episode(rid, task, 1, [transition(rid, task, i) for i in range(n)], ret, ret)
+                for task, rid, ret, n in rollouts]
+    cfg = TrainConfig()
+    # No behaviour logprobs: every transition is skipped after its advantage is computed, so no policy is needed.
+    with SqliteStore(tmp_path / "lit.sqlite") as store:
+        metrics = update_policy(None, None, store, episodes, cfg, pad_id=0, step=3)
+        saved = {e.rollout_id: store.advantages_of_rollout(e.rollout_id) for e in episodes}
+    kept = episodes[:5]
+    assert metrics["update/skipped_no_logprobs"] == sum(len(e.transitions) for e in kept) == 9
+    assert saved["r6"] == {}
+    expected, _ = episode_advantages(kept, cfg.credit, cfg.advantages)
+    assert any(abs(float(a)) > 0.1 for adv in expected for a in adv)
+    for e, adv in zip(kept, expected, strict=True):
+        assert saved[e.rollout_id].keys() == {t.index for t in e.transitions}
+        for t, a in zip(e.transitions, adv.tolist(), strict=True):
+            assert math.isclose(saved[e.rollout_id][t.index], a, rel_tol=0, abs_tol=1e-12)
