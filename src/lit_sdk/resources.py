@@ -10,7 +10,7 @@ Plain data, so it crosses the wire to workers on other hosts unchanged.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -20,7 +20,9 @@ class LLM:
     """OpenAI-compatible base URL, ending in ``/v1`` (the trainer's vLLM server)."""
     model: str
     """The ``model`` name to put in requests."""
-    api_key: str = "EMPTY"
+    api_key: str = field(default="EMPTY", repr=False)
+    """The engine's API key. Left out of ``repr``: ``@lit.trace`` records the arguments of a rollout (this object
+    among them) by their ``repr``, and spans must not carry the key to the store or to an OTLP backend."""
     temperature: float = 1.0
     """Sampling temperature: 1.0 while training (exploration), 0.0 for validation."""
     max_tokens: int = 256

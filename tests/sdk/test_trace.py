@@ -183,3 +183,14 @@ def test_calls_outside_a_rollout_are_not_recorded(tracing):
     )
     assert "return_token_ids" not in tracing.llm.requests[0]
     assert by_name(tracing.delivered(), sc.LLM_SPAN) == []
+
+
+def test_the_llm_a_rollout_gets_is_recorded_without_its_api_key():
+    """The rollout's input is recorded by ``repr``: the engine's API key must not reach the spans (the store, or an
+    OTLP backend beside lit)."""
+    from lit_sdk._spans import to_json
+
+    llm = lit.LLM("http://127.0.0.1:8000/v1", "policy", api_key="sk-very-secret", temperature=0.7)
+    recorded = to_json({"args": [{"id": "t1"}, llm]})
+    assert "sk-very-secret" not in recorded and "sk-very-secret" not in repr(llm)
+    assert "temperature=0.7" in recorded and llm.to_dict()["api_key"] == "sk-very-secret"  # still sent to workers
