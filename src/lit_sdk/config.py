@@ -37,6 +37,9 @@ class SdkSettings:
     """The OpenTelemetry service name of this agent process. ``LIT_SERVICE_NAME``."""
     flush_timeout_s: float
     """How long exit waits for delivery before keeping the rest in the spool. ``LIT_FLUSH_TIMEOUT``."""
+    otlp_endpoint: str | None = None
+    """An OTLP/HTTP traces endpoint (``http://host:4318/v1/traces``) that gets lit's spans as well, through
+    OpenTelemetry's own exporter (the ``otlp`` extra); None: lit's collector only. ``LIT_OTLP_ENDPOINT``."""
     keys_dir: Path | None = None
     """Folder with this host's CURVE keys (``client.key_secret`` and the trainer's ``server.key``, from ``lit keys
     generate``); None: no keys, and only a trainer on this machine can be reached. ``LIT_KEYS_DIR``."""
@@ -50,6 +53,7 @@ def resolve(
     service_name: str | None = None,
     flush_timeout_s: float | None = None,
     keys_dir: str | os.PathLike[str] | None = None,
+    otlp_endpoint: str | None = None,
 ) -> SdkSettings:
     """Arguments first, then ``LIT_*`` environment variables, then defaults. Bad values raise ValueError."""
     env = os.environ
@@ -69,6 +73,10 @@ def resolve(
         flush_timeout_s = float(env.get("LIT_FLUSH_TIMEOUT", "5"))
     if flush_timeout_s < 0:
         raise ValueError(f"flush_timeout_s must be >= 0, got {flush_timeout_s}")
+    otlp_endpoint = otlp_endpoint or env.get("LIT_OTLP_ENDPOINT") or None
+    if otlp_endpoint is not None and not otlp_endpoint.startswith(("http://", "https://")):
+        raise ValueError(f"the OTLP endpoint must be an OTLP/HTTP URL like http://127.0.0.1:4318/v1/traces, "
+                         f"got {otlp_endpoint!r}")
     return SdkSettings(
         endpoint=endpoint,
         frameworks=tuple(frameworks),
@@ -76,6 +84,7 @@ def resolve(
         spool_dir=Path(spool_dir or env.get("LIT_SPOOL_DIR") or cache_dir() / "spool").expanduser(),
         service_name=service_name or env.get("LIT_SERVICE_NAME") or "lit-agent",
         flush_timeout_s=flush_timeout_s,
+        otlp_endpoint=otlp_endpoint,
         keys_dir=Path(keys_dir).expanduser() if keys_dir else keys_dir_from_env(),
     )
 
