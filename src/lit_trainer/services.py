@@ -95,6 +95,10 @@ def services(cfg: TrainConfig, store_path: Path) -> Iterator[Services]:
     keys = security.load_server_keys(cfg.security.keys_dir) if cfg.security.keys_dir else None
     with contextlib.ExitStack() as stack:
         store = stack.enter_context(SqliteStore(store_path))
+        stale = store.end_unfinished("the trainer stopped before this attempt ended")
+        if stale:
+            print(f"lit: {stale} rollout attempt(s) a stopped run left queued or running are marked failed",
+                  file=sys.stderr)
         collector = stack.enter_context(Collector(store, cfg.collector.endpoint, keys=keys))
         print(f"lit: starting vLLM on {cfg.model} (about a minute on CPU)", file=sys.stderr, flush=True)
         server = stack.enter_context(InferenceServer(cfg.inference))

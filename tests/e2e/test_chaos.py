@@ -131,6 +131,11 @@ def test_sigkill_in_rollouts_update_and_sync_then_resume_loses_and_repeats_nothi
                              (sc.ROLLOUT_SPAN,)).fetchall()
         stored = dict(conn.execute("SELECT rollout_id, count(*) FROM spans GROUP BY rollout_id").fetchall())
         succeeded = {r for (r,) in conn.execute("SELECT rollout_id FROM rollouts WHERE status = 'succeeded'")}
+        # the attempts the kills left running were ended by the next start, with the reason
+        unfinished = conn.execute("SELECT count(*) FROM rollouts WHERE status IN ('queued', 'running')").fetchone()
+        stopped = conn.execute("SELECT count(*) FROM rollouts WHERE error = ?",
+                               ("the trainer stopped before this attempt ended",)).fetchone()
+    assert unfinished == (0,) and stopped[0] > 0, (unfinished, stopped)
     declared = {rid: codec.unpackb(blob, strict_map_key=False)[sc.ROLLOUT_SPANS] for rid, blob in roots}
     assert succeeded <= set(declared), "a rollout reported succeeded without its root span stored"
     lost = {rid: (n, stored[rid]) for rid, n in declared.items() if stored[rid] < n}

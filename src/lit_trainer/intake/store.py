@@ -140,6 +140,7 @@ class Store(Protocol):
     def missing_spans(self, rollout_id: str) -> str | None: ...
     def add_rollouts(self, rows: Iterable[RolloutRow]) -> None: ...
     def set_rollout_status(self, rollout_id: str, status: RolloutStatus, error: str | None = None) -> None: ...
+    def end_unfinished(self, error: str) -> int: ...
     def get_rollout(self, rollout_id: str) -> RolloutRow | None: ...
     def rollouts_of_step(self, step: int) -> list[RolloutRow]: ...
     def last_step(self) -> int | None: ...
@@ -340,6 +341,16 @@ class SqliteStore:
             stamp = "started_at" if status is RolloutStatus.RUNNING else "ended_at"
             conn.execute(f"UPDATE rollouts SET status = ?, {stamp} = ?, error = COALESCE(?, error) "
                          "WHERE rollout_id = ?", (status.value, time.time(), error, rollout_id))
+
+    def end_unfinished(self, error: str) -> int:
+        """End every attempt still queued or running as failed with ``error``: what a trainer that was killed left
+        behind, called when a run starts on the store (before any new attempt). The number ended."""
+        conn = self._conn()
+        with self._write(conn):
+            cursor = conn.execute("UPDATE rollouts SET status = ?, ended_at = ?, error = COALESCE(error, ?) "
+                                  "WHERE status IN (?, ?)", (RolloutStatus.FAILED.value, time.time(), error,
+                                                             RolloutStatus.QUEUED.value, RolloutStatus.RUNNING.value))
+            return cursor.rowcount
 
     def get_rollout(self, rollout_id: str) -> RolloutRow | None:
         row = self._conn().execute(f"SELECT {_ROLLOUT_COLUMNS} FROM rollouts WHERE rollout_id = ?",

@@ -125,6 +125,20 @@ def test_rollouts_by_step_and_status_transitions(store):
     assert store.get_rollout("d") is None  # the whole insert was refused
 
 
+def test_attempts_a_killed_trainer_left_unfinished_end_failed_when_a_run_starts(store):
+    store.add_rollouts([RolloutRow(r, "t", step=1) for r in ("queued", "running", "done", "failed")])
+    store.set_rollout_status("running", RolloutStatus.RUNNING)
+    store.set_rollout_status("done", RolloutStatus.SUCCEEDED)
+    store.set_rollout_status("failed", RolloutStatus.FAILED, error="tool crashed")
+    assert store.end_unfinished("the trainer stopped") == 2
+    rows = {r.rollout_id: r for r in store.rollouts_of_step(1)}
+    assert {k: (r.status, r.error) for k, r in rows.items()} == {
+        "queued": (RolloutStatus.FAILED, "the trainer stopped"),
+        "running": (RolloutStatus.FAILED, "the trainer stopped"),
+        "done": (RolloutStatus.SUCCEEDED, None), "failed": (RolloutStatus.FAILED, "tool crashed")}
+    assert rows["running"].ended_at is not None and store.end_unfinished("again") == 0
+
+
 def test_transition_table_is_forward_only():
     order = list(RolloutStatus)
     for source, targets in ALLOWED_TRANSITIONS.items():
