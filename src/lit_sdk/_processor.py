@@ -42,6 +42,11 @@ class LitSpanProcessor(SpanProcessor):
         with self._lock:
             self._bulk[span.get_span_context().span_id] = attributes
 
+    def in_rollout(self, span: ReadableSpan) -> bool:
+        """Whether ``span``'s trace belongs to a rollout: a span of it started while the rollout was current."""
+        with self._lock:
+            return span.get_span_context().trace_id in self._trace_rollout
+
     def on_start(self, span: Span, parent_context: Any = None) -> None:
         ctx = span.get_span_context()
         rollout = _context.current_rollout()

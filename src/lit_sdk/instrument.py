@@ -10,13 +10,24 @@ Beside the user's own tracing (docs/tracing.md):
 - An openinference instrumentor the user already turned on for their own backend (Phoenix, Jaeger, any OTLP
   endpoint) stays theirs: lit does not instrument it again (OpenTelemetry instrumentors are one per process) and never
   turns it off. lit listens in instead: it adds a bridge to the span processors of the tracer provider that
-  instrumentor writes to, which hands lit the spans that belong to a lit rollout (others it ignores), and goes quiet
-  on ``uninstrument()``. Their backend keeps every span; lit's LLM spans (``lit.llm``) and rollout roots come from
-  lit's own provider as always. An instrumentor the user turns on *after* ``lit.instrument()`` finds it on already:
-  set up your own tracing first.
+  instrumentor writes to. The bridge hands lit's processor the spans of lit's rollouts only (a span whose trace a
+  rollout started, or that starts while a rollout is current); the user's other spans never reach the trainer. A
+  provider's processors cannot be taken out again, so on ``uninstrument()`` the bridge goes quiet and stays, and the
+  next ``instrument()`` reuses it. A failure of lit's in the bridge is logged and swallowed: that provider calls its
+  processors on the user's thread and would let it through to their code.
+- The bridged spans are the user's: their provider's sampler and span limits decide what is recorded, not lit's
+  ALWAYS_ON and unlimited ones. That is right, as lit must not change what the user's backend gets, and enough: under
+  the default parent-based sampler every span under lit's sampled rollout root is sampled, and what lit trains on
+  (``lit.llm`` spans with the token ids, rewards, rollout roots) comes from lit's own provider as always. A sampler
+  of theirs that drops spans costs lit only those framework spans (the agent names then come from the next source
+  in ``_agents``). Their backend keeps every span; within a rollout a span's parent may be lit's root, which their
+  backend gets only through ``otlp_endpoint``. An instrumentor the user turns on *after* ``lit.instrument()`` finds
+  it on already: set up your own tracing first.
 - ``otlp_endpoint`` (``LIT_OTLP_ENDPOINT``) sends lit's spans to an OTLP/HTTP endpoint as well, with OpenTelemetry's
-  own exporter in a batch processor on lit's provider (never on the agent's thread). The token ids and logprobs that
-  lit attaches in bulk are not in that copy: they go to the trainer only.
+  own exporter in a batch processor on lit's provider, which exports on a thread of its own. Its flush and shutdown
+  run on a thread of their own too, waited for at most ``flush()``'s timeout and ``flush_timeout_s``: an endpoint
+  that does not answer never holds up the agent, ``flush()`` or exit. The token ids and logprobs, and the rollout ids,
+  that lit's processor adds to its wire records are not in that copy: they go to the trainer only.
 """
 
 from __future__ import annotations
@@ -26,14 +37,18 @@ import importlib
 import importlib.util
 import logging
 import threading
+import time
+import weakref
+from collections.abc import Callable
 from typing import Any, cast
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
-from lit_sdk import _agents, _state, config, security
+from lit_sdk import _agents, _context, _state, config, security
 from lit_sdk._processor import LitSpanProcessor
+from lit_sdk._spans import quietly
 from lit_sdk.openai_instrumentor import LitOpenAIInstrumentor
 from lit_sdk.sender import DeliveryCounts, SpanSender
 
@@ -63,13 +78,15 @@ class Instrumentation:
 
     def __init__(self, settings: config.SdkSettings):
         self.settings = settings
+        # First: a missing exporter package stops instrument() before anything is started.
+        self.otlp = _OtlpCopy(settings.otlp_endpoint, settings.flush_timeout_s) if settings.otlp_endpoint else None
         self.provider = _own_provider(settings.service_name)
         self.sender = SpanSender(settings.endpoint, spool_dir=settings.spool_dir,
                                  keys=security.client_keys(settings.keys_dir))
         self.processor = LitSpanProcessor(self.sender.submit)
         self.provider.add_span_processor(self.processor)
-        if settings.otlp_endpoint:
-            self.provider.add_span_processor(_otlp_processor(settings.otlp_endpoint))
+        if self.otlp is not None:
+            self.provider.add_span_processor(self.otlp)
         self.tracer = self.provider.get_tracer("lit_sdk")
         self.bridges: list[_Bridge] = []
         self.openai_instrumentor = LitOpenAIInstrumentor()
@@ -107,20 +124,24 @@ class Instrumentation:
 
     def _listen_in(self, name: str, instrumentor: Any) -> None:
         """Get the spans of an instrumentor someone else turned on, through a bridge on its provider's processors."""
-        processors = _span_processors_of(instrumentor)
+        processors = _span_processors_of(name, instrumentor)
         if processors is None:
             log.warning("lit: %s is already instrumented by another tracer provider that lit cannot reach; lit records "
                         "its LLM calls and rollouts, but not %s's own spans", name, name)
             return
-        bridge = _Bridge(self.processor)
-        processors.add_span_processor(bridge)
-        self.bridges.append(bridge)
+        bridge = _bridges.get(processors)
+        if bridge is None:  # the first lit on this provider; later ones reuse its bridge
+            bridge = _bridges[processors] = _Bridge()
+            processors.add_span_processor(bridge)
+        bridge.processor = self.processor
+        if bridge not in self.bridges:  # two frameworks the user instrumented onto one provider share it
+            self.bridges.append(bridge)
         log.info("lit: %s was already instrumented; lit leaves it on and listens in", name)
 
     def close(self) -> DeliveryCounts:
         atexit.unregister(self.close)
         for bridge in self.bridges:
-            bridge.enabled = False  # a provider's processors cannot be removed; the bridge goes quiet instead
+            bridge.processor = None  # a provider's processors cannot be taken out; the bridge goes quiet instead
         self.bridges.clear()
         for instrumentor in reversed(self.instrumentors):
             try:
@@ -133,8 +154,11 @@ class Instrumentation:
             self.openai_on = False
             if self.openai_instrumentor.is_instrumented_by_opentelemetry:
                 self.openai_instrumentor.uninstrument()
-        self.provider.shutdown()
-        return self.sender.shutdown(timeout=self.settings.flush_timeout_s)
+        if self.otlp is not None:
+            self.otlp.start_shutdown()  # beside the sender's: exit waits for the slower of the two, not for both
+        counts = self.sender.shutdown(timeout=self.settings.flush_timeout_s)
+        self.provider.shutdown()  # the OTLP copy's waits for what is left of its flush_timeout_s
+        return counts
 
     def _start_openai(self) -> None:
         """Turn on lit's openai instrumentor with these settings (skipped quietly when openai is not installed)."""
@@ -167,8 +191,12 @@ def instrument(
     spool_dir: where spans wait on disk while the trainer is away (``LIT_SPOOL_DIR``).
     service_name: this process's OpenTelemetry service name (``LIT_SERVICE_NAME``).
     flush_timeout_s: how long exit waits for delivery before spooling the rest (``LIT_FLUSH_TIMEOUT``, 5 s).
-    otlp_endpoint: an OTLP/HTTP traces URL that gets lit's spans as well (``LIT_OTLP_ENDPOINT``; the ``otlp`` extra).
-    Frameworks the caller already instrumented for their own tracing stay theirs (module docstring).
+    otlp_endpoint: an OTLP/HTTP traces URL (``http://host:4318/v1/traces``) that gets lit's spans as well
+        (``LIT_OTLP_ENDPOINT``; needs ``pip install 'lit-rl[otlp]'``); sent from a thread of its own, waited for
+        within ``flush()``'s timeout and, at exit, ``flush_timeout_s``.
+    A framework the caller already instrumented for their own backend stays theirs: lit neither instruments it again
+    nor turns it off, and takes from their tracer provider only the spans of its rollouts. Set up your own tracing
+    first (module docstring; docs/tracing.md).
     """
     settings = config.resolve(endpoint, frameworks, llm_base_urls, spool_dir, service_name, flush_timeout_s,
                               otlp_endpoint=otlp_endpoint)
@@ -190,47 +218,110 @@ def instrument(
 
 
 class _Bridge(SpanProcessor):
-    """lit's span processor on a provider that is not lit's, until ``enabled`` is turned off."""
+    """lit's span processor on a tracer provider of the user's: it hands ``processor`` the spans of lit's rollouts,
+    and nothing while ``processor`` is None (lit is off)."""
 
-    def __init__(self, processor: LitSpanProcessor):
-        self.processor = processor
-        self.enabled = True
+    def __init__(self) -> None:
+        self.processor: LitSpanProcessor | None = None
 
     def on_start(self, span: Any, parent_context: Any = None) -> None:
-        if self.enabled:
-            self.processor.on_start(span, parent_context)
+        processor = self.processor
+        if processor is not None:
+            with quietly("take a span of the user's tracer provider"):
+                if _context.current_rollout() is not None or processor.in_rollout(span):
+                    processor.on_start(span, parent_context)
 
     def on_end(self, span: Any) -> None:
-        if self.enabled:
-            self.processor.on_end(span)
+        processor = self.processor
+        if processor is not None:
+            with quietly("take a span of the user's tracer provider"):
+                if processor.in_rollout(span):
+                    processor.on_end(span)
 
 
-def _span_processors_of(instrumentor: Any) -> Any:
-    """The span processors of the SDK tracer provider an openinference instrumentor writes to, found down its chain
-    of ``_tracer`` attributes (LangChain's callback tracer, openinference's ``OITracer`` proxy, OpenTelemetry's
-    ``ProxyTracer``) to the SDK tracer, which shares its provider's processors; None when it is not there (the Agents
-    SDK's instrumentor keeps its tracer inside a processor of that SDK)."""
+_bridges: weakref.WeakKeyDictionary[Any, _Bridge] = weakref.WeakKeyDictionary()
+"""lit's bridge on each of the user's providers (by its span processors), for as long as that provider lives."""
+
+
+def _span_processors_of(name: str, instrumentor: Any) -> Any:
+    """The span processors of the SDK tracer provider an openinference instrumentor writes to; None when they cannot
+    be found. The way there starts where the instrumentor keeps its tracer: on itself (LangChain, AutoGen), in its
+    processor registered with the Agents SDK, or in its wrapper of the openai client's ``request``. It goes down
+    ``_tracer`` attributes (LangChain's callback tracer, openinference's ``OITracer`` proxy, OpenTelemetry's
+    ``ProxyTracer``) to the SDK tracer, which shares its provider's processors."""
     node = instrumentor
-    for _ in range(5):
-        node = getattr(node, "_tracer", None)
+    if name == "openai":
+        import openai
+
+        node = getattr(openai.OpenAI.request, "_self_wrapper", None)
+    for _ in range(6):
+        node = getattr(node, "_tracer", None) or getattr(node, "_processor", None)
         if node is None:
             return None
-        for name in ("span_processor", "_active_span_processor"):  # the SDK tracer's, by OpenTelemetry version
-            processors = getattr(node, name, None)
+        for attribute in ("span_processor", "_active_span_processor"):  # the SDK tracer's, by OpenTelemetry version
+            processors = getattr(node, attribute, None)
             if callable(getattr(processors, "add_span_processor", None)):
                 return processors
     return None
 
 
-def _otlp_processor(endpoint: str) -> SpanProcessor:
-    try:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    except ImportError:
-        raise ValueError(f"sending lit's spans to the OTLP endpoint {endpoint} needs OpenTelemetry's OTLP exporter: "
-                         "pip install 'lit-rl[otlp]'") from None
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+class _OtlpCopy(SpanProcessor):
+    """lit's spans to an OTLP/HTTP endpoint: OpenTelemetry's exporter in its batch processor, which exports on a thread
+    of its own. That processor's ``force_flush`` exports on the caller's thread whatever its timeout, and its
+    ``shutdown`` waits up to 30 s: an endpoint that does not answer would hold either for the exporter's timeout and
+    retries. Here both run on a thread of their own, waited for at most ``force_flush``'s timeout and
+    ``shutdown_timeout_s``; what is not exported by then is dropped."""
 
-    return BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint))
+    def __init__(self, endpoint: str, shutdown_timeout_s: float):
+        try:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        except ImportError:
+            raise ValueError(f"sending lit's spans to the OTLP endpoint {endpoint} needs OpenTelemetry's OTLP "
+                             "exporter: pip install 'lit-rl[otlp]'") from None
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        self.batch = BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint))
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self._lock = threading.Lock()
+        self._flushing: threading.Thread | None = None
+        self._closing: threading.Thread | None = None
+        self._closed_by = 0.0  # time.monotonic() when shutdown stops waiting
+
+    def on_end(self, span: Any) -> None:
+        self.batch.on_end(span)  # into its queue: never waits (a full queue drops the span, with a warning)
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        """Export what is queued, on a thread of its own (one at a time); wait for it up to ``timeout_millis``."""
+        with self._lock:
+            if self._closing is not None:
+                return False
+            if self._flushing is None or not self._flushing.is_alive():
+                self._flushing = _in_background("lit-otlp-flush", self.batch.force_flush)
+            flushing = self._flushing
+        flushing.join(max(0, timeout_millis) / 1000)
+        return not flushing.is_alive()
+
+    def start_shutdown(self) -> threading.Thread:
+        """Export what is queued and stop, on a thread of its own (once); ``shutdown()`` waits for it."""
+        with self._lock:
+            if self._closing is None:
+                self._closed_by = time.monotonic() + self.shutdown_timeout_s
+                self._closing = _in_background("lit-otlp-shutdown", self.batch.shutdown)
+            return self._closing
+
+    def shutdown(self) -> None:
+        """Wait for ``start_shutdown()``'s thread until ``shutdown_timeout_s`` after it started."""
+        self.start_shutdown().join(max(0.0, self._closed_by - time.monotonic()))
+
+
+def _in_background(name: str, step: Callable[[], Any]) -> threading.Thread:
+    def run() -> None:
+        with quietly(f"run {name}"):
+            step()
+
+    thread = threading.Thread(target=run, name=name, daemon=True)  # daemon: exit never waits for an endpoint
+    thread.start()
+    return thread
 
 
 def _own_provider(service_name: str) -> TracerProvider:
@@ -261,8 +352,14 @@ def flush(timeout: float | None = None) -> DeliveryCounts | None:
     current = _current()
     if current is None:
         return None
-    current.provider.force_flush()
-    return current.sender.flush(timeout)
+    if current.otlp is None:
+        return current.sender.flush(timeout)
+    # Both copies at once, within one timeout: the OTLP export starts first, on its own thread.
+    until = None if timeout is None else time.monotonic() + timeout
+    current.otlp.force_flush(0)
+    counts = current.sender.flush(timeout)
+    current.otlp.force_flush(30_000 if until is None else int(max(0.0, until - time.monotonic()) * 1000))
+    return counts
 
 
 def _current() -> Instrumentation | None:

@@ -1,10 +1,13 @@
 """lit's spans sent to an OTLP endpoint as well as to the trainer: a real OTLP/HTTP receiver (an HTTP server that
-decodes OpenTelemetry's protobuf ``ExportTraceServiceRequest``, as a collector does) gets the same spans, by id."""
+decodes OpenTelemetry's protobuf ``ExportTraceServiceRequest``, as a collector does) gets the same spans, by id; an
+endpoint that never answers holds up neither the agent nor ``flush()`` nor exit."""
 
 from __future__ import annotations
 
+import socket
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import openai
@@ -83,6 +86,39 @@ def test_the_same_spans_reach_the_trainer_and_an_otlp_receiver(receiver, tmp_pat
         # token ids go to the trainer only (lit attaches them in bulk, past OpenTelemetry)
         assert (sc.LLM_RESPONSE_TOKEN_IDS in attributes) is False
     assert sorted(s.name for s in otlp.values()) == sorted([sc.LLM_SPAN, sc.REWARD_SPAN, sc.ROLLOUT_SPAN] * 2)
+
+
+def test_an_otlp_endpoint_that_never_answers_holds_up_neither_the_agent_nor_flush_nor_exit(tmp_path):
+    """OpenTelemetry's own force_flush exports on the caller's thread, past its timeout, and its shutdown waits up
+    to 30 s: lit's waits stay within their timeouts."""
+    with socket.socket() as hanging, FakeLLM() as llm, AckServer() as server:
+        hanging.bind(("127.0.0.1", 0))
+        hanging.listen()  # connections are taken (the backlog) and never answered
+        url = f"http://127.0.0.1:{hanging.getsockname()[1]}/v1/traces"
+        lit.instrument(endpoint=server.endpoint, llm_base_urls=[llm.base_url], spool_dir=tmp_path / "spool",
+                       otlp_endpoint=url, flush_timeout_s=1)
+        try:
+            client = openai.OpenAI(base_url=llm.base_url, api_key="unused")
+
+            @lit.trace
+            def solve(question: str) -> float:
+                client.chat.completions.create(model="policy", messages=[{"role": "user", "content": question}])
+                return 1.0
+
+            started = time.monotonic()
+            for _ in range(3):
+                assert solve("2+3?") == 1.0
+            assert time.monotonic() - started < 3  # each call is a few ms; nothing waits for the endpoint
+            started = time.monotonic()
+            counts = lit.flush(timeout=1)
+            assert time.monotonic() - started < 3
+            assert counts is not None and counts.pending == 0 and len(server.spans()) == 6  # the trainer's copy
+            solve("4+5?")  # one more for exit to flush
+        finally:
+            started = time.monotonic()
+            lit.uninstrument()
+            assert time.monotonic() - started < 3  # flush_timeout_s, not OpenTelemetry's 30 s
+        assert len(server.spans()) == 8
 
 
 def test_a_wrong_otlp_endpoint_or_a_missing_exporter_says_what_to_do(tmp_path, monkeypatch):
