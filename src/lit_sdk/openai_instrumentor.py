@@ -249,7 +249,9 @@ def _is_number(value: Any) -> bool:
 
 def _parsed(result: Any) -> Any:
     # ``with_raw_response.create`` returns a raw response wrapper; its parse() is cached, so calling it is free.
-    if hasattr(result, "parse") and hasattr(result, "http_response"):
+    # Looked up on the class: a missing attribute of a pydantic model instance goes through its slow __getattr__.
+    cls = type(result)
+    if hasattr(cls, "parse") and hasattr(cls, "http_response"):
         return result.parse()
     return result
 
@@ -258,17 +260,23 @@ def record_response(span: Any, response: Any, api: str) -> dict[str, list]:
     """Set the call's scalar attributes on the span and return the engine's ids and logprobs of choice 0 (only
     when they are consistent) for the span processor to add to the record."""
     choices = getattr(response, "choices", None) or []
-    span.set_attribute(semconv.LLM_CHOICES, len(choices))
+    attrs: dict[str, Any] = {semconv.LLM_CHOICES: len(choices)}  # set at once: each set_attribute takes a lock
     if getattr(response, "model", None):
-        span.set_attribute(semconv.LLM_MODEL, response.model)
+        attrs[semconv.LLM_MODEL] = response.model
     if getattr(response, "id", None):
-        span.set_attribute(semconv.LLM_RESPONSE_ID, response.id)
-    if not choices:
-        span.set_attribute(semconv.LLM_TOKEN_IDS_MISSING, True)
-        return {}
-    choice = choices[0]
+        attrs[semconv.LLM_RESPONSE_ID] = response.id
+    choice = choices[0] if choices else None
     if getattr(choice, "finish_reason", None):
-        span.set_attribute(semconv.LLM_FINISH_REASON, str(choice.finish_reason))
+        attrs[semconv.LLM_FINISH_REASON] = str(choice.finish_reason)
+    bulk = _engine_ids(response, choice, api) if choice is not None else {}
+    if not bulk:
+        attrs[semconv.LLM_TOKEN_IDS_MISSING] = True
+    span.set_attributes(attrs)
+    return bulk
+
+
+def _engine_ids(response: Any, choice: Any, api: str) -> dict[str, list]:
+    """The prompt and response token ids of ``choice`` (and its logprobs when there is one per token), or {}."""
     if api == "chat":
         prompt_ids = getattr(response, "prompt_token_ids", None)
         logprobs = getattr(choice, "logprobs", None)
@@ -280,7 +288,6 @@ def record_response(span: Any, response: Any, api: str) -> dict[str, list]:
         response_logprobs = getattr(logprobs, "token_logprobs", None) if logprobs is not None else None
     response_ids = getattr(choice, "token_ids", None)
     if not isinstance(prompt_ids, list) or not isinstance(response_ids, list):
-        span.set_attribute(semconv.LLM_TOKEN_IDS_MISSING, True)
         return {}
     bulk = {semconv.LLM_PROMPT_TOKEN_IDS: prompt_ids, semconv.LLM_RESPONSE_TOKEN_IDS: response_ids}
     if response_logprobs is not None and len(response_logprobs) == len(response_ids):

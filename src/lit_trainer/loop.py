@@ -71,10 +71,10 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
         policy = Policy(policy_cfg, cfg.train.trackers, project_dir=str(out),
                         reference=str(base_dir) if cfg.loss.kl_beta > 0 else None)  # KL to the initial weights
 
-        sync = WeightSync(svc.server.base_url, cfg.weight_sync)
+        engine = Engine(svc, policy, cfg)
         state = ckpt.restore(start, policy) if start else {"step": 0, "minutes": 0.0}
         if start:
-            sync.push_weights(policy.state_dict(), version=str(start.step))
+            engine.push_weights(policy.state_dict(), version=str(start.step))
             print(f"lit: resumed from {start.path} (step {start.step})", file=sys.stderr)
         log = MetricsLog(out / "metrics.jsonl", policy.accelerator, cfg.train.trackers, cfg.to_dict())
         step, minutes, last_val = state["step"], state["minutes"], {}
@@ -84,9 +84,11 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
         while step < cfg.train.steps and not (cfg.train.max_minutes and minutes >= cfg.train.max_minutes):
             t0 = time.perf_counter()
             tasks = sample_tasks(train_tasks, cfg.train.seed, step, cfg.train.tasks_per_step)
-            episodes, metrics, sync = step_rollouts(svc, sync, policy, tasks, cfg, step)
+            restarts = engine.restarts
+            episodes, metrics = step_rollouts(svc, engine, tasks, cfg, step)
             metrics["time/rollout"] = time.perf_counter() - t0
-            metrics.update(update_policy(policy, sync, svc.store, episodes, cfg, pad_id, step + 1))
+            metrics.update(update_policy(policy, engine, svc.store, episodes, cfg, pad_id, step + 1))
+            metrics["engine/restarts"] = float(engine.restarts - restarts)
             step += 1
             minutes += (time.perf_counter() - t0) / 60
             metrics["minutes"] = minutes
@@ -100,33 +102,70 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
                 ckpt.save(out, step, policy, base_dir, {"minutes": minutes, "data_position": step,
                                                         "weight_version": str(step)}, cfg.train.keep_checkpoints)
         log.close()
-        sync.close()  # the last one: step_rollouts replaces it when vLLM is restarted
+        engine.close()
     png = plot_curve(out / "metrics.jsonl", out / "curve.png", title=f"{cfg.agent.function} on {cfg.model}")
     if png:
         print(f"lit: curve written to {png}", file=sys.stderr)
     return last_val
 
 
-def step_rollouts(svc: Any, sync: WeightSync, policy: Any, tasks: list[dict], cfg: TrainConfig, step: int
-                  ) -> tuple[list[Episode], dict[str, float], WeightSync]:
+class Engine:
+    """The vLLM server the loop trains, as the loop uses it: the policy's weights go in through ``push_weights``
+    (``WeightSync``'s). vLLM dying is recovered from wherever it is noticed: it is started again on the same port
+    with the policy's current weights (``restart``), and ``restarts`` counts how often."""
+
+    def __init__(self, svc: Any, policy: Any, cfg: TrainConfig):
+        self.svc, self.policy, self.cfg = svc, policy, cfg
+        self.sync = WeightSync(svc.server.base_url, cfg.weight_sync)
+        self.restarts = 0
+
+    @property
+    def base_url(self) -> str:
+        return self.sync.base_url
+
+    def push_weights(self, state: Any, version: str) -> Any:
+        """``WeightSync.push_weights``; if vLLM has died (during the update, or during this push), it is started
+        again with the policy's weights of ``version`` instead. The sync's report (None after a restart)."""
+        try:
+            self.svc.server.check_alive()
+            return self.sync.push_weights(state, version=version)
+        except (ServerDiedError, WeightSyncError) as exc:
+            if not self.svc.server.exited(within_s=5.0):  # an error of a live server is no death: it stops the run
+                raise
+            self.restart(version, f"before the weights of step {version} reached it ({_first_line(exc)})")
+            return None
+
+    def restart(self, version: str, when: str) -> None:
+        """Start vLLM again after it died ``when``, and push the policy's current weights into it as ``version``."""
+        print(f"lit: vLLM died {when}; starting it again with the current weights", file=sys.stderr)
+        self.sync.close()
+        self.svc.restart_server()
+        self.restarts += 1
+        self.sync = WeightSync(self.svc.server.base_url, self.cfg.weight_sync)
+        self.sync.push_weights(self.policy.state_dict(), version=version)
+
+    def close(self) -> None:
+        self.sync.close()
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def step_rollouts(svc: Any, engine: Engine, tasks: list[dict], cfg: TrainConfig, step: int
+                  ) -> tuple[list[Episode], dict[str, float]]:
     """The rollouts of training step ``step`` (from 0). If vLLM dies meanwhile, it is started again with the
     policy's current weights and the step's rollouts run again (what was in flight is given up, and nothing of it
-    is trained on), up to ``MAX_ENGINE_RESTARTS`` times; the weight sync to use from then on."""
+    is trained on), up to ``MAX_ENGINE_RESTARTS`` times."""
     for restart in range(MAX_ENGINE_RESTARTS + 1):
         try:
             label = f"s{step}" + (f"-restart{restart}" if restart else "")
-            episodes, metrics = svc.rollouts(tasks, cfg.train.group_size, cfg.agent.temperature, step, label)
-            metrics["engine/restarts"] = float(restart)
-            return episodes, metrics, sync
+            return svc.rollouts(tasks, cfg.train.group_size, cfg.agent.temperature, step, label)
         except ServerDiedError as exc:
             if restart == MAX_ENGINE_RESTARTS:
                 raise
-            print(f"lit: vLLM died during the rollouts of step {step + 1} ({str(exc).splitlines()[0]}); starting it "
-                  "again with the current weights and running the step's rollouts again", file=sys.stderr)
-            sync.close()
-            svc.restart_server()
-            sync = WeightSync(svc.server.base_url, cfg.weight_sync)
-            sync.push_weights(policy.state_dict(), version=str(step))
+            engine.restart(str(step), f"during the rollouts of step {step + 1} ({_first_line(exc)}); the step's "
+                           "rollouts run again")
     raise AssertionError("unreachable")
 
 
@@ -166,7 +205,10 @@ def update_policy(policy: Any, sync: Any, store: Store, episodes: list[Episode],
     store.save_trainer_logprobs((pairs[i][0].rollout_id, pairs[i][0].index, values)
                                 for i, values in trainer_logprobs.items())
     metrics["time/update"] = time.perf_counter() - t0
-    metrics["time/sync"] = sync.push_weights(policy.state_dict(), version=version).total_s
+    t0 = time.perf_counter()
+    report = sync.push_weights(policy.state_dict(), version=version)
+    # None: vLLM had died and was started again with these weights (Engine); that took the time
+    metrics["time/sync"] = report.total_s if report is not None else time.perf_counter() - t0
     every = cfg.train.check_sync_every
     if every and (version == "1" or int(version) % every == 0):
         gap = check_logprobs(sync.base_url, cfg.inference.served_model_name, policy.unwrapped(),

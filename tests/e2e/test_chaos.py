@@ -6,7 +6,8 @@ rollouts, during its policy update, and during its weight sync (vLLM paused, new
 SIGKILL of the trainer process from inside (a watchdog thread, or a patched function, in a small harness that then
 runs the real CLI), so it lands exactly there; vLLM and the local workers die with the trainer. The fourth run has
 its vLLM killed during the third step's rollouts: the trainer starts it again with the current weights, runs the
-step's rollouts again, and finishes. Then: no span lost (every rollout's root declares how many spans it emitted,
+step's rollouts again (or, when vLLM is found dead only after the step's update, pushes the new weights into the
+new server), and finishes. Then: no span lost (every rollout's root declares how many spans it emitted,
 and that many are stored; the workers' spools are empty), no step trained twice (each step's metrics come once,
 from the run that completed it), and the store passes SQLite's integrity check."""
 
@@ -122,7 +123,10 @@ def test_sigkill_in_rollouts_update_and_sync_then_resume_loses_and_repeats_nothi
     train = [r for r in train if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3, 4]  # each step trained once: killed steps never logged
     assert all(r["rollouts/failed"] == 0 and r["rollouts/unusable"] == 0 for r in train), train
-    assert "chaos: SIGKILL to vLLM" in log and "vLLM died during the rollouts of step 3" in log, log[-3000:]
+    # killed once two rollouts of step 3 ended: found dead in its rollouts, or (when the rest had ended meanwhile)
+    # by the weight sync after its update; either way started again, once
+    assert "chaos: SIGKILL to vLLM" in log and ("vLLM died during the rollouts of step 3" in log or
+                                                "vLLM died before the weights of step 3 reached it" in log), log[-3000:]
     assert [r["engine/restarts"] for r in train] == [0, 0, 1, 0]  # restarted once, and step 3 ran again
 
     with sqlite3.connect(out / "lit.sqlite") as conn:

@@ -65,6 +65,7 @@ POINTS: dict[str, list[tuple[Any, str]]] = {
     "otel.detach": [(otel_context, "detach")],
     "tracer.start_span": [(sdk_trace.Tracer, "start_span")],
     "span.set_attribute": [(sdk_trace.Span, "set_attribute")],
+    "span.set_attributes": [(sdk_trace.Span, "set_attributes")],
     "span.set_status": [(sdk_trace.Span, "set_status")],
     "span.record_exception": [(sdk_trace.Span, "record_exception")],
     "span.end": [(sdk_trace.Span, "end")],
@@ -128,7 +129,7 @@ class OpenAICase:
         points = [p for p in OPENING_AND_CLOSING if p != "state.active"]
         points += ["openai.is_managed", "openai.with_token_ids", "openai.resolve_agent", "openai.sampling_attributes"]
         if self.outcome == "answers":
-            points += ["openai.parsed", "openai.record_response", "span.set_attribute", "processor.attach_bulk"]
+            points += ["openai.parsed", "openai.record_response", "span.set_attributes", "processor.attach_bulk"]
         else:
             points += ["mark_failed", "span.record_exception"]
         return points

@@ -351,6 +351,17 @@ class InferenceServer:
         except (urllib.error.URLError, OSError):
             return False
 
+    def exited(self, within_s: float = 0.0) -> bool:
+        """Whether the server process has exited, waiting up to ``within_s`` seconds for it to: a killed server
+        refuses connections a moment before its process is gone."""
+        if self.process is None:
+            return False
+        try:
+            self.process.wait(timeout=within_s)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
     def check_alive(self) -> None:
         """Raise ``ServerDiedError`` (with the log's tail and a hint) if the server process has exited."""
         if self.process is None:

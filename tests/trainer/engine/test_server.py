@@ -212,6 +212,19 @@ def test_startup_timeout_names_the_setting_and_kills_the_server(tmp_path: Path):
     assert "sleep 600" not in subprocess.run(["ps", "-eo", "args"], check=True, capture_output=True, text=True).stdout
 
 
+def test_exited_waits_a_moment_for_a_killed_server(tmp_path: Path):
+    server = InferenceServer(InferenceConfig(model=str(_fake_model(tmp_path / "m")), log_dir=str(tmp_path)))
+    assert not server.exited(within_s=1.0)  # never started
+    server.process = subprocess.Popen(["sleep", "600"])
+    try:
+        assert not server.exited(within_s=0.2)
+        server.process.kill()
+        assert server.exited(within_s=5.0)
+    finally:
+        server.process.kill()
+        server.process.wait()
+
+
 @pytest.mark.vllm
 def test_completion_returns_token_ids_and_logprobs(vllm_server: InferenceServer):
     body = {"model": vllm_server.model_name, "prompt": "The capital of France is", "max_tokens": 8,
