@@ -249,9 +249,9 @@ def _is_number(value: Any) -> bool:
 
 def _parsed(result: Any) -> Any:
     # ``with_raw_response.create`` returns a raw response wrapper; its parse() is cached, so calling it is free.
-    # Looked up on the class: a missing attribute of a pydantic model instance goes through its slow __getattr__.
-    cls = type(result)
-    if hasattr(cls, "parse") and hasattr(cls, "http_response"):
+    # ``parse`` is looked up on the class first: a missing attribute of a pydantic model instance (the usual
+    # result) goes through its slow __getattr__. ``http_response`` is an instance attribute of the wrapper.
+    if hasattr(type(result), "parse") and hasattr(result, "http_response"):
         return result.parse()
     return result
 

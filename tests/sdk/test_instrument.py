@@ -172,6 +172,25 @@ def test_instrument_twice_records_each_call_once(clean, tmp_path):
         assert span["attributes"][sc.LLM_PROMPT_TOKEN_IDS] == llm.responses[0]["prompt_token_ids"]
 
 
+def test_a_raw_response_call_is_recorded_with_its_token_ids(clean, tmp_path):
+    """``with_raw_response.create`` (what LangChain's ChatOpenAI calls) returns a wrapper: lit reads the parsed
+    response through it, and the caller still gets the wrapper."""
+    with FakeLLM() as llm, AckServer() as server:
+        lit.instrument(endpoint=server.endpoint, llm_base_urls=[llm.base_url], spool_dir=tmp_path)
+
+        @lit.trace
+        def agent() -> object:
+            client = OpenAI(base_url=llm.base_url, api_key="x")
+            return client.chat.completions.with_raw_response.create(
+                model="m", messages=[{"role": "user", "content": "hi"}])
+
+        raw = agent()
+        assert raw.http_response.status_code == 200 and raw.parse().choices
+        (span,) = _llm_spans(server)
+        assert span["attributes"][sc.LLM_PROMPT_TOKEN_IDS] == llm.responses[0]["prompt_token_ids"]
+        assert sc.LLM_TOKEN_IDS_MISSING not in span["attributes"]
+
+
 def test_reinstrument_with_other_base_urls_takes_effect(clean, tmp_path):
     with FakeLLM() as first, FakeLLM() as second, AckServer() as server:
         lit.instrument(endpoint=server.endpoint, llm_base_urls=[first.base_url], spool_dir=tmp_path)
