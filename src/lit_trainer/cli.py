@@ -257,7 +257,7 @@ def _show(args: argparse.Namespace) -> int:
         output = args.output or args.run_dir / "rollouts" / f"{args.rollout_id}.html"
         print(viewer.view_rollout(args.run_dir, args.rollout_id).save(output))
         return 0
-    with viewer.open_run(args.run_dir) as store:
+    with viewer.open_store(args.run_dir) as store:
         step = store.last_step() if args.step is None else args.step
         rows = viewer.list_rollouts(store, step) if step is not None else []
     if not rows:

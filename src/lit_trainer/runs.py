@@ -21,6 +21,7 @@ from lit_trainer.intake.episodes import Episode, UnusableRollout, build_episode
 from lit_trainer.intake.store import RolloutRow, SqliteStore
 from lit_trainer.metrics import plot_curve
 from lit_trainer.metrics import read as read_metrics
+from lit_trainer.viewer import open_store
 
 
 @dataclass(frozen=True)
@@ -71,9 +72,7 @@ class Run:
     def store(self) -> SqliteStore:
         """The run's store (every span, rollout attempt, episode and advantage); closed by ``close()``."""
         if self._store is None:
-            if not (self.dir / "lit.sqlite").exists():
-                raise FileNotFoundError(f"{self.dir} has no lit.sqlite")
-            self._store = SqliteStore(self.dir / "lit.sqlite")
+            self._store = open_store(self.dir)
         return self._store
 
     def rollouts(self, step: int | None = None) -> list[RolloutRow]:

@@ -94,11 +94,11 @@ def view_rollout(run: str | Path | Store, rollout_id: str, tokenizer: Any = None
     tokens are shown as their ids."""
     if not isinstance(run, (str, Path)):
         return _view(run, rollout_id, _decoder(tokenizer))
-    with open_run(run) as store:
+    with open_store(run) as store:
         return _view(store, rollout_id, _decoder(tokenizer if tokenizer is not None else run_tokenizer(run)))
 
 
-def open_run(run_dir: str | Path) -> SqliteStore:
+def open_store(run_dir: str | Path) -> SqliteStore:
     """The store of a run's ``train.output_dir``; FileNotFoundError (never a new empty store) when it has none."""
     path = Path(run_dir).expanduser() / STORE_FILE
     if not path.is_file():
