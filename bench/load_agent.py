@@ -1,5 +1,6 @@
 """The agent of ``rollout_throughput.py``: three chat calls per rollout through the real openai client, traced by
-lit; the rollout returns its reward (1.0), which lands on the root span: four spans per rollout. Importable by worker processes (``load_agent:three_calls`` with bench/ on the path).
+lit; the rollout returns its reward (1.0), which lands on the root span: four spans per rollout. Importable by
+worker processes (``load_agent:three_calls`` with bench/ on the path).
 """
 
 from __future__ import annotations
