@@ -169,11 +169,11 @@ def step_rollouts(svc: Any, engine: Engine, tasks: list[dict], cfg: TrainConfig,
     raise AssertionError("unreachable")
 
 
-def update_policy(policy: Any, sync: Any, store: Store, episodes: list[Episode], cfg: TrainConfig, pad_id: int,
-                  step: int) -> dict[str, float]:
+def update_policy(policy: Any, engine: Engine, store: Store, episodes: list[Episode], cfg: TrainConfig,
+                  pad_id: int, step: int) -> dict[str, float]:
     """LightningRL on the episodes of training step ``step`` (from 1), the optimizer steps, and the weight sync
-    (weight version ``step``); their metrics. Every transition's advantage goes to ``store`` (for ``lit show``),
-    also of those then left out of the update."""
+    into ``engine`` (weight version ``step``); their metrics. Every transition's advantage goes to ``store`` (for
+    ``lit show``), also of those then left out of the update."""
     version = str(step)
     groups = collections.Counter(e.task_id for e in episodes)
     kept = [e for e in episodes if groups[e.task_id] >= cfg.train.min_group_size]
@@ -206,12 +206,12 @@ def update_policy(policy: Any, sync: Any, store: Store, episodes: list[Episode],
                                 for i, values in trainer_logprobs.items())
     metrics["time/update"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    report = sync.push_weights(policy.state_dict(), version=version)
+    report = engine.push_weights(policy.state_dict(), version=version)
     # None: vLLM had died and was started again with these weights (Engine); that took the time
     metrics["time/sync"] = report.total_s if report is not None else time.perf_counter() - t0
     every = cfg.train.check_sync_every
     if every and (version == "1" or int(version) % every == 0):
-        gap = check_logprobs(sync.base_url, cfg.inference.served_model_name, policy.unwrapped(),
+        gap = check_logprobs(engine.base_url, cfg.inference.served_model_name, policy.unwrapped(),
                              [t.prompt_ids for t, _ in pairs[:2]], cfg.weight_sync.logprob_tolerance, max_tokens=8)
         metrics["sync/logprob_gap_max"] = gap.max_abs
         if not gap.ok:
