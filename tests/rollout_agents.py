@@ -1,5 +1,6 @@
 """Agent functions for the dispatcher tests: each behaves in one way a real agent can (returns, raises, hangs,
-takes its worker down). They make no LLM call: the worker and dispatcher are what is under test."""
+takes its worker down, has a tool that raises). They make no LLM call: the worker and dispatcher are what is under
+test."""
 
 import asyncio
 import os
@@ -18,6 +19,34 @@ async def returns_task_value(task, llm):
 @lit.trace
 async def raises(task, llm):
     raise RuntimeError("agent bug on purpose")
+
+
+def _failing_tool():
+    """A real LangChain tool (traced by openinference's LangChain instrumentor) that raises."""
+    from langchain_core.tools import tool
+
+    @tool
+    def lookup(query: str) -> str:
+        """Look something up."""
+        raise LookupError("the tool failed on purpose")
+
+    return lookup
+
+
+@lit.trace
+async def tool_raises_and_agent_goes_on(task, llm):
+    """The agent's tool raises; the agent hands the error back as the tool's answer (as LangGraph's ToolNode does)
+    and finishes: reward 1 when it saw the error."""
+    try:
+        answer = await _failing_tool().ainvoke({"query": str(task["id"])})
+    except LookupError as exc:
+        answer = f"error: {exc}"
+    return float(answer.startswith("error"))
+
+
+@lit.trace
+async def tool_raises_through_the_agent(task, llm):
+    return await _failing_tool().ainvoke({"query": str(task["id"])})
 
 
 @lit.trace

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from lit_sdk import semconv as sc
-from lit_sdk.protocol import STATUS_OK, SpanRecord
+from lit_sdk.protocol import STATUS_ERROR, STATUS_OK, SpanRecord
 from lit_sdk.resources import LLM
 from lit_sdk.worker import spawn
 from lit_trainer.evaluate import accuracy_line
@@ -75,6 +75,23 @@ def test_an_agent_that_raises_is_retried_then_failed_never_reward_zero(rig):
     assert "RuntimeError: agent bug on purpose" in rows[0].error
     episodes, metrics = gather_episodes(store, [outcome], (), 1.0)
     assert episodes == [] and metrics["rollouts/failed"] == 1 and metrics["accuracy"] == 0.0
+
+
+def test_a_tool_that_raises_is_recorded_and_the_agent_goes_on(rig):
+    store, dispatcher, _ = rig("tool_raises_and_agent_goes_on", max_attempts=2)
+    outcomes = dispatcher.run(requests(2))
+    assert [(o.status, o.attempts, o.reward) for o in outcomes] == [(RolloutStatus.SUCCEEDED, 1, 1.0)] * 2
+    for outcome in outcomes:
+        assert store.missing_spans(outcome.rollout_id) is None  # every span the rollout declared is stored
+        [tool_span] = [s for s in store.spans_of_rollout(outcome.rollout_id) if s.name == "lookup"]
+        assert tool_span.status == STATUS_ERROR and "the tool failed on purpose" in tool_span.status_message
+
+
+def test_a_tool_error_the_agent_does_not_catch_fails_the_rollout(rig):
+    store, dispatcher, _ = rig("tool_raises_through_the_agent", max_attempts=2)
+    [outcome] = dispatcher.run(requests(1))
+    assert outcome.status is RolloutStatus.FAILED and outcome.attempts == 2 and outcome.reward is None
+    assert all("LookupError: the tool failed on purpose" in e for e in outcome.errors)
 
 
 def test_a_retry_that_succeeds_wins(rig):
