@@ -30,7 +30,10 @@ def vllm_server(prepared_model: Path, tmp_path_factory: pytest.TempPathFactory):
     from lit_trainer.engine.config import InferenceConfig
     from lit_trainer.engine.server import InferenceServer
 
-    config = InferenceConfig(model=str(prepared_model), log_dir=str(tmp_path_factory.mktemp("vllm-logs")))
+    # 1 GiB of KV cache (23k tokens) is plenty here, and this server lives through tests that start a vLLM of their
+    # own: on a 24 GB machine the default 2 GiB for each got one of them OOM-killed
+    config = InferenceConfig(model=str(prepared_model), log_dir=str(tmp_path_factory.mktemp("vllm-logs")),
+                             cpu_kv_cache_gb=1)
     with InferenceServer(config) as server:
         pgid = server.process.pid
         yield server

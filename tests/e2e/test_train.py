@@ -42,6 +42,8 @@ val_every = 2
 checkpoint_every = 1
 check_sync_every = 1
 output_dir = "{out}"
+[inference]
+cpu_kv_cache_gb = 1
 [policy]
 learning_rate = 1e-5
 """
