@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import copy
 import json
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +27,7 @@ from lit_trainer.engine.weight_sync import (
     ShmCheckpoint,
     WeightSync,
     WeightSyncError,
+    remove_abandoned,
     separate_aliases,
     transfer_init_info,
 )
@@ -129,6 +133,40 @@ def test_sync_calls_the_routes_in_order(fake_vllm: str, tmp_path: Path):
     assert _FakeVLLM.calls[3][1] == {"new_version": "1"}
     assert report.version == "1"
     assert list(report.seconds) == ["serialize", "pause", "reload", "reset_cache", "version", "resume"]
+
+
+HOLDER = """
+import sys, time
+import torch
+from lit_trainer.engine.config import WeightSyncConfig
+from lit_trainer.engine.weight_sync import WeightSync
+sync = WeightSync("http://127.0.0.1:9", WeightSyncConfig(shm_dir=sys.argv[1]))
+sync.checkpoint.write({"w": torch.zeros(1000)})
+print(sync.folder, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_weights_a_killed_trainer_left_in_shared_memory_are_removed_by_the_next(tmp_path: Path):
+    holders = [subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+               for _ in range(2)]
+    try:
+        dead, live = (Path(h.stdout.readline().strip()) for h in holders)
+        holders[0].send_signal(signal.SIGKILL)  # close() never runs
+        holders[0].wait()
+        assert (dead / "full" / "model.safetensors").is_file()
+        with WeightSync("http://127.0.0.1:9", WeightSyncConfig(shm_dir=str(tmp_path))) as sync:
+            assert not dead.exists()  # its owner died: removed
+            assert live.exists() and sync.folder.exists()  # a live trainer's, and our own, stay
+            assert remove_abandoned(tmp_path) == 0  # a sweep passes over folders that are held
+        assert not sync.folder.exists()
+        holders[1].send_signal(signal.SIGKILL)
+        holders[1].wait()
+        assert remove_abandoned(tmp_path) > 4000 and not live.exists()  # 1000 float32 and the header
+    finally:
+        for holder in holders:
+            holder.kill()
+            holder.wait()
 
 
 def test_failed_reload_still_resumes_the_server(fake_vllm: str, tmp_path: Path):
