@@ -83,7 +83,10 @@ def remove_abandoned(root: Path) -> int:
         except OSError:
             continue  # its trainer lives
         else:
-            size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+            try:
+                size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+            except OSError:  # another trainer's sweep got there first
+                size = 0
             shutil.rmtree(folder, ignore_errors=True)
             freed += size
         finally:
