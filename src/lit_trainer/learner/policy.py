@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lit_trainer.learner import logprobs, lora
+from lit_trainer.learner import distributed, logprobs, lora
 from lit_trainer.learner.batching import MicroBatch
 from lit_trainer.models import resolve_model
 
@@ -71,10 +71,14 @@ class Policy:
         model under the adapter, computed with the adapter switched off: no extra memory, and ``reference`` only
         has to be given to turn it on."""
         from accelerate import Accelerator
+        from accelerate.utils import InitProcessGroupKwargs
         from transformers import AutoModelForCausalLM
 
         self.config = config
-        self.accelerator = Accelerator(log_with=list(trackers) or None, project_dir=project_dir)
+        # The other processes wait in a collective while the main one runs the rollouts and validation.
+        wait = InitProcessGroupKwargs(timeout=distributed.COLLECTIVE_TIMEOUT)
+        self.accelerator = Accelerator(log_with=list(trackers) or None, project_dir=project_dir,
+                                       kwargs_handlers=[wait], cpu=distributed.on_cpu_processes())
         model = AutoModelForCausalLM.from_pretrained(resolve_model(config.model), dtype=torch.float32)
         if config.gradient_checkpointing:
             model.gradient_checkpointing_enable()
@@ -90,7 +94,9 @@ class Policy:
             optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay, fused=True)
         except (RuntimeError, TypeError):  # a device or dtype without the fused kernel
             optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
-        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        # Not wrapped in DDP: the processes sum their gradients themselves (learner/distributed.py says why).
+        self.model = self.accelerator.prepare_model(model, evaluation_mode=self.accelerator.num_processes > 1)
+        self.optimizer = self.accelerator.prepare_optimizer(optimizer)
         self.reference: torch.nn.Module | None = None
         self.has_reference = reference is not None
         if reference is not None and not config.lora_rank:
@@ -112,7 +118,11 @@ class Policy:
         """One optimizer step over all micro-batches: the gradients of their loss terms add up (see ``LossFn``), so
         the step is that of the whole batch as one. Metrics are averaged over micro-batches by response tokens.
         ``keep_logprobs``: filled with the trainer's logprob of each response token before the step, by row
-        (``MicroBatch.index``), for the rollout viewer's trainer-vs-engine gap."""
+        (``MicroBatch.index``), for the rollout viewer's trainer-vs-engine gap.
+
+        Under several processes each computes its share of the micro-batches (``distributed.assign``, by tokens)
+        and the gradients are summed across them before the step; every process gets the whole step's metrics and
+        logprobs."""
         assert micro_batches, "update() needs at least one micro-batch"
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -120,7 +130,8 @@ class Policy:
         assert total_tokens > 0, "every micro-batch is fully masked: nothing to train on"
         sums: dict[str, float] = {}
         gap_sum, gap_tokens = 0.0, 0
-        for mb in micro_batches:
+        kept: dict[int, list[float]] = {}
+        for mb in self.my_share(micro_batches):
             weight = mb.n_response_tokens / total_tokens
             logp, entropy = self.token_logprobs(mb, with_entropy=self.config.compute_entropy)
             loss, metrics = loss_fn(logp, mb, entropy, self.reference_logprobs(mb) if self.has_reference else None)
@@ -130,16 +141,27 @@ class Policy:
             mask = mb.response_mask.to(logp.device)
             if keep_logprobs is not None:
                 for b, row in enumerate(mb.index):
-                    keep_logprobs[row] = logp[b].detach()[mask[b].bool()].tolist()
+                    kept[row] = logp[b].detach()[mask[b].bool()].tolist()
             gap_sum += ((logp.detach() - mb.old_logprobs.to(logp.device)).abs() * mask).sum().item()
             gap_tokens += int(mask.sum().item())
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + float(value) * weight
+        distributed.sum_gradients(self.trainable)
+        sums, gap_sum, gap_tokens = _add_up(distributed.gather((sums, gap_sum, gap_tokens, kept)), keep_logprobs)
         grad_norm = self._clip()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {**sums, "policy/grad_norm": grad_norm, "policy/vllm_logprob_gap": gap_sum / max(gap_tokens, 1),
                 "policy/response_tokens": float(total_tokens)}
+
+    def my_share(self, micro_batches: Sequence[MicroBatch]) -> list[MicroBatch]:
+        """The micro-batches this process computes: all of them in one process, else its ``distributed.assign``
+        share by the tokens each computes."""
+        rank, processes = distributed.world(self.accelerator)
+        if processes == 1:
+            return list(micro_batches)
+        shares = distributed.assign([mb.input_ids.numel() for mb in micro_batches], processes)
+        return [micro_batches[i] for i in shares[rank]]
 
     @torch.no_grad()
     def reference_logprobs(self, batch: MicroBatch) -> torch.Tensor:
@@ -170,3 +192,19 @@ class Policy:
             return lora.merged_state_dict(self.unwrapped())
         return self.unwrapped().state_dict()
 
+
+
+def _add_up(parts: list[tuple[dict[str, float], float, int, dict[int, list[float]]]],
+            keep_logprobs: dict[int, list[float]] | None) -> tuple[dict[str, float], float, int]:
+    """The processes' (metric sums, logprob gap sum, gap tokens, kept logprobs) as the whole step's; the kept
+    logprobs go into ``keep_logprobs``."""
+    sums: dict[str, float] = {}
+    gap_sum, gap_tokens = 0.0, 0
+    for part_sums, part_gap, part_tokens, kept in parts:
+        for key, value in part_sums.items():
+            sums[key] = sums.get(key, 0.0) + value
+        gap_sum += part_gap
+        gap_tokens += part_tokens
+        if keep_logprobs is not None:
+            keep_logprobs.update(kept)
+    return sums, gap_sum, gap_tokens

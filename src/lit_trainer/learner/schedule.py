@@ -29,6 +29,7 @@ import torch
 
 from lit_trainer.algorithm.loss import LossConfig, normalizer_of, step_loss
 from lit_trainer.intake.episodes import Transition
+from lit_trainer.learner import distributed
 from lit_trainer.learner.batching import BatchingConfig, MicroBatch, make_micro_batches
 from lit_trainer.progress import progress_bar
 
@@ -128,13 +129,18 @@ def run_update(policy: Any, pairs: Sequence[tuple[Transition, float]], update: U
 @torch.no_grad()
 def _old_logprobs(policy: Any, pairs: Sequence[tuple[Transition, float]], batching: BatchingConfig, pad_id: int
                   ) -> list[list[float]]:
-    """The trainer's logprobs of every pair's response tokens under its current weights, in ``pairs``' order."""
+    """The trainer's logprobs of every pair's response tokens under its current weights, in ``pairs``' order (each
+    process computes its share of the micro-batches, and every process gets them all)."""
     out: list[list[float]] = [[] for _ in pairs]
     batches = make_micro_batches([t for t, _ in pairs], [a for _, a in pairs], batching, pad_id)
-    for mb in batches:
+    mine: dict[int, list[float]] = {}
+    for mb in policy.my_share(batches):
         logp, _ = policy.token_logprobs(mb)
         for b, i in enumerate(mb.index):
-            out[i] = logp[b][mb.response_mask[b].bool()].tolist()
+            mine[i] = logp[b][mb.response_mask[b].bool()].tolist()
+    for share in distributed.gather(mine):
+        for i, values in share.items():
+            out[i] = values
     return out
 
 

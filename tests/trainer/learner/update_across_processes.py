@@ -1,0 +1,61 @@
+"""One training step's update on a fixed batch, run as one process (``python THIS``) or several (``torchrun
+--nproc_per_node 2 THIS``): the main process saves every optimizer step's gradient, the metrics, the
+trainer's logprobs and the final weights to ``--out`` (torch.save), for test_distributed.py to compare."""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import torch
+
+from lit_trainer.algorithm.loss import LossConfig
+from lit_trainer.intake.episodes import Transition
+from lit_trainer.learner.batching import BatchingConfig
+from lit_trainer.learner.policy import Policy, PolicyConfig
+from lit_trainer.learner.schedule import UpdateConfig, run_update
+
+
+def batch(vocab: int, n: int = 12) -> list[tuple[Transition, float]]:
+    """``n`` transitions in groups of 4 sharing a prompt (as a GRPO group does), of varied lengths and advantages."""
+    rng = random.Random(7)
+    pairs = []
+    for i in range(n):
+        if i % 4 == 0:
+            prompt = [rng.randrange(1, vocab) for _ in range(rng.randrange(4, 12))]
+        response = [rng.randrange(1, vocab) for _ in range(rng.randrange(2, 10))]
+        t = Transition(prompt_ids=prompt, response_ids=response, logprobs=[-rng.uniform(2.0, 5.0) for _ in response],
+                       reward=None, agent="a", rollout_id=f"r{i}", task_id=f"t{i // 4}", index=0, span_id="s",
+                       finish_reason="stop")
+        pairs.append((t, rng.choice([-1.5, -0.5, 0.5, 1.0])))
+    return pairs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    policy = Policy(PolicyConfig(model=args.model, learning_rate=1e-3), reference=args.model)
+    grads: list[torch.Tensor] = []
+    step = policy.optimizer.step
+
+    def capture(*a, **kw):
+        grads.append(torch.cat([p.grad.flatten() for p in policy.trainable]).clone())
+        return step(*a, **kw)
+
+    policy.optimizer.step = capture
+    logprobs: dict[int, list[float]] = {}
+    metrics = run_update(policy, batch(policy.unwrapped().config.vocab_size),
+                         UpdateConfig(ppo_epochs=2, mini_batches=2, recompute_old_logprobs=True),
+                         LossConfig(kl_beta=0.05, is_correction="truncate"),
+                         BatchingConfig(max_tokens_per_micro_batch=48), pad_id=0, seed=3, trainer_logprobs=logprobs)
+    if policy.accelerator.is_main_process:
+        torch.save({"grads": grads, "metrics": metrics, "logprobs": logprobs,
+                    "processes": policy.accelerator.num_processes,
+                    "weights": {k: v.clone() for k, v in policy.state_dict().items()}}, args.out)
+
+
+if __name__ == "__main__":
+    main()
