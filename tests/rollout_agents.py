@@ -17,6 +17,15 @@ async def returns_task_value(task, llm):
 
 
 @lit.trace
+async def rewards_where_it_runs(task, llm):
+    """Gives its reward with ``lit.reward`` and returns where it ran: its process and its network namespace, which
+    the stored root span keeps as the rollout's output."""
+    await asyncio.sleep(0.05)
+    lit.reward(float(task["value"]))
+    return {"pid": os.getpid(), "net": os.readlink("/proc/self/ns/net")}
+
+
+@lit.trace
 async def raises(task, llm):
     raise RuntimeError("agent bug on purpose")
 
