@@ -9,6 +9,9 @@ distinct ids, and the server keeps every request and response so that tests can 
 ``script`` replaces that rule with a fixed sequence of replies, one per chat call in arrival order: a string is
 a text answer, a ``(tool_name, arguments)`` pair a tool call (for agents of several calls: a SQL writer, checker
 and rewriter; several searches before an answer). A call beyond the script gets ``final_text``.
+
+``weight_version``: when set, every answer also carries it as ``lit_weight_version``, as lit's vLLM (its route
+guard) adds it; it may be changed between calls.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from typing import Any
 
 class FakeLLM:
     def __init__(self, tool_args: dict[str, Any] | None = None, final_text: str = "The answer is 5.",
-                 script: list[str | tuple[str, dict[str, Any]]] | None = None):
+                 script: list[str | tuple[str, dict[str, Any]]] | None = None, weight_version: str | None = None):
         self.tool_args = tool_args or {}
+        self.weight_version = weight_version
         self.final_text = final_text
         self.script = script
         self.requests: list[dict[str, Any]] = []
@@ -50,6 +54,8 @@ class FakeLLM:
             n = len(self.responses)
             self.requests.append(body)
             response = _chat(self, body, n) if path.endswith("/chat/completions") else _completion(self, body, n)
+            if self.weight_version is not None:
+                response["lit_weight_version"] = self.weight_version
             self.responses.append(response)
             return response
 

@@ -2,7 +2,8 @@
 
 For calls to a lit-managed engine (a base URL given to ``lit.instrument(llm_base_urls=...)``), it asks the engine
 for token ids (``return_token_ids``) and logprobs, and records on a ``lit.llm`` span what RL needs: the engine's
-prompt token ids, response token ids, response logprobs, response id, model, weight version and agent name.
+prompt token ids, response token ids, response logprobs, response id, model, weight version (from the engine's
+``lit_weight_version`` field) and agent name.
 Chat and text completions, sync and async. Streaming calls to a managed engine raise a clear error (lit would
 otherwise record no or wrong ids); calls to other endpoints pass through untouched and unrecorded.
 
@@ -37,6 +38,11 @@ _TARGETS = (
     ("openai.resources.completions", "Completions", "completion"),
     ("openai.resources.completions", "AsyncCompletions", "completion"),
 )
+
+
+ENGINE_VERSION_FIELD = "lit_weight_version"
+"""The field of a lit-managed vLLM's answer that holds its weight version when the request arrived (added by the
+trainer's route guard, ``lit_trainer.engine.route_guard.VERSION_FIELD``), recorded as ``LLM_WEIGHT_VERSION``."""
 
 
 class LitStreamingError(ValueError):
@@ -265,6 +271,10 @@ def record_response(span: Any, response: Any, api: str) -> dict[str, list]:
         attrs[semconv.LLM_MODEL] = response.model
     if getattr(response, "id", None):
         attrs[semconv.LLM_RESPONSE_ID] = response.id
+    extra = getattr(response, "model_extra", None)  # pydantic's fields beyond OpenAI's (a dict, or None)
+    version = extra.get(ENGINE_VERSION_FIELD) if extra else None
+    if isinstance(version, str):
+        attrs[semconv.LLM_WEIGHT_VERSION] = version  # the engine's own: it outranks the one given at dispatch
     choice = choices[0] if choices else None
     if getattr(choice, "finish_reason", None):
         attrs[semconv.LLM_FINISH_REASON] = str(choice.finish_reason)

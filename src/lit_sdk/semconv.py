@@ -44,7 +44,10 @@ LLM_MODEL = "lit.llm.model"
 LLM_RESPONSE_ID = "lit.llm.response_id"
 """The engine's response id."""
 LLM_WEIGHT_VERSION = "lit.llm.weight_version"
-"""The policy weight version that served the call, when the engine reports one (else absent)."""
+"""The policy weight version the call was served with, a string (the trainer's step): the engine's version when
+the request reached it (lit's vLLM adds it to its answer), else the one the trainer gave the rollout at dispatch;
+absent when neither says. With weights synced in flight, later tokens of the call may come from newer weights:
+this is the oldest that can have served it."""
 LLM_PROMPT_TOKEN_IDS = "lit.llm.prompt_token_ids"
 """The engine's token ids of the whole prompt, as it tokenised it (chat template applied)."""
 LLM_RESPONSE_TOKEN_IDS = "lit.llm.response_token_ids"

@@ -15,7 +15,7 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from packaging.requirements import Requirement
 
 import lit_sdk as lit
-from lit_sdk import _state
+from lit_sdk import _context, _state
 from lit_sdk import semconv as sc
 from lit_sdk.openai_instrumentor import _TARGETS, LitOpenAIInstrumentor
 
@@ -248,3 +248,26 @@ def test_the_users_opentelemetry_settings_do_not_switch_lit_off(clean, tmp_path,
         (span,) = _llm_spans(server)
         assert span["attributes"][sc.LLM_RESPONSE_TOKEN_IDS] == llm.responses[0]["choices"][0]["token_ids"]
         assert span["attributes"][sc.LLM_PROMPT_TOKEN_IDS] == llm.responses[0]["prompt_token_ids"]
+
+
+def test_the_engines_weight_version_is_recorded_when_its_answer_carries_one(clean, tmp_path):
+    """lit's vLLM adds ``lit_weight_version`` to its answers: it becomes the span's weight version, in place of
+    the one the trainer gave the rollout; an answer without it leaves the span with the rollout's, or none."""
+    with FakeLLM(weight_version="12") as llm, AckServer() as server:
+        lit.instrument(endpoint=server.endpoint, llm_base_urls=[llm.base_url], spool_dir=tmp_path)
+        client = OpenAI(base_url=llm.base_url, api_key="x")
+
+        @lit.trace
+        def agent(version: str) -> None:
+            llm.weight_version = version
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+            client.completions.create(model="m", prompt="hi")
+            llm.weight_version = None
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+
+        agent("12")
+        with _context.assign("r-1", weight_version="11"):
+            agent("13")
+        spans = sorted(_llm_spans(server), key=lambda s: s["start_ns"])
+    versions = [s["attributes"].get(sc.LLM_WEIGHT_VERSION) for s in spans]
+    assert versions == ["12", "12", None, "13", "13", "11"]

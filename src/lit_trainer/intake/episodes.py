@@ -62,6 +62,10 @@ class Transition:
     sampling_unsupported: str = ""
     """The call's other sampling settings that reshape the distribution (``top_p=0.9``...); lit refuses to train
     on such a call (``unsupported_sampling``)."""
+    weight_version: int | None = None
+    """The policy version (trainer step) the call was served with, from ``semconv.LLM_WEIGHT_VERSION``: the engine's
+    version when the request arrived, the oldest weights any of its tokens can come from. None when the span has
+    none, or one that is not a decimal integer (episodes stored before the field load with None)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +235,7 @@ def _transitions(
                 finish_reason=str(attrs.get(sc.LLM_FINISH_REASON, "")),
                 temperature=_temperature(attrs.get(sc.LLM_TEMPERATURE)),
                 sampling_unsupported=str(attrs.get(sc.LLM_SAMPLING_UNSUPPORTED, "")),
+                weight_version=_weight_version(attrs.get(sc.LLM_WEIGHT_VERSION)),
             )
         )
     return transitions
@@ -239,6 +244,11 @@ def _transitions(
 def _temperature(value: object) -> float:
     """A call's recorded temperature; 1.0 (the engine's default) when it set none."""
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 1.0
+
+
+def _weight_version(value: object) -> int | None:
+    """A call's recorded weight version as a step number; None when it has none or it is no decimal integer."""
+    return int(value) if isinstance(value, str) and value.isascii() and value.isdigit() else None
 
 
 def unsupported_sampling(episodes: Iterable[Episode]) -> Transition | None:

@@ -334,3 +334,33 @@ def test_request_in_flight_during_a_sync_is_kept(vllm_server: InferenceServer, t
     finish = [c["finish_reason"] for e in events for c in e.get("choices", []) if c.get("finish_reason")]
     assert finish == ["length"]
     assert events[-1]["usage"]["completion_tokens"] == max_tokens
+
+
+@pytest.mark.vllm
+def test_completions_carry_the_weight_version_they_arrived_under(vllm_server: InferenceServer, trainer_model):
+    """The route guard adds the server's weight version to every completion's JSON answer: the one the server
+    started with ("0"; the last sync's when an earlier test synced), then the version a sync tags. Streamed
+    answers are left as vLLM sends them. The weights pushed are the ones the server started with."""
+    headers = {"Authorization": f"Bearer {vllm_server.api_key}"} if vllm_server.api_key else {}
+    chat = {"model": vllm_server.model_name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    text = {"model": vllm_server.model_name, "prompt": "Hi", "max_tokens": 2}
+
+    def versions() -> list[str]:
+        answers = [requests.post(f"{vllm_server.openai_url}/{route}", json=body, headers=headers, timeout=120)
+                   for route, body in (("chat/completions", chat), ("completions", text))]
+        for answer in answers:
+            answer.raise_for_status()
+        return [answer.json()["lit_weight_version"] for answer in answers]
+
+    with WeightSync(vllm_server.base_url, WeightSyncConfig()) as sync:
+        engine = sync.weight_version()
+        assert versions() == ["0" if engine == "default" else engine] * 2
+        sync.push_weights(trainer_model, version="7")
+        assert sync.weight_version() == "7"
+        assert versions() == ["7", "7"]
+    streamed = requests.post(f"{vllm_server.openai_url}/chat/completions", json={**chat, "stream": True},
+                             headers=headers, timeout=120)
+    streamed.raise_for_status()
+    events = [line for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and "lit_weight_version" not in streamed.text
+    assert all(json.loads(line[len("data: "):])["object"] == "chat.completion.chunk" for line in events[:-1])

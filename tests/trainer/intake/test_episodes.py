@@ -226,3 +226,19 @@ def test_each_call_keeps_its_sampling_temperature_and_unsupported_settings_are_f
     assert unsupported_sampling([episode]) is episode.transitions[2]
     assert unsupported_sampling([build_episode(t.spans[:3])]) is None
     assert Episode.from_dict(json.loads(json.dumps(episode.to_dict()))) == episode
+
+
+def test_each_call_keeps_the_weight_version_it_was_served_with():
+    t = Tree()
+    root = t.root()
+    calls = [t.llm(root, 10 * (i + 1)) for i in range(5)]
+    spans = {s.span_id: s for s in t.spans}
+    for call, version in zip(calls, ["0", "7", "v3", "-1"], strict=False):  # the last call has none
+        spans[call].attributes[sc.LLM_WEIGHT_VERSION] = version
+    episode = build_episode(t.spans)
+    assert [tr.weight_version for tr in episode.transitions] == [0, 7, None, None, None]
+    assert Episode.from_dict(json.loads(json.dumps(episode.to_dict()))) == episode
+    stored_before = episode.to_dict()  # as the store holds episodes written before the field existed
+    for transition in stored_before["transitions"]:
+        del transition["weight_version"]
+    assert [tr.weight_version for tr in Episode.from_dict(stored_before).transitions] == [None] * 5
