@@ -49,7 +49,8 @@ class Checkpoint:
         return adapter if adapter.is_dir() else None
 
     def state(self) -> dict[str, Any]:
-        return torch.load(self.path / "trainer_state.pt", weights_only=False)
+        # onto the CPU: under several GPU processes each would otherwise load it onto the device that saved it
+        return torch.load(self.path / "trainer_state.pt", weights_only=False, map_location="cpu")
 
 
 def folder(output_dir: str | Path) -> Path:
