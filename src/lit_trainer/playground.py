@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +74,8 @@ class Playground:
             self.store = self._stack.enter_context(SqliteStore(self.folder / "lit.sqlite"))
             collector = self._stack.enter_context(Collector(self.store, "tcp://127.0.0.1:0"))
             print(f"lit: starting vLLM on {self.cfg.model} (about a minute on CPU)", file=sys.stderr, flush=True)
-            self.server = self._stack.enter_context(InferenceServer(self.cfg.inference))
+            # one server, with every core, whatever inference.servers a training config asks for
+            self.server = self._stack.enter_context(InferenceServer(replace(self.cfg.inference, servers=1)))
             lit.instrument(endpoint=collector.endpoint, llm_base_urls=[self.server.openai_url],
                            spool_dir=self.folder / "spool")
             self._stack.callback(lit.uninstrument)

@@ -1,9 +1,12 @@
-"""The services a run starts together and stops together: the store and the collector (intake), the vLLM server
-(engine), the dispatcher and the local agent workers (rollouts). ``Services.rollouts`` runs a group of rollouts per
-task on the workers and turns the ones that succeeded into episodes; a failed rollout gives no episode, never a
-reward of 0, and neither does one whose spans are not all stored. The collector runs in a thread of its own:
+"""The services a run starts together and stops together: the store and the collector (intake), the vLLM
+server(s) (engine), the dispatcher and the local agent workers (rollouts). ``Services.rollouts`` runs a group of
+rollouts per task on the workers and turns the ones that succeeded into episodes; a failed rollout gives no episode,
+never a reward of 0, and neither does one whose spans are not all stored. The collector runs in a thread of its own:
 ``rollouts`` checks it while it waits, so that a collector that stopped (a full disk) stops the run with the cause
 instead of letting every rollout come back empty.
+
+With several vLLM servers (``inference.servers``) every rollout of one task goes to the same server, whose prefix
+cache then holds the task's prompt for the whole group (``server_of``); the servers load at the same time.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from lit_sdk.processes import stop_children, wait_children
 from lit_sdk.resources import LLM
 from lit_sdk.worker import load_target, spawn
 from lit_trainer.config import ConfigError, TrainConfig
-from lit_trainer.engine.server import InferenceServer
+from lit_trainer.engine.config import InferenceConfig
+from lit_trainer.engine.server import InferenceServer, server_ports
 from lit_trainer.intake.collector import Collector
 from lit_trainer.intake.episodes import Episode, UnusableRollout, build_episode
 from lit_trainer.intake.store import RolloutStatus, SqliteStore
@@ -35,41 +39,53 @@ WORKER_STOP_TIMEOUT_S = 15.0
 
 @dataclass
 class Services:
-    """What rollouts need running: the store, the collector, vLLM, the dispatcher and the local workers."""
+    """What rollouts need running: the store, the collector, the vLLM servers, the dispatcher and the local
+    workers."""
 
     cfg: TrainConfig
     store: SqliteStore
     collector: Collector
-    server: InferenceServer
+    servers: list[InferenceServer]
     dispatcher: Dispatcher
     session: str
     _stack: contextlib.ExitStack
 
-    def llm(self, temperature: float) -> LLM:
-        return LLM(self.server.openai_url, self.server.model_name, api_key=self.server.api_key or "EMPTY",
+    @property
+    def server(self) -> InferenceServer:
+        """The first vLLM server (the one ``memory/vllm_gb`` measures)."""
+        return self.servers[0]
+
+    def llm(self, temperature: float, server: int = 0) -> LLM:
+        """What the agents of a rollout on vLLM server ``server`` get."""
+        chosen = self.servers[server]
+        return LLM(chosen.openai_url, chosen.model_name, api_key=chosen.api_key or "EMPTY",
                    temperature=temperature, max_tokens=self.cfg.agent.max_tokens)
 
     def check(self) -> None:
-        """Raise if a service the rollouts need has stopped: the collector (``CollectorError``) or vLLM
+        """Raise if a service the rollouts need has stopped: the collector (``CollectorError``) or a vLLM server
         (``ServerDiedError``). Called while waiting for rollouts."""
         self.collector.check()
-        self.server.check_alive()
+        for server in self.servers:
+            server.check_alive()
 
-    def restart_server(self) -> None:
-        """Start vLLM again after it died, on the same port (the workers record the calls to that URL), from the
-        model of the config: the caller pushes the policy's current weights into it."""
-        port = self.server.port
-        self.server.stop()
-        print(f"lit: restarting vLLM on port {port}", file=sys.stderr, flush=True)
-        self.server = InferenceServer(replace(self.cfg.inference, port=port)).start()
-        self._stack.callback(self.server.stop)
+    def restart_server(self, index: int = 0) -> None:
+        """Start vLLM server ``index`` again after it died, on the same port (the workers record the calls to that
+        URL), from the model of the config; the other servers are left alone. The caller pushes the policy's
+        current weights into it."""
+        old = self.servers[index]
+        old.stop()
+        print(f"lit: restarting vLLM on port {old.port}", file=sys.stderr, flush=True)
+        self.servers[index] = InferenceServer(replace(self.cfg.inference, port=old.port), index=index).start()
+        self._stack.callback(self.servers[index].stop)
 
     def rollouts(self, tasks: list[dict], group: int, temperature: float, step: int, label: str
                  ) -> tuple[list[Episode], dict[str, float]]:
-        """Run ``group`` rollouts of each task (with a progress bar); the episodes and the rollout metrics."""
-        llm = self.llm(temperature)
-        requests = [RolloutRequest(f"{self.session}-{label}-t{t['id']}-g{g}", str(t["id"]), t, llm, step)
-                    for t in tasks for g in range(group)]
+        """Run ``group`` rollouts of each task (with a progress bar), all of one task on one vLLM server
+        (``server_of``); the episodes and the rollout metrics."""
+        llms = [self.llm(temperature, i) for i in range(len(self.servers))]
+        requests = [RolloutRequest(f"{self.session}-{label}-t{t['id']}-g{g}", str(t["id"]), t,
+                                   llms[server_of(k, len(tasks), step, len(llms))], step)
+                    for k, t in enumerate(tasks) for g in range(group)]
         bar = progress_bar(total=len(requests), desc=f"{label} rollouts", unit="rollout", leave=False)
         failed = 0
 
@@ -100,10 +116,9 @@ def services(cfg: TrainConfig, store_path: Path) -> Iterator[Services]:
             print(f"lit: {stale} rollout attempt(s) a stopped run left queued or running are marked failed",
                   file=sys.stderr)
         collector = stack.enter_context(Collector(store, cfg.collector.endpoint, keys=keys))
-        print(f"lit: starting vLLM on {cfg.model} (about a minute on CPU)", file=sys.stderr, flush=True)
-        server = stack.enter_context(InferenceServer(cfg.inference))
+        servers = start_servers(cfg.inference, stack, cfg.model)
         dispatcher = stack.enter_context(Dispatcher(store, cfg.dispatch_endpoint.endpoint, collector.endpoint,
-                                                    [server.openai_url], cfg.dispatch, keys=keys))
+                                                    [s.openai_url for s in servers], cfg.dispatch, keys=keys))
         env = {**os.environ, "LIT_SPOOL_DIR": str(store_path.parent / "spool")}
         if cfg.security.keys_dir:
             env["LIT_KEYS_DIR"] = str(Path(cfg.security.keys_dir).expanduser())
@@ -112,7 +127,27 @@ def services(cfg: TrainConfig, store_path: Path) -> Iterator[Services]:
         stack.callback(stop_workers, dispatcher, workers)
         print(f"lit: workers connect to {dispatcher.endpoint} ({len(workers)} local)", file=sys.stderr)
         dispatcher.wait_for_workers(cfg.agent.local_workers, WORKER_START_TIMEOUT_S)
-        yield Services(cfg, store, collector, server, dispatcher, uuid.uuid4().hex[:8], stack)
+        yield Services(cfg, store, collector, servers, dispatcher, uuid.uuid4().hex[:8], stack)
+
+
+def start_servers(config: InferenceConfig, stack: contextlib.ExitStack, model: str) -> list[InferenceServer]:
+    """Start ``config.servers`` vLLM servers, each stopped by ``stack``: all are launched from this thread (a
+    server gets SIGTERM when the thread that launched it ends), then waited for, so that they load at once."""
+    many = f"{config.servers} vLLM servers" if config.servers > 1 else "vLLM"
+    print(f"lit: starting {many} on {model} (about a minute on CPU)", file=sys.stderr, flush=True)
+    servers = []
+    for index, port in enumerate(server_ports(config)):
+        server = InferenceServer(replace(config, port=port), index=index)
+        stack.callback(server.stop)
+        servers.append(server.launch())
+    return [server.wait_ready() for server in servers]
+
+
+def server_of(k: int, tasks: int, step: int, servers: int) -> int:
+    """The vLLM server of the ``k``-th of a step's ``tasks`` tasks: the tasks are dealt round-robin, each step
+    going on from where the previous one stopped, so every server gets a step's tasks within one of each other,
+    also when a step has fewer tasks than there are servers."""
+    return (step * tasks + k) % servers
 
 
 def gather_episodes(store: SqliteStore, outcomes: list[Outcome], agents: tuple[str, ...], success: float

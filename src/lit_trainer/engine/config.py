@@ -15,6 +15,7 @@ _DEVICES = ("auto", "cpu", "cuda")
 _TRANSPORTS = ("shm", "nccl", "ipc")
 _IN_FLIGHT = ("keep", "wait", "abort")
 _SYNC_MODES = ("full", "lora")
+_PARALLEL_FLAGS = ("--tensor-parallel-size", "-tp")
 
 
 def is_loopback(host: str) -> bool:
@@ -33,7 +34,17 @@ class InferenceConfig:
     host: str = "127.0.0.1"
     """Address the server binds to. Anything but loopback needs ``api_key`` or ``api_key_file``."""
     port: int = 0
-    """TCP port; 0 picks a free one."""
+    """TCP port; 0 picks a free one. With several ``servers``, server i listens on ``port + i`` (0: each on a free
+    port)."""
+    servers: int = 1
+    """How many vLLM servers to run side by side (data parallel), each with the whole model. Every rollout of one
+    task goes to the same server, so that its prefix cache holds the task's prompt; tasks are dealt round-robin.
+    Every weight sync reaches every server. Each binds its own share of the cores on CPU (with ``cpu_threads_bind
+    = "all"``) or its own ``tensor_parallel_size`` GPUs on CUDA (``engine/placement.py``). Memory settings
+    (``cpu_kv_cache_gb``, ``gpu_memory_utilization``) are per server."""
+    tensor_parallel_size: int = 1
+    """GPUs (or, on CPU, groups of cores) each server splits the model over (vLLM's ``--tensor-parallel-size``;
+    not in ``extra_args``). Above 1 it has not been run here: no GPU, and 2 cores."""
     api_key: str | None = None
     """Bearer token required on the ``/v1`` routes (agents get it in their ``lit.LLM``); mandatory, or
     ``api_key_file``, when ``host`` is not loopback. Passed to vLLM through the environment (``VLLM_API_KEY``),
@@ -61,7 +72,7 @@ class InferenceConfig:
     """KV-cache size in GiB on CPU (``VLLM_CPU_KVCACHE_SPACE``)."""
     cpu_threads_bind: str = "all"
     """CPU cores for vLLM's OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``), e.g. ``0-7``; ``all``: every core
-    this process may run on."""
+    this process may run on, split between the ``servers``."""
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may take (CUDA only); the rest is left to a colocated trainer."""
     weight_sync: bool = True
@@ -78,7 +89,7 @@ class InferenceConfig:
     python: str = ""
     """Interpreter that runs vLLM; empty means this one. Point it at another environment to keep vLLM apart."""
     extra_args: list[str] = field(default_factory=list)
-    """More ``vllm serve`` arguments, e.g. ``["--tensor-parallel-size", "2"]``."""
+    """More ``vllm serve`` arguments, e.g. ``["--max-num-seqs", "64"]``."""
     startup_timeout_s: float = 600.0
     """How long to wait for ``/health`` before giving up (start-up takes 30-120 s on 2 CPU cores)."""
     shutdown_timeout_s: float = 30.0
@@ -89,6 +100,21 @@ class InferenceConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"InferenceConfig.port must be 0 (pick a free port) or 1-65535, got {self.port}")
+        if self.servers < 1:
+            raise ValueError(f"InferenceConfig.servers must be at least 1, got {self.servers}")
+        if self.port and self.port + self.servers - 1 > 65535:
+            raise ValueError(f"InferenceConfig.port {self.port} + servers {self.servers} runs past port 65535: "
+                             "lower the port, or set port = 0")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"InferenceConfig.tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if any(a in _PARALLEL_FLAGS or a.startswith(tuple(f + "=" for f in _PARALLEL_FLAGS)) for a in self.extra_args):
+            raise ValueError("InferenceConfig.extra_args may not set --tensor-parallel-size (-tp): set "
+                             "InferenceConfig.tensor_parallel_size, which also places each server on its GPUs")
+        if self.servers > 1 and self.cpu_threads_bind != "all" and self.device != "cuda":
+            raise ValueError(f"InferenceConfig.cpu_threads_bind = {self.cpu_threads_bind!r} would bind all "
+                             f"{self.servers} servers (InferenceConfig.servers) to the same cores: set it to 'all' "
+                             "(each server then binds its own share of the cores), or run one server")
         if not is_loopback(self.host) and not (self.api_key or self.api_key_file):
             raise ValueError(
                 f"InferenceConfig.api_key is required when InferenceConfig.host is not loopback (got host "
@@ -146,7 +172,8 @@ class WeightSyncConfig:
     nccl_master_address: str = "127.0.0.1"
     """Address of the trainer, as the vLLM workers reach it, for the NCCL rendezvous (``nccl`` transport)."""
     nccl_master_port: int = 29555
-    """Port of the NCCL rendezvous (``nccl`` transport)."""
+    """Port of the NCCL rendezvous (``nccl`` transport); with several ``inference.servers``, server i's is this
+    + i."""
     logprob_tolerance: float = 0.02
     """Largest |vLLM logprob - trainer logprob| (nats) the consistency check accepts for one token."""
 

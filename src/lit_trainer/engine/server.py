@@ -51,6 +51,7 @@ from lit_sdk.processes import start_child, stop_child
 from lit_sdk.security import read_api_key
 from lit_trainer.engine import route_guard
 from lit_trainer.engine.config import InferenceConfig
+from lit_trainer.engine.placement import placement_env
 from lit_trainer.engine.served_model import chat_template_for, untied_view
 from lit_trainer.models import cache_dir, resolve_model
 from lit_trainer.progress import progress_bar
@@ -136,18 +137,11 @@ def resolve_device(config: InferenceConfig) -> str:
         return "cuda"
 
 
-def cpu_list(cpus: set[int]) -> str:
-    """Compress core ids into vLLM's range syntax: {0, 1, 2, 5} -> '0-2,5'."""
-    ids, ranges = sorted(cpus), []
-    start = prev = ids[0]
-    for cpu in ids[1:] + [None]:
-        if cpu is not None and cpu == prev + 1:
-            prev = cpu
-            continue
-        ranges.append(f"{start}-{prev}" if prev > start else f"{start}")
-        if cpu is not None:
-            start = prev = cpu
-    return ",".join(ranges)
+def cuda_device_count() -> int:
+    """GPUs torch sees in this process (0 without CUDA); only asked when ``CUDA_VISIBLE_DEVICES`` is unset."""
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def build_command(
@@ -175,19 +169,22 @@ def build_command(
         cmd += ["--weight-transfer-config", json.dumps({"backend": config.weight_transfer_backend})]
     if config.enable_lora:
         cmd += ["--enable-lora", "--max-lora-rank", str(config.max_lora_rank)]
+    if config.tensor_parallel_size > 1:
+        cmd += ["--tensor-parallel-size", str(config.tensor_parallel_size)]
     return cmd + list(config.extra_args)
 
 
 def build_env(config: InferenceConfig, base: dict[str, str] | None = None, *, api_key: str | None = None,
-              admin_token: str | None = None, guard_dir: Path | None = None) -> dict[str, str]:
-    """The server's environment: this one plus the CPU, dev-mode, LoRA and API-key settings, the admin token of
-    the route guard and, first on ``PYTHONPATH``, ``guard_dir`` (the folder holding ``lit_route_guard.py``).
-    ``api_key``: the resolved key (``resolve_api_key``); default ``config.api_key``."""
+              admin_token: str | None = None, guard_dir: Path | None = None, index: int = 0) -> dict[str, str]:
+    """The environment of server ``index`` (of ``config.servers``): this one plus its cores or GPUs
+    (``placement``), the CPU, dev-mode, LoRA and API-key settings, the admin token of the route guard and, first
+    on ``PYTHONPATH``, ``guard_dir`` (the folder holding ``lit_route_guard.py``). ``api_key``: the resolved key
+    (``resolve_api_key``); default ``config.api_key``."""
     env = dict(os.environ if base is None else base)
     api_key = config.api_key if api_key is None else api_key
-    if resolve_device(config) == "cpu":
-        bind = config.cpu_threads_bind
-        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_list(os.sched_getaffinity(0)) if bind == "all" else bind
+    device = resolve_device(config)
+    env.update(placement_env(config, index, device, env, os.sched_getaffinity(0), cuda_device_count))
+    if device == "cpu":
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
         env["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kv_cache_gb)
     if config.weight_sync:
@@ -233,6 +230,19 @@ def pick_port(config: InferenceConfig) -> int:
         return sock.getsockname()[1]
 
 
+def server_ports(config: InferenceConfig) -> list[int]:
+    """The port of each of ``config.servers`` servers: ``port``, ``port + 1``, ... or, with port 0, a free port
+    each, all different (one server keeps port 0: it picks its own)."""
+    if config.port or config.servers == 1:
+        return [config.port + i if config.port else 0 for i in range(config.servers)]
+    ports: list[int] = []
+    while len(ports) < config.servers:
+        port = pick_port(config)
+        if port not in ports:  # a port just released may come back: vLLM binds it only once it has loaded
+            ports.append(port)
+    return ports
+
+
 def check_vllm_importable(python: str) -> None:
     """Raise ``VLLMNotInstalledError`` unless ``python`` can find the ``vllm`` package (without importing it)."""
     probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('vllm') else 3)"
@@ -248,10 +258,13 @@ def check_vllm_importable(python: str) -> None:
 
 
 class InferenceServer:
-    """One supervised vLLM server. Use as a context manager, or call ``start()`` and ``stop()``."""
+    """One supervised vLLM server, server ``index`` of ``config.servers`` (which cores or GPUs it takes:
+    ``placement``). Use as a context manager, or call ``start()`` (or ``launch()`` then ``wait_ready()``) and
+    ``stop()``."""
 
-    def __init__(self, config: InferenceConfig) -> None:
+    def __init__(self, config: InferenceConfig, index: int = 0) -> None:
         self.config = config
+        self.index = index
         self.port: int | None = None
         self.log_path: Path | None = None
         self.process: subprocess.Popen | None = None
@@ -261,6 +274,7 @@ class InferenceServer:
         self.credentials: Credentials | None = None
         """The API key and the admin token, for the trainer's own requests (``WeightSync``, the logprob check)."""
         self._guard_dir: Path | None = None
+        self._t0 = 0.0
 
     @property
     def base_url(self) -> str:
@@ -285,8 +299,17 @@ class InferenceServer:
 
     def start(self) -> Self:
         """Launch the server and return once ``/health`` answers; raise ``InferenceError`` subclasses otherwise."""
+        return self.launch().wait_ready()
+
+    def launch(self) -> Self:
+        """Start the server process and return at once; ``wait_ready`` waits for it (so several servers load at
+        the same time). Call it from a thread that lives as long as the server (the main thread): the kernel
+        sends the server SIGTERM when the thread that launched it ends (``start_child``)."""
         if self.process is not None:
             raise InferenceError("this InferenceServer is already started")
+        # A machine too small for the servers fails here, before anything is started.
+        placement_env(self.config, self.index, resolve_device(self.config), os.environ, os.sched_getaffinity(0),
+                      cuda_device_count)
         python = self.config.python or sys.executable
         self.api_key = resolve_api_key(self.config)
         model_dir = resolve_model(self.config.model)
@@ -302,25 +325,30 @@ class InferenceServer:
         logs.mkdir(parents=True, exist_ok=True)
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         self.log_path = logs / f"vllm-{stamp}-{self.port}.log"
-        t0 = time.perf_counter()
+        self._t0 = time.perf_counter()
         with self.log_path.open("wb") as log_file:
             log_file.write((" ".join(cmd) + "\n").encode())
             log_file.flush()
             # Own process group (stop() kills vLLM's engine-core children too); SIGTERM when this thread dies.
             env = build_env(self.config, api_key=self.api_key, admin_token=self.credentials.admin_token,
-                            guard_dir=self._guard_dir)
+                            guard_dir=self._guard_dir, index=self.index)
             self.process = start_child(
                 cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env
             )
         _CREDENTIALS[self.base_url] = self.credentials
         atexit.register(self.stop)
         log.info("vLLM starting (pid %d) on %s, log %s", self.process.pid, self.base_url, self.log_path)
+        return self
+
+    def wait_ready(self) -> Self:
+        """Return once the launched server answers ``/health``; stop it and raise ``InferenceError`` subclasses
+        if it dies or takes longer than ``startup_timeout_s`` (counted from its launch)."""
         try:
-            self._wait_healthy(t0)
+            self._wait_healthy(self._t0)
         except BaseException:
             self.stop()
             raise
-        self.startup_s = time.perf_counter() - t0
+        self.startup_s = time.perf_counter() - self._t0
         log.info("vLLM ready on %s after %.0f s", self.base_url, self.startup_s)
         return self
 

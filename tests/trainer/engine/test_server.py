@@ -31,7 +31,6 @@ from lit_trainer.engine.server import (
     VLLMNotInstalledError,
     build_command,
     build_env,
-    cpu_list,
     pick_port,
 )
 
@@ -158,12 +157,6 @@ def test_cpu_environment_binds_threads_and_enables_weight_sync():
     assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env
     assert build_env(InferenceConfig(device="cpu", enable_lora=True), base={})["VLLM_ALLOW_RUNTIME_LORA_UPDATING"]
     assert "VLLM_CPU_KVCACHE_SPACE" not in build_env(InferenceConfig(device="cuda"), base={})
-
-
-def test_cpu_list_compresses_ranges():
-    assert cpu_list({0, 1}) == "0-1"
-    assert cpu_list({0, 1, 2, 5, 7, 8}) == "0-2,5,7-8"
-    assert cpu_list({3}) == "3"
 
 
 def test_tool_template_only_for_models_without_one(tmp_path: Path):
