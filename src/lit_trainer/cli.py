@@ -178,7 +178,7 @@ def _train(args: argparse.Namespace) -> int:
 
     run = lit_trainer.train(lit_trainer.load_config(args.config, args.overrides), resume=args.resume)
     validations = run.validations()
-    if validations:
+    if validations and os.environ.get("RANK", "0") == "0":  # under torchrun, the main process says it
         print(f"final held-out {accuracy_line(validations[-1])}")
     return 0
 

@@ -89,8 +89,17 @@ class TrainLoopConfig:
     """Also log to ``["tensorboard"]`` and/or ``["wandb"]`` (extras ``lit-rl[tensorboard]``, ``lit-rl[wandb]``),
     under ``output_dir``; a missing package is an error at start. W&B without an account: ``WANDB_MODE=offline``."""
 
+    max_staleness: int = 0
+    """0: generation and training alternate (synchronous). k >= 1: asynchronous rollouts: the next step's rollouts
+    run while this step updates (one step ahead), and a call sampled with weights more than k versions older than
+    the policy being updated is not trained on (``async/dropped_stale``). Needs ``update.recompute_old_logprobs``
+    and ``loss.is_correction``, which correct for the older behaviour policy. Off by default: on a few CPU cores
+    vLLM and the update compete for the same cores, so overlapping them gains nothing."""
+
     def __post_init__(self) -> None:
         check_trackers(self.trackers)
+        if self.max_staleness < 0:
+            raise ValueError(f"train.max_staleness must be >= 0 (0: synchronous), got {self.max_staleness}")
 
 
 @dataclass(frozen=True)
@@ -135,6 +144,11 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         # Settings of one section that only make sense with another section's.
+        if self.train.max_staleness and (self.loss.is_correction == "none" or not self.update.recompute_old_logprobs):
+            raise ValueError(f"train.max_staleness = {self.train.max_staleness} trains on calls sampled by older "
+                             "weights than the policy's: set update.recompute_old_logprobs = true and "
+                             "loss.is_correction = 'truncate' (or 'mask') to correct for them, or "
+                             "train.max_staleness = 0")
         if self.loss.is_correction != "none" and not self.update.recompute_old_logprobs:
             raise ValueError(f"loss.is_correction = {self.loss.is_correction!r} corrects π_old (the trainer's "
                              "recomputed logprobs) towards vLLM's: set update.recompute_old_logprobs = true, or "

@@ -4,7 +4,10 @@ One step: sample ``tasks_per_step`` tasks (the same ones for the same seed and s
 run ``group_size`` rollouts of each on the agent workers → rebuild episodes from the stored spans → LightningRL
 (credit → group advantages → clipped token loss) → optimizer step(s) (``[update]``) → push the weights into vLLM → log →
 validate and checkpoint when due. Generation and training alternate: vLLM idles during the update and the trainer
-idles during the rollouts, so on a 2-core machine neither slows the other.
+idles during the rollouts, so on a 2-core machine neither slows the other. With ``train.max_staleness`` > 0 they
+overlap instead (``Rollouts``: the next step's rollouts run during this step's update), for machines where vLLM and
+the trainer have hardware of their own. Under ``torchrun --nproc_per_node N`` the main process runs all this and
+the others take their share of each update (``follow``).
 
 Transitions whose advantage is 0 (a group where every rollout got the same return) add nothing to the policy
 gradient and are not trained on (learner/schedule.py says when they are, and how they count in the normaliser).
@@ -19,7 +22,8 @@ import collections
 import json
 import sys
 import time
-from dataclasses import replace
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,18 +33,20 @@ from lit_trainer.algorithm.advantages import episode_advantages
 from lit_trainer.config import ConfigError, TrainConfig
 from lit_trainer.engine.logprob_check import check_logprobs
 from lit_trainer.engine.server import ServerDiedError
-from lit_trainer.engine.weight_sync import WeightSync, WeightSyncError
+from lit_trainer.engine.weight_sync import WeightSyncError
 from lit_trainer.evaluate import validate
-from lit_trainer.intake.episodes import Episode, unsupported_sampling
+from lit_trainer.intake.episodes import Episode, Transition, unsupported_sampling
 from lit_trainer.intake.store import AdvantageRow, Store
 from lit_trainer.learner import checkpoint as ckpt
+from lit_trainer.learner import distributed
 from lit_trainer.learner.batching import keep_usable
-from lit_trainer.learner.schedule import mask_overlong, run_update
+from lit_trainer.learner.schedule import drop_stale, mask_overlong, run_update
 from lit_trainer.metrics import MetricsLog, memory_gb, plot_curve, step_line
 from lit_trainer.metrics import read as read_metrics
 from lit_trainer.models import resolve_model
 from lit_trainer.rollouts.tasks import load_tasks, sample_tasks
 from lit_trainer.services import services
+from lit_trainer.serving import Engine, first_line
 
 MAX_ENGINE_RESTARTS = 3
 """How many times one step's rollouts start vLLM again after it died, before the run stops."""
@@ -62,17 +68,18 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
         done = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "validation"]
         return done[-1] if done else {}
     train_tasks, val_tasks = load_tasks(cfg.data)
-    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
     torch.manual_seed(cfg.train.seed)
     base_dir = resolve_model(cfg.model)
     # A LoRA policy resumes as the base model plus the checkpoint's adapter (ckpt.restore loads it).
     policy_cfg = replace(cfg.policy, model=str(start.model_dir)) if start and not cfg.policy.lora_rank else cfg.policy
+    policy = Policy(policy_cfg, cfg.train.trackers, project_dir=str(out),
+                    reference=str(base_dir) if cfg.loss.kl_beta > 0 else None)  # KL to the initial weights
+    state = ckpt.restore(start, policy) if start else {"step": 0, "minutes": 0.0}
+    if not policy.accelerator.is_main_process:
+        return follow(policy, cfg)
+    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
     with services(cfg, out / "lit.sqlite") as svc:
-        policy = Policy(policy_cfg, cfg.train.trackers, project_dir=str(out),
-                        reference=str(base_dir) if cfg.loss.kl_beta > 0 else None)  # KL to the initial weights
-
         engine = Engine(svc, policy, cfg)
-        state = ckpt.restore(start, policy) if start else {"step": 0, "minutes": 0.0}
         if start:
             engine.push_weights(policy.state_dict(), version=str(start.step))
             print(f"lit: resumed from {start.path} (step {start.step})", file=sys.stderr)
@@ -81,13 +88,12 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
         if step == 0 and cfg.train.val_every:
             last_val = validate(svc, val_tasks, log, step, minutes)
         pad_id = _pad_id(policy)
+        rollouts = Rollouts(svc, engine, cfg, train_tasks)
         while step < cfg.train.steps and not (cfg.train.max_minutes and minutes >= cfg.train.max_minutes):
             t0 = time.perf_counter()
-            tasks = sample_tasks(train_tasks, cfg.train.seed, step, cfg.train.tasks_per_step)
             restarts = engine.restarts
-            episodes, metrics = step_rollouts(svc, engine, tasks, cfg, step)
-            metrics["time/rollout"] = time.perf_counter() - t0
-            metrics.update(update_policy(policy, engine, svc.store, episodes, cfg, pad_id, step + 1))
+            episodes, metrics, dispatched = rollouts.take(step)
+            metrics.update(update_policy(policy, engine, svc.store, episodes, cfg, pad_id, step + 1, dispatched))
             metrics["engine/restarts"] = float(engine.restarts - restarts)
             step += 1
             minutes += (time.perf_counter() - t0) / 60
@@ -97,59 +103,87 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
             print(step_line(step, cfg.train.steps, metrics), flush=True)
             last_step = step >= cfg.train.steps or (cfg.train.max_minutes and minutes >= cfg.train.max_minutes)
             if cfg.train.val_every and (step % cfg.train.val_every == 0 or last_step):
+                rollouts.finish_ahead()  # validation needs the workers to itself
                 last_val = validate(svc, val_tasks, log, step, minutes)
             if last_step or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0):
                 ckpt.save(out, step, policy, base_dir, {"minutes": minutes, "data_position": step,
                                                         "weight_version": str(step)}, cfg.train.keep_checkpoints)
+        rollouts.close()
         log.close()
         engine.close()
+    distributed.broadcast(None)  # the other processes' follow() ends
     png = plot_curve(out / "metrics.jsonl", out / "curve.png", title=f"{cfg.agent.function} on {cfg.model}")
     if png:
         print(f"lit: curve written to {png}", file=sys.stderr)
     return last_val
 
 
-class Engine:
-    """The vLLM server the loop trains, as the loop uses it: the policy's weights go in through ``push_weights``
-    (``WeightSync``'s). vLLM dying is recovered from wherever it is noticed: it is started again on the same port
-    with the policy's current weights (``restart``), and ``restarts`` counts how often."""
+def follow(policy: Any, cfg: TrainConfig) -> dict[str, Any]:
+    """A process other than the main one (``torchrun --nproc_per_node N``): it takes its share of every update the
+    main process broadcasts (``UpdateJob``), until the main process broadcasts None at the end of the run. The main
+    process alone runs the services, syncs the weights and writes checkpoints; every process holds the same
+    weights (learner/distributed.py)."""
+    while (job := distributed.broadcast()) is not None:
+        run_update(policy, job.pairs, cfg.update, cfg.loss, cfg.batching, job.pad_id, seed=job.seed,
+                   trainer_logprobs={})
+    return {}
 
-    def __init__(self, svc: Any, policy: Any, cfg: TrainConfig):
-        self.svc, self.policy, self.cfg = svc, policy, cfg
-        self.sync = WeightSync(svc.server.base_url, cfg.weight_sync)
-        self.restarts = 0
 
-    @property
-    def base_url(self) -> str:
-        return self.sync.base_url
+@dataclass(frozen=True)
+class UpdateJob:
+    """What the other processes need of one training step's update: the same arguments as the main process's."""
 
-    def push_weights(self, state: Any, version: str) -> Any:
-        """``WeightSync.push_weights``; if vLLM has died (during the update, or during this push), it is started
-        again with the policy's weights of ``version`` instead. The sync's report (None after a restart)."""
-        try:
-            self.svc.server.check_alive()
-            return self.sync.push_weights(state, version=version)
-        except (ServerDiedError, WeightSyncError) as exc:
-            if not self.svc.server.exited(within_s=5.0):  # an error of a live server is no death: it stops the run
-                raise
-            self.restart(version, f"before the weights of step {version} reached it ({_first_line(exc)})")
-            return None
+    pairs: list[tuple[Transition, float]]
+    pad_id: int
+    seed: int
 
-    def restart(self, version: str, when: str) -> None:
-        """Start vLLM again after it died ``when``, and push the policy's current weights into it as ``version``."""
-        print(f"lit: vLLM died {when}; starting it again with the current weights", file=sys.stderr)
-        self.sync.close()
-        self.svc.restart_server()
-        self.restarts += 1
-        self.sync = WeightSync(self.svc.server.base_url, self.cfg.weight_sync)
-        self.sync.push_weights(self.policy.state_dict(), version=version)
+
+class Rollouts:
+    """Each training step's rollouts. Synchronous (``train.max_staleness = 0``): run when the step asks for them.
+    Asynchronous: as soon as a step has its rollouts, the next step's start in a background thread, so they run
+    during this step's update and weight sync (the sync pauses them and they go on with the new weights); the
+    next step then waits only for what is left of them (``time/rollout``). The thread's exception, if any, is
+    raised in the loop by ``take``."""
+
+    def __init__(self, svc: Any, engine: Engine, cfg: TrainConfig, tasks: list[dict]):
+        self.svc, self.engine, self.cfg, self.tasks = svc, engine, cfg, tasks
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="lit-rollouts") if cfg.train.max_staleness else None
+        self.ahead: tuple[int, int, Future] | None = None  # (step, engine version when started, rollouts)
+        self.finished: dict[int, tuple[int, tuple[list[Episode], dict[str, float]]]] = {}
+
+    def take(self, step: int) -> tuple[list[Episode], dict[str, float], int]:
+        """Step ``step``'s (from 0) episodes and rollout metrics, and the engine's weight version when they were
+        handed out; in asynchronous mode, also start step ``step + 1``'s."""
+        t0 = time.perf_counter()
+        if self.ahead is not None and self.ahead[0] == step:
+            self.finish_ahead()
+        if step in self.finished:
+            dispatched, (episodes, metrics) = self.finished.pop(step)
+        else:  # the engine holds the weights of ``step`` updates
+            dispatched, (episodes, metrics) = step, self._run(step)
+        metrics["time/rollout"] = time.perf_counter() - t0
+        if self.pool is not None and step + 1 < self.cfg.train.steps:
+            self.ahead = (step + 1, step, self.pool.submit(self._run, step + 1))
+        return episodes, metrics, dispatched
+
+    def finish_ahead(self) -> None:
+        """Wait for the rollouts running ahead (their exception is raised here), and keep them for their step."""
+        if self.ahead is not None:
+            step, dispatched, future = self.ahead
+            self.ahead = None
+            self.finished[step] = (dispatched, future.result())
 
     def close(self) -> None:
-        self.sync.close()
+        """Wait for rollouts still running ahead (a run stopped by ``max_minutes``) and let go of the thread."""
+        try:
+            self.finish_ahead()
+        finally:
+            if self.pool is not None:
+                self.pool.shutdown(wait=False, cancel_futures=True)
 
-
-def _first_line(exc: BaseException) -> str:
-    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    def _run(self, step: int) -> tuple[list[Episode], dict[str, float]]:
+        tasks = sample_tasks(self.tasks, self.cfg.train.seed, step, self.cfg.train.tasks_per_step)
+        return step_rollouts(self.svc, self.engine, tasks, self.cfg, step)
 
 
 def step_rollouts(svc: Any, engine: Engine, tasks: list[dict], cfg: TrainConfig, step: int
@@ -164,16 +198,18 @@ def step_rollouts(svc: Any, engine: Engine, tasks: list[dict], cfg: TrainConfig,
         except ServerDiedError as exc:
             if restart == MAX_ENGINE_RESTARTS:
                 raise
-            engine.restart(str(step), f"during the rollouts of step {step + 1} ({_first_line(exc)}); the step's "
+            engine.restart(str(step), f"during the rollouts of step {step + 1} ({first_line(exc)}); the step's "
                            "rollouts run again")
     raise AssertionError("unreachable")
 
 
 def update_policy(policy: Any, engine: Engine, store: Store, episodes: list[Episode], cfg: TrainConfig,
-                  pad_id: int, step: int) -> dict[str, float]:
+                  pad_id: int, step: int, dispatched: int | None = None) -> dict[str, float]:
     """LightningRL on the episodes of training step ``step`` (from 1), the optimizer steps, and the weight sync
     into ``engine`` (weight version ``step``); their metrics. Every transition's advantage goes to ``store`` (for
-    ``lit show``), also of those then left out of the update."""
+    ``lit show``), also of those then left out of the update. ``dispatched``: the engine's weight version when the
+    episodes' rollouts were handed out (default ``step - 1``, synchronous); with ``train.max_staleness`` the calls
+    sampled more than that many versions before the policy's are left out (``drop_stale``)."""
     version = str(step)
     groups = collections.Counter(e.task_id for e in episodes)
     kept = [e for e in episodes if groups[e.task_id] >= cfg.train.min_group_size]
@@ -193,6 +229,10 @@ def update_policy(policy: Any, engine: Engine, store: Store, episodes: list[Epis
     store.save_advantages(AdvantageRow(t.rollout_id, t.index, step, a) for t, a in pairs)
     pairs, skipped = keep_usable(pairs, cfg.batching)  # a bad transition costs itself, not the step
     metrics.update({f"update/skipped_{reason}": float(n) for reason, n in skipped.items()})
+    if cfg.train.max_staleness:
+        dispatched = step - 1 if dispatched is None else dispatched
+        pairs, stale = drop_stale(pairs, step - 1, cfg.train.max_staleness, dispatched)
+        metrics.update(stale)
     pairs, overlong = mask_overlong(pairs, cfg.update)
     metrics["update/overlong_masked"] = float(overlong)
     metrics["update/transitions"] = float(sum(1 for _, a in pairs if a != 0.0))
@@ -200,8 +240,9 @@ def update_policy(policy: Any, engine: Engine, store: Store, episodes: list[Epis
         return metrics  # all-correct or all-wrong groups (or only unusable transitions): nothing to learn from
     t0 = time.perf_counter()
     trainer_logprobs: dict[int, list[float]] = {}
-    metrics.update(run_update(policy, pairs, cfg.update, cfg.loss, cfg.batching, pad_id,
-                              seed=cfg.train.seed * 100_003 + step, trainer_logprobs=trainer_logprobs))
+    job = distributed.broadcast(UpdateJob(pairs, pad_id, seed=cfg.train.seed * 100_003 + step))
+    metrics.update(run_update(policy, job.pairs, cfg.update, cfg.loss, cfg.batching, pad_id, seed=job.seed,
+                              trainer_logprobs=trainer_logprobs))
     store.save_trainer_logprobs((pairs[i][0].rollout_id, pairs[i][0].index, values)
                                 for i, values in trainer_logprobs.items())
     metrics["time/update"] = time.perf_counter() - t0
@@ -210,14 +251,18 @@ def update_policy(policy: Any, engine: Engine, store: Store, episodes: list[Epis
     # None: vLLM had died and was started again with these weights (Engine); that took the time
     metrics["time/sync"] = report.total_s if report is not None else time.perf_counter() - t0
     every = cfg.train.check_sync_every
-    if every and (version == "1" or int(version) % every == 0):
-        gap = check_logprobs(engine.base_url, cfg.inference.served_model_name, policy.unwrapped(),
-                             [t.prompt_ids for t, _ in pairs[:2]], cfg.weight_sync.logprob_tolerance, max_tokens=8)
-        metrics["sync/logprob_gap_max"] = gap.max_abs
-        if not gap.ok:
-            raise WeightSyncError(f"after the weight sync of step {version}, vLLM's logprobs differ from the "
-                                  f"trainer's by up to {gap.max_abs:.4f} nats (tolerance {gap.tolerance}): the new "
-                                  "weights did not reach vLLM. See the vLLM log; or set inference.dtype=float32")
+    if every and (version == "1" or int(version) % every == 0):  # every server: each got its own push
+        gaps = {url: check_logprobs(url, cfg.inference.served_model_name, policy.unwrapped(),
+                                    [t.prompt_ids for t, _ in pairs[:2]], cfg.weight_sync.logprob_tolerance,
+                                    max_tokens=8) for url in engine.base_urls}
+        worst = max(gaps, key=lambda url: gaps[url].max_abs)
+        metrics["sync/logprob_gap_max"] = gaps[worst].max_abs
+        metrics["sync/servers_checked"] = float(len(gaps))
+        if not gaps[worst].ok:
+            raise WeightSyncError(f"after the weight sync of step {version}, the logprobs of vLLM at {worst} differ "
+                                  f"from the trainer's by up to {gaps[worst].max_abs:.4f} nats (tolerance "
+                                  f"{gaps[worst].tolerance}): the new weights did not reach it. See its log; or set "
+                                  "inference.dtype=float32")
     return metrics
 
 

@@ -4,17 +4,22 @@ checkpoint is written, ``--resume`` continues to step 4, and ``lit eval --checkp
 
 - LoRA with a KL term: the adapter trains, merged weights reach vLLM, the reference is the base under the adapter,
   the checkpoint is a plain model for ``lit eval`` and resumes as base + adapter; the TensorBoard tracker logs
-  every step, the resumed one too.
+  every step, the resumed one too. Served by two vLLM servers (``inference.servers = 2``, a core each): both serve
+  rollouts, all of one task's group on one server, and both take every weight sync (``two_servers_served``).
 - Full fine-tune with every schedule option: KL to a frozen copy, 2 PPO epochs x 2 mini-batches, recomputed old
-  logprobs with truncated importance sampling, overlong responses masked, the ``kept`` normaliser.
+  logprobs with truncated importance sampling, overlong responses masked, the ``kept`` normaliser; trained by two
+  processes (``torchrun --nproc_per_node 2``, gloo), the resumed step too; with asynchronous rollouts
+  (``train.max_staleness = 1``: each step's rollouts run during the update before it).
 
 Both sample at temperature 0.7: the trainer's logprobs of the sampled tokens must match vLLM's (the first optimizer
 step of a training step sees the weights that sampled)."""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -45,33 +50,42 @@ check_sync_every = 1
 output_dir = "{out}"
 [policy]
 learning_rate = 1e-5
+[inference]
+log_dir = "{logs}"
 """
 
 OPTIONS = {
     "lora_kl": ["policy.lora_rank=8", "policy.learning_rate=1e-4", "loss.kl_beta=0.05",
-                "train.trackers=['tensorboard']"],
+                "train.trackers=['tensorboard']", "inference.servers=2", "inference.cpu_kv_cache_gb=1",
+                "inference.extra_args=['--enable-log-requests']"],  # each request's id in its server's log
     "ppo_schedule": ["loss.kl_beta=0.05", "update.ppo_epochs=2", "update.mini_batches=2",
                      "update.recompute_old_logprobs=true", "loss.is_correction='truncate'", "update.overlong='mask'",
-                     "loss.normalizer='kept'"],
+                     "loss.normalizer='kept'", "train.max_staleness=1"],
 }
 
 
-def _lit(*args: str) -> subprocess.CompletedProcess:
+PROCESSES = {"lora_kl": 1, "ppo_schedule": 2}
+"""Trainer processes of each option's ``lit train`` (learner/distributed.py)."""
+
+
+def _lit(*args: str, processes: int = 1) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(TESTS), "CI": "true"}
-    return subprocess.run([sys.executable, "-m", "lit_trainer.cli", *args], env=env, capture_output=True, text=True,
-                          timeout=900)
+    launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(processes)] if processes > 1 else []
+    return subprocess.run([sys.executable, *launcher, "-m", "lit_trainer.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=900)
 
 
+@pytest.mark.timeout(1500)  # three vLLM starts and two trainer processes: about 9 min alone, 17 under load
 @pytest.mark.parametrize("name", sorted(OPTIONS))
 def test_option_trains_syncs_checkpoints_resumes_and_evaluates(name: str, prepared_model: Path, tmp_path: Path):
     out = tmp_path / "run"
     config = tmp_path / "config.toml"
-    config.write_text(CONFIG.format(model=prepared_model, out=out))
+    config.write_text(CONFIG.format(model=prepared_model, out=out, logs=tmp_path / "vllm-logs"))
     options = OPTIONS[name]
 
-    first = _lit("train", str(config), *options)
+    first = _lit("train", str(config), *options, processes=PROCESSES[name])
     assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
-    resumed = _lit("train", str(config), *options, "train.steps=4", "--resume")
+    resumed = _lit("train", str(config), *options, "train.steps=4", "--resume", processes=PROCESSES[name])
     log = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, log[-3000:]
     assert "resumed from" in log and "step 4/4" in log and "step 3/4" not in log
@@ -85,12 +99,22 @@ def test_option_trains_syncs_checkpoints_resumes_and_evaluates(name: str, prepar
             assert "loss/kl" in r and r["policy/grad_norm"] > 0, r
     trained = [r for r in train if r.get("update/transitions")]
     assert trained, "no step had a group with differing rewards"
+    assert all(r["update/processes"] == PROCESSES[name] for r in trained), trained
     if name == "lora_kl":
         # One optimizer step per training step on the weights that sampled: the tempered logprobs agree.
         gaps = [r["policy/vllm_logprob_gap"] for r in trained]
         assert max(gaps) < 0.01, gaps
+        assert all(r["sync/servers_checked"] == 2 for r in train), train  # the logprob gap is the worse server's
+        two_servers_served(out / "lit.sqlite", tmp_path / "vllm-logs")
     else:
         assert all(r["update/optimizer_steps"] >= 2 for r in trained) and all("mismatch/k3" in r for r in trained)
+        # asynchronous rollouts: every call carried the engine's weight version, none was more than 1 version
+        # older than the policy trained on it, and the steps after the first of each run trained on calls sampled
+        # by the previous weights (their rollouts ran during the update before)
+        assert [r["step"] for r in train if "async/calls" in r] == [1, 2, 3, 4], train
+        assert all(r["async/versioned_calls"] == r["async/calls"] > 0 for r in train), train
+        assert all(r["async/staleness_max"] <= 1 and r["async/dropped_stale"] == 0 for r in train), train
+        assert [r["async/staleness_max"] for r in train][:3] == [0, 1, 1], train  # step 4 resumed: synchronous
         assert any(r["loss/kl"] > 0 for r in trained[1:] or trained)
 
     result_file = tmp_path / "eval.json"
@@ -112,3 +136,32 @@ def test_option_trains_syncs_checkpoints_resumes_and_evaluates(name: str, prepar
             steps |= {e.step for e in events.Scalars("train/reward/mean")}
         assert steps == {1, 2, 3, 4}, steps
 
+
+def two_servers_served(store_path: Path, logs: Path) -> None:
+    """Two vLLM servers behind each ``lit train`` (the first run's and the resumed one's), told apart by their own
+    logs: vLLM logs the id of every request it receives (``--enable-log-requests``), which is the id of its
+    answer, recorded on the call's span in the store. Each step's two tasks went to the two servers, every call of
+    one task's group to the same one; each server took every weight sync of its run (its access log: 3 in the
+    first run, the resumed weights and step 4's in the second) and answered every call of step s with the weights
+    of step s (the version lit's route guard adds to its answers)."""
+    from lit_sdk import semconv
+    from lit_trainer.intake.store import RolloutStatus, SqliteStore
+
+    server_of, syncs = {}, {}
+    for log in sorted(logs.glob("vllm-*.log")):
+        text = log.read_text(errors="replace")
+        syncs[log.name] = text.count('"POST /update_weight_version HTTP/1.1" 200')
+        server_of.update(dict.fromkeys(re.findall(r"Received request (chatcmpl-[^\s:]+)", text), log.name))
+    assert sorted(syncs.values()) == [2, 2, 3, 3], syncs  # four servers: two per run
+    with SqliteStore(store_path) as store:
+        for step in range(4):
+            servers_of_task = collections.defaultdict(set)
+            for row in store.rollouts_of_step(step):
+                if row.status is not RolloutStatus.SUCCEEDED:
+                    continue  # an attempt that was retried
+                for span in store.spans_of_rollout(row.rollout_id):
+                    if span.name == semconv.LLM_SPAN:
+                        servers_of_task[row.task_id].add(server_of[span.attributes[semconv.LLM_RESPONSE_ID]])
+                        assert span.attributes[semconv.LLM_WEIGHT_VERSION] == str(step), (step, span)
+            assert len(servers_of_task) == 2 and all(len(s) == 1 for s in servers_of_task.values()), servers_of_task
+            assert len(set.union(*servers_of_task.values())) == 2, servers_of_task  # one task on each server

@@ -51,6 +51,9 @@ def test_overrides_take_toml_values_or_bare_words(tmp_path):
     ("[update]\noverlong = 'cut'\n", [], r"overlong must be one of"),
     ("[loss]\nnormalizer = 'tokens'\n", [], r"normalizer must be one of"),
     ("[loss]\nis_correction = 'truncate'\n", [], r"set update.recompute_old_logprobs = true"),
+    ("[train]\nmax_staleness = 1\n", [], r"max_staleness = 1 trains on calls sampled by older weights"),
+    ("[train]\nmax_staleness = 1\n[update]\nrecompute_old_logprobs = true\n", [], r"loss.is_correction = 'truncate'"),
+    ("[train]\nmax_staleness = -1\n", [], r"max_staleness must be >= 0"),
     ("[weight_sync]\nmode = 'lora'\n", [], r"pushed as merged full weights"),
 ])
 def test_mistakes_name_the_key(tmp_path, text, overrides, message):

@@ -1,4 +1,4 @@
-"""The training loop's answer to vLLM dying (``loop.Engine`` and ``loop.step_rollouts``): during a step's rollouts,
+"""The training loop's answer to vLLM dying (``serving.Engine`` and ``loop.step_rollouts``): during a step's rollouts,
 start it again, push the current weights, run the step's rollouts again, at most ``MAX_ENGINE_RESTARTS`` times a
 step, then stop loudly; during the update or the weight sync, start it again with the new weights. An error of a
 server that is still running is no death: it stops the run. The services and the weight sync are stand-ins that
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from lit_trainer import loop
+from lit_trainer import loop, serving
 from lit_trainer.engine.server import ServerDiedError
 from lit_trainer.engine.weight_sync import WeightSyncError
 
@@ -42,7 +42,12 @@ class DyingServices:
             raise ServerDiedError("vLLM exited with code -9: killed\nlast lines of the log")
         return ["episode"], {"rollouts/succeeded": 1.0}
 
-    def restart_server(self) -> None:
+    @property
+    def servers(self) -> list[Server]:
+        return [self.server]
+
+    def restart_server(self, index: int = 0) -> None:
+        assert index == 0
         self.restarts += 1
         self.server = Server(1 + self.restarts)
 
@@ -69,7 +74,7 @@ class RecordingSync:
 @pytest.fixture
 def cfg(monkeypatch):
     RecordingSync.made = []
-    monkeypatch.setattr(loop, "WeightSync", RecordingSync)
+    monkeypatch.setattr(serving, "WeightSync", RecordingSync)
     return SimpleNamespace(train=SimpleNamespace(group_size=2), agent=SimpleNamespace(temperature=1.0),
                            weight_sync=None)
 
@@ -79,7 +84,7 @@ POLICY = SimpleNamespace(state_dict=lambda: {"w": 1})
 
 def test_vllm_dying_twice_in_the_rollouts_is_restarted_twice_with_the_current_weights(cfg, capsys):
     svc = DyingServices(deaths=2)
-    engine = loop.Engine(svc, POLICY, cfg)
+    engine = serving.Engine(svc, POLICY, cfg)
     episodes, metrics = loop.step_rollouts(svc, engine, [{"id": 0}], cfg, step=4)
     assert episodes == ["episode"] and engine.restarts == 2
     assert svc.calls == ["s4", "s4-restart1", "s4-restart2"] and svc.restarts == 2
@@ -92,7 +97,7 @@ def test_vllm_dying_twice_in_the_rollouts_is_restarted_twice_with_the_current_we
 
 def test_vllm_dying_a_fourth_time_in_one_step_stops_the_run(cfg):
     svc = DyingServices(deaths=loop.MAX_ENGINE_RESTARTS + 1)
-    engine = loop.Engine(svc, POLICY, cfg)
+    engine = serving.Engine(svc, POLICY, cfg)
     with pytest.raises(ServerDiedError, match="exited with code -9"):
         loop.step_rollouts(svc, engine, [{"id": 0}], cfg, step=0)
     assert loop.MAX_ENGINE_RESTARTS == 3 and svc.restarts == 3 and len(svc.calls) == 4
@@ -100,7 +105,7 @@ def test_vllm_dying_a_fourth_time_in_one_step_stops_the_run(cfg):
 
 def test_vllm_that_died_during_the_update_is_started_again_with_the_new_weights(cfg, capsys):
     svc = DyingServices()
-    engine = loop.Engine(svc, POLICY, cfg)
+    engine = serving.Engine(svc, POLICY, cfg)
     svc.server.dead = True  # killed while the policy was updating: the sync finds it gone
     assert engine.push_weights({"w": 2}, version="3") is None
     assert svc.restarts == 1 and engine.restarts == 1
@@ -111,7 +116,7 @@ def test_vllm_that_died_during_the_update_is_started_again_with_the_new_weights(
 
 def test_vllm_dying_during_the_push_is_started_again(cfg):
     svc = DyingServices()
-    engine = loop.Engine(svc, POLICY, cfg)
+    engine = serving.Engine(svc, POLICY, cfg)
     engine.sync.fail = WeightSyncError("cannot reach vLLM at http://127.0.0.1:1 for /pause: is the server running?")
     svc.server.dead = True
     assert engine.push_weights({"w": 2}, version="3") is None
@@ -120,7 +125,7 @@ def test_vllm_dying_during_the_push_is_started_again(cfg):
 
 def test_a_sync_error_of_a_running_vllm_stops_the_run(cfg):
     svc = DyingServices()
-    engine = loop.Engine(svc, POLICY, cfg)
+    engine = serving.Engine(svc, POLICY, cfg)
     engine.sync.fail = WeightSyncError("vLLM has no route /pause: start it with VLLM_SERVER_DEV_MODE=1")
     with pytest.raises(WeightSyncError, match="no route /pause"):
         engine.push_weights({"w": 2}, version="3")
@@ -129,5 +134,5 @@ def test_a_sync_error_of_a_running_vllm_stops_the_run(cfg):
 
 def test_a_live_push_returns_the_report(cfg):
     svc = DyingServices()
-    engine = loop.Engine(svc, POLICY, cfg)
+    engine = serving.Engine(svc, POLICY, cfg)
     assert engine.push_weights({"w": 2}, version="1").total_s == 0.5 and engine.restarts == 0

@@ -84,11 +84,29 @@ def mask_overlong(pairs: Sequence[tuple[Transition, float]], config: UpdateConfi
     return kept, len(pairs) - len(kept)
 
 
+def drop_stale(pairs: Sequence[tuple[Transition, float]], policy_version: int, max_staleness: int,
+               dispatched: int) -> tuple[list[tuple[Transition, float]], dict[str, float]]:
+    """The pairs whose call was sampled at most ``max_staleness`` weight versions before ``policy_version`` (the
+    policy the update starts from), and the staleness metrics. A call's version is the one the engine recorded
+    (``Transition.weight_version``); a call without one counts as ``dispatched``, the engine's version when its
+    rollout was handed out (no call of the rollout can be older); ``async/versioned_calls`` counts those that had
+    one."""
+    ages = [policy_version - (t.weight_version if t.weight_version is not None else dispatched) for t, _ in pairs]
+    kept = [pair for pair, age in zip(pairs, ages, strict=True) if age <= max_staleness]
+    metrics = {"async/staleness_mean": sum(ages) / len(ages) if ages else 0.0,
+               "async/staleness_max": float(max(ages, default=0)),
+               "async/dropped_stale": float(len(pairs) - len(kept)),
+               "async/calls": float(len(pairs)),
+               "async/versioned_calls": float(sum(t.weight_version is not None for t, _ in pairs))}
+    return kept, metrics
+
+
 def run_update(policy: Any, pairs: Sequence[tuple[Transition, float]], update: UpdateConfig, loss: LossConfig,
                batching: BatchingConfig, pad_id: int, seed: int,
                trainer_logprobs: dict[int, list[float]] | None = None) -> dict[str, float]:
     """Every optimizer step of one training step (module docstring) on ``policy``; their metrics, averaged over
-    the optimizer steps by the response tokens each trained on, plus ``update/optimizer_steps``.
+    the optimizer steps by the response tokens each trained on, plus ``update/optimizer_steps`` and
+    ``update/processes`` (how many processes shared them, learner/distributed.py).
     ``trainer_logprobs``: filled with the trainer's token logprobs of each trained pair (by index in ``pairs``) in
     the first optimizer step that trains it, before that step changes the weights."""
     prox = _old_logprobs(policy, pairs, batching, pad_id) if update.recompute_old_logprobs else None
@@ -123,6 +141,7 @@ def run_update(policy: Any, pairs: Sequence[tuple[Transition, float]], update: U
     out = {key: value / max(tokens, 1.0) for key, value in sums.items()}
     out["policy/response_tokens"] = tokens
     out["update/optimizer_steps"] = float(steps)
+    out["update/processes"] = float(distributed.world(policy.accelerator)[1])
     return out
 
 

@@ -55,6 +55,7 @@ def test_two_processes_on_gloo_take_the_same_update_as_one(tiny_model: Path, tmp
     for i, values in one["logprobs"].items():
         assert_close(torch.tensor(two["logprobs"][i]), torch.tensor(values), rtol=1e-5, atol=1e-6)
     assert one["metrics"].keys() == two["metrics"].keys()
+    assert (one["metrics"].pop("update/processes"), two["metrics"].pop("update/processes")) == (1, 2)
     for key, value in one["metrics"].items():
         assert abs(two["metrics"][key] - value) <= 1e-5 * max(1.0, abs(value)), (key, value, two["metrics"][key])
     for name, w1 in one["weights"].items():
