@@ -112,11 +112,22 @@ def test_the_guard_imports_from_its_folder_with_the_standard_library_only(tmp_pa
     assert out.stdout.split() == [str(tmp_path / "lit_route_guard.py"), "True", "False"]
 
 
+def _through_vllms_middleware(app):
+    """A ``TestClient`` of ``app`` behind vLLM's own middleware stack: its API key (``the-api-key``) and lit's
+    guard."""
+    from starlette.testclient import TestClient
+    from vllm.entrypoints.serve.middleware import register
+
+    args = argparse.Namespace(allowed_origins=["*"], allow_credentials=False, allowed_methods=["*"],
+                              allowed_headers=["*"], api_key=["the-api-key"], enable_request_id_headers=False,
+                              middleware=[f"{GUARD_MODULE}.RouteGuard"])
+    register.init_entrypoints_middleware(args, app, ())
+    return TestClient(app)
+
+
 def test_vllm_stacks_the_guard_with_its_api_key_so_agents_never_reach_weight_sync(tmp_path: Path, monkeypatch):
     """vLLM's own middleware set-up, with the options lit's command line and environment give it."""
-    register = pytest.importorskip("vllm.entrypoints.serve.middleware.register")
     from fastapi import FastAPI
-    from starlette.testclient import TestClient
 
     write_guard(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -125,11 +136,7 @@ def test_vllm_stacks_the_guard_with_its_api_key_so_agents_never_reach_weight_syn
     for route in ("/v1/completions", "/collective_rpc", "/pause", "/v1/load_lora_adapter"):
         app.post(route)(lambda: {"ok": True})
     app.get("/health")(lambda: {"ok": True})
-    args = argparse.Namespace(allowed_origins=["*"], allow_credentials=False, allowed_methods=["*"],
-                              allowed_headers=["*"], api_key=["the-api-key"], enable_request_id_headers=False,
-                              middleware=[f"{GUARD_MODULE}.RouteGuard"])
-    register.init_entrypoints_middleware(args, app, ())
-    client = TestClient(app)
+    client = _through_vllms_middleware(app)
     agent = {"Authorization": "Bearer the-api-key"}
     trainer = {**agent, HEADER: TOKEN}
     assert client.post("/v1/completions", headers=agent).status_code == 200
@@ -309,11 +316,9 @@ def test_an_answer_the_app_breaks_off_reaches_the_client_as_far_as_it_got():
 def test_vllm_answers_through_its_middleware_stack_carry_the_version(tmp_path: Path, monkeypatch):
     """vLLM's JSONResponse and its API-key middleware around the guard, through a real HTTP client (which checks
     the content-length): the field arrives, and the openai client keeps it among its extra fields."""
-    register = pytest.importorskip("vllm.entrypoints.serve.middleware.register")
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
     from openai import OpenAI
-    from starlette.testclient import TestClient
 
     from lit_sdk.openai_instrumentor import ENGINE_VERSION_FIELD
 
@@ -326,11 +331,7 @@ def test_vllm_answers_through_its_middleware_stack_carry_the_version(tmp_path: P
         {"index": 0, "message": {"role": "assistant", "content": "é"}, "finish_reason": "stop"}]}
     app.post("/v1/chat/completions")(lambda: JSONResponse(answer))
     app.post("/update_weight_version")(lambda: JSONResponse({"success": True}))
-    args = argparse.Namespace(allowed_origins=["*"], allow_credentials=False, allowed_methods=["*"],
-                              allowed_headers=["*"], api_key=["the-api-key"], enable_request_id_headers=False,
-                              middleware=[f"{GUARD_MODULE}.RouteGuard"])
-    register.init_entrypoints_middleware(args, app, ())
-    client = TestClient(app)
+    client = _through_vllms_middleware(app)
     agent = {"Authorization": "Bearer the-api-key"}
     assert client.post("/v1/chat/completions", headers=agent).json() == {**answer, "lit_weight_version": "0"}
     assert client.post("/v1/chat/completions").status_code == 401  # refused by the API key: untouched
