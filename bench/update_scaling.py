@@ -5,12 +5,13 @@ AdamW) on the same batch, run by 1 process and by N processes under ``torchrun -
 The batch is a calc-like step on the prepared SmolLM2-135M: 4 groups of 8 rollouts, each group sharing a 192-token
 prompt, 48-token responses, with the calc config's memory settings (1024-token micro-batches, gradient
 checkpointing), so that two processes fit in memory beside everything else. Each configuration runs in fresh
-processes: one warm-up update, then the median of ``--reps``. Threads: on a machine of C cores, 1 process gets C
-threads (what ``lit train`` does) and each of N processes C / N threads, so every row uses the whole machine; the
-1-process, C/N-thread row is the per-process baseline of the same run. The figure is the speed-up of N processes over
+processes: one warm-up update, then the median of ``--reps``; the configurations alternate for ``--rounds``.
+Threads: on a machine of C cores, 1 process gets C threads (what ``lit train`` does) and each of N processes C / N
+threads, so every row uses the whole machine; the 1-process, C/N-thread row is the per-process baseline of the same
+run. The figure is the speed-up of N processes over
 1 process on the same cores; that both take the same update is tests/trainer/learner/test_distributed.py's.
 
-    .venv/bin/python bench/update_scaling.py [--processes 2] [--reps 3]
+    .venv/bin/python bench/update_scaling.py [--processes 2] [--reps 2] [--rounds 3]
 
 On a CPU machine N processes share its cores, so the speed-up measures the cost of the gradient all-reduce and of
 splitting the work more than added hardware; on N GPUs each process has its own device.
@@ -82,7 +83,8 @@ def measure(processes: int, threads: int, reps: int, out: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--processes", type=int, default=2)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -93,16 +95,18 @@ def main() -> None:
     out = Path(f"/tmp/lit-bench-update-scaling-{os.getpid()}.json")
     rows = [("1 process", 1, cores), (f"1 process, {per_process} thread(s) (baseline per process)", 1, per_process),
             (f"{args.processes} processes x {per_process} thread(s)", args.processes, per_process)]
-    results = {}
-    for name, processes, threads in rows:
-        results[name] = measure(processes, threads, args.reps, out)
-        r = results[name]
-        print(f"{name:48s} {r['seconds']:7.2f} s/update  {r['tokens'] / r['seconds']:7.1f} response tok/s  "
-              f"peak RSS {'/'.join(f'{g:.2f}' for g in r['peak_rss_gb'])} GB", flush=True)
+    seconds: dict[str, list[float]] = {name: [] for name, _, _ in rows}
+    for round_ in range(args.rounds):  # the rows alternate, so that a change in the machine's load hits them alike
+        for name, processes, threads in rows:
+            r = measure(processes, threads, args.reps, out)
+            seconds[name].append(r["seconds"])
+            print(f"round {round_ + 1}  {name:48s} {r['seconds']:7.2f} s/update  "
+                  f"{r['tokens'] / r['seconds']:7.1f} response tok/s  "
+                  f"peak RSS {'/'.join(f'{g:.2f}' for g in r['peak_rss_gb'])} GB", flush=True)
     out.unlink(missing_ok=True)
-    one, many = results[rows[0][0]], results[rows[2][0]]
-    print(f"speed-up of {args.processes} processes over 1 on the same {cores} cores: "
-          f"{one['seconds'] / many['seconds']:.2f}x")
+    one, many = statistics.median(seconds[rows[0][0]]), statistics.median(seconds[rows[2][0]])
+    print(f"speed-up of {args.processes} processes over 1 on the same {cores} cores (medians over {args.rounds} "
+          f"rounds): {one / many:.2f}x ({one:.1f} s vs {many:.1f} s per update)")
 
 
 if __name__ == "__main__":
