@@ -187,6 +187,11 @@ def build_env(config: InferenceConfig, base: dict[str, str] | None = None, *, ap
     if device == "cpu":
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
         env["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kv_cache_gb)
+        # vLLM 0.32's AOT compile cache (its default with torch >= 2.10) saves on CPU but never loads ("'function'
+        # object has no attribute 'finalize_loading'"), so every start compiled the model again: about 45 s of a
+        # 100 s start here. Its older inductor cache does load: later starts warm up in about 13 s. A value in
+        # the trainer's environment wins.
+        env.setdefault("VLLM_USE_AOT_COMPILE", "0")
     if config.weight_sync:
         env["VLLM_SERVER_DEV_MODE"] = "1"
     if config.enable_lora:

@@ -159,6 +159,12 @@ def test_cpu_environment_binds_threads_and_enables_weight_sync():
     assert "VLLM_CPU_KVCACHE_SPACE" not in build_env(InferenceConfig(device="cuda"), base={})
 
 
+def test_cpu_servers_use_the_compile_cache_that_loads():
+    assert build_env(InferenceConfig(device="cpu"), base={})["VLLM_USE_AOT_COMPILE"] == "0"
+    assert build_env(InferenceConfig(device="cpu"), base={"VLLM_USE_AOT_COMPILE": "1"})["VLLM_USE_AOT_COMPILE"] == "1"
+    assert "VLLM_USE_AOT_COMPILE" not in build_env(InferenceConfig(device="cuda"), base={})
+
+
 def test_tool_template_only_for_models_without_one(tmp_path: Path):
     plain = _fake_model(tmp_path / "plain", template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
     tooled = _fake_model(tmp_path / "tooled", template="{% if tools %}{{ tools | tojson }}{% endif %}")
