@@ -17,6 +17,12 @@ async def returns_task_value(task, llm):
 
 
 @lit.trace
+async def returns_after_its_seconds(task, llm):
+    await asyncio.sleep(task.get("seconds", 0.05))
+    return float(task["value"])
+
+
+@lit.trace
 async def rewards_where_it_runs(task, llm):
     """Gives its reward with ``lit.reward`` and returns where it ran: its process and its network namespace, which
     the stored root span keeps as the rollout's output."""

@@ -15,9 +15,14 @@ said it succeeded but the store finds spans of it missing (``missing_spans``); w
 lost, or the worker reconnected without it) or never list it (the ``Run`` was lost). A worker that reconnects (a new
 ZeroMQ identity) and says hello with its ``worker_id`` keeps its running attempts.
 
-The dispatcher runs in the trainer's thread and only while the trainer waits for rollouts (generation and training
-alternate); messages that arrive meanwhile wait in the socket, so a worker's liveness is judged only after they
-are read.
+The dispatcher runs only while the trainer waits for rollouts (in the trainer's thread, or in the thread of
+asynchronous rollouts); messages that arrive meanwhile wait in the socket, so a worker's liveness is judged only
+after they are read.
+
+A group is the requests of one task in one step (``RolloutRequest.step`` and ``task_id``). With ``enough``, ``run``
+may return before every request ended: it returns the groups that ended, and the others carry over, still queued or
+running, into the next ``run``, which returns them with its own (``carried``); ``close`` gives up what is still
+carried over.
 """
 
 from __future__ import annotations
@@ -142,13 +147,24 @@ class _Attempt:
 
 @dataclass
 class _Round:
-    """What one ``run`` call tracks: attempts waiting and running, and the requests that ended."""
+    """What ``run`` tracks: the requests it has to return (its own, and those an earlier ``run`` carried over),
+    attempts waiting and running, and the requests that ended."""
 
     on_progress: Callable[[Outcome], None] | None = None
+    requests: list[RolloutRequest] = field(default_factory=list)
     queue: collections.deque[_Attempt] = field(default_factory=collections.deque)
     running: dict[str, _Attempt] = field(default_factory=dict)
     outcomes: dict[str, Outcome] = field(default_factory=dict)
     errors: dict[str, list[str]] = field(default_factory=lambda: collections.defaultdict(list))
+
+
+def _ended_groups(round_: _Round) -> set[tuple[int, str]]:
+    """The groups (step, task id) of ``round_`` all of whose requests ended."""
+    groups: dict[tuple[int, str], bool] = {}
+    for r in round_.requests:
+        key = (r.step, r.task_id)
+        groups[key] = groups.get(key, True) and r.key in round_.outcomes
+    return {key for key, ended in groups.items() if ended}
 
 
 class Dispatcher:
@@ -188,10 +204,21 @@ class Dispatcher:
         """Peers refused at the CURVE handshake (with ``keys``), by kind (``security.HandshakeMonitor``)."""
         return self._monitor.counts if self._monitor is not None else {}
 
+    @property
+    def carried(self) -> list[RolloutRequest]:
+        """The requests an earlier ``run`` returned without (their group had not ended); the next ``run`` carries
+        them on."""
+        return list(self._round.requests)
+
     def close(self) -> None:
-        """Tell every known worker to stop, then close the socket. Idempotent."""
+        """Give up the requests carried over (their attempts end ``failed`` in the store), tell every known worker
+        to stop, then close the socket. Idempotent."""
         if self.sock.closed:
             return
+        if self._round.requests:
+            self._abandon(self._round, "the trainer stopped before it ended (its group was carried over to a "
+                                       "step that did not come)")
+            self._round = _Round()
         for identity in list(self.workers):
             self._send(identity, Stop())
         self.sock.close()
@@ -212,15 +239,22 @@ class Dispatcher:
             self._drain(100)
 
     def run(self, requests: Sequence[RolloutRequest], on_progress: Callable[[Outcome], None] | None = None,
-            check: Callable[[], None] | None = None) -> list[Outcome]:
-        """Run every request to an end (success, or failure after ``max_attempts``); outcomes in request order.
-        ``on_progress`` hears of each request that ended; ``check`` is called about every 50 ms while rollouts run,
-        and what it raises stops ``run`` (a service the rollouts need, such as the collector, has stopped)."""
-        self._round = round_ = _Round(on_progress)
+            check: Callable[[], None] | None = None, enough: Callable[[int], bool] | None = None) -> list[Outcome]:
+        """Run every request, and those ``carried`` over from the previous ``run``, to an end (success, or failure
+        after ``max_attempts``); their outcomes, the carried ones first, each in request order. ``on_progress``
+        hears of each request that ended; ``check`` is called about every 50 ms while rollouts run, and what it
+        raises stops ``run`` (a service the rollouts need, such as the collector, has stopped). ``enough``, called
+        as often with the number of groups that ended, lets ``run`` return once it says True: with the outcomes of
+        the groups that ended; the other requests carry over."""
+        round_ = self._round
+        round_.on_progress = on_progress
+        round_.requests += requests
         self._enqueue([_Attempt(r, 1) for r in requests])
         idle_since = time.monotonic()
         try:
-            while len(round_.outcomes) < len(requests):
+            while len(round_.outcomes) < len(round_.requests):
+                if enough is not None and enough(len(_ended_groups(round_))):
+                    break
                 if check is not None:
                     check()
                 self._drain(50)
@@ -235,16 +269,23 @@ class Dispatcher:
                 self._assign()
         except BaseException as exc:
             self._abandon(round_, f"the trainer stopped waiting for it ({type(exc).__name__}: {exc})"[:2000])
-            raise
-        finally:
             self._round = _Round()
-            for worker in self.workers.values():  # empty unless run raised: its attempts are given up
+            for worker in self.workers.values():  # its attempts are given up
                 worker.running.clear()
-        return [round_.outcomes[r.key] for r in requests]
+            raise
+        ended = _ended_groups(round_)
+        returned = [r for r in round_.requests if (r.step, r.task_id) in ended]
+        round_.requests = [r for r in round_.requests if (r.step, r.task_id) not in ended]
+        outcomes = [round_.outcomes.pop(r.key) for r in returned]
+        round_.on_progress = None
+        if not round_.requests:
+            self._round = _Round()
+        return outcomes
 
     def _abandon(self, round_: _Round, reason: str) -> None:
-        """``run`` is raising: the attempts it leaves queued or running end ``failed`` in the store with the
-        reason, so that none stays "running" there for ever (a late ``done`` for one is counted as stale)."""
+        """``run`` is raising, or ``close`` gives up what was carried over: the attempts left queued or running end
+        ``failed`` in the store with the reason, so that none stays "running" there for ever (a late ``done`` for
+        one is counted as stale)."""
         for attempt in [*round_.running.values(), *round_.queue]:
             try:
                 self.store.set_rollout_status(attempt.rollout_id, RolloutStatus.FAILED, reason)

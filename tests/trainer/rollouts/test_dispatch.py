@@ -64,6 +64,42 @@ def test_rollouts_spread_over_workers_and_their_spans_are_stored_first(rig):
     assert metrics["rollouts/unusable_no_llm_calls"] == 12 and metrics["rollouts/failed"] == 0
 
 
+def test_groups_not_ended_carry_over_to_the_next_run_still_running(rig):
+    """``enough`` ends the wait once one group ended: the slow group goes on running on the worker meanwhile,
+    and the next ``run`` returns it (first) with its own requests."""
+    store, dispatcher, _ = rig("returns_after_its_seconds", concurrency=6)
+
+    def request(key: str, task_id: str, seconds: float, step: int) -> RolloutRequest:
+        return RolloutRequest(key, task_id, {"id": key, "value": seconds, "seconds": seconds}, NO_LLM, step)
+
+    slow = [request(f"slow{g}", "slow", 1.5, 1) for g in range(2)]
+    fast = [request(f"fast{g}", "fast", 0.05, 1) for g in range(2)]
+    seen = []
+    outcomes = dispatcher.run(slow + fast, enough=lambda groups: seen.append(groups) or groups >= 1)
+    assert [o.request.key for o in outcomes] == ["fast0", "fast1"] and seen[-1] == 1
+    assert all(o.status is RolloutStatus.SUCCEEDED for o in outcomes)
+    assert dispatcher.carried == slow
+    running = {r.rollout_id: r.status for r in store.rollouts_of_step(1)}
+    assert running["slow0-a1"] is RolloutStatus.RUNNING and running["slow1-a1"] is RolloutStatus.RUNNING
+
+    later = [request(f"next{g}", "next", 0.05, 2) for g in range(2)]
+    progress = []
+    outcomes = dispatcher.run(later, progress.append)
+    assert [o.request.key for o in outcomes] == ["slow0", "slow1", "next0", "next1"]
+    assert [o.reward for o in outcomes] == [1.5, 1.5, 0.05, 0.05] and len(progress) == 4
+    assert dispatcher.carried == [] and outcomes[0].rollout_id == "slow0-a1"  # the same attempt, not a retry
+
+
+def test_groups_carried_over_when_the_trainer_stops_end_failed_in_the_store(rig):
+    store, dispatcher, _ = rig("hangs")
+    held = [RolloutRequest("h0", "held", {"id": 0}, NO_LLM, 3)]
+    assert dispatcher.run(held, enough=lambda groups: True) == []  # enough at once: nothing had ended
+    assert dispatcher.carried == held
+    dispatcher.close()
+    [row] = store.rollouts_of_step(3)
+    assert row.status is RolloutStatus.FAILED and "carried over to a step that did not come" in row.error
+
+
 def test_an_agent_that_raises_is_retried_then_failed_never_reward_zero(rig):
     store, dispatcher, _ = rig("raises", max_attempts=2)
     [outcome] = dispatcher.run(requests(1))
