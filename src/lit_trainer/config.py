@@ -96,10 +96,23 @@ class TrainLoopConfig:
     and ``loss.is_correction``, which correct for the older behaviour policy. Off by default: on a few CPU cores
     vLLM and the update compete for the same cores, so overlapping them gains nothing."""
 
+    min_step_groups: int = 0
+    """With ``max_staleness`` >= 1: a step's update starts once this many groups have ended (of its own tasks and
+    of groups carried over), and trains on every group that has; the groups still running carry over, running, to
+    the next step, so that a slow group does not stall the step (``rollouts/carried_groups``,
+    ``rollouts/groups_in_flight``). 0: a step waits for all its groups (none carries over)."""
+
     def __post_init__(self) -> None:
         check_trackers(self.trackers)
         if self.max_staleness < 0:
             raise ValueError(f"train.max_staleness must be >= 0 (0: synchronous), got {self.max_staleness}")
+        if not 0 <= self.min_step_groups <= self.tasks_per_step:
+            raise ValueError(f"train.min_step_groups must be between 0 (wait for every group) and "
+                             f"train.tasks_per_step = {self.tasks_per_step}, got {self.min_step_groups}")
+        if self.min_step_groups and not self.max_staleness:
+            raise ValueError(f"train.min_step_groups = {self.min_step_groups} lets groups carry over to the next "
+                             "step, which only asynchronous rollouts do: set train.max_staleness >= 1, or "
+                             "train.min_step_groups = 0")
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,9 @@ from __future__ import annotations
 import collections
 import json
 import sys
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -142,27 +144,46 @@ class Rollouts:
     """Each training step's rollouts. Synchronous (``train.max_staleness = 0``): run when the step asks for them.
     Asynchronous: as soon as a step has its rollouts, the next step's start in a background thread, so they run
     during this step's update and weight sync (the sync pauses them and they go on with the new weights); the
-    next step then waits only for what is left of them (``time/rollout``). The thread's exception, if any, is
-    raised in the loop by ``take``."""
+    next step then waits only for what is left of them (``time/rollout``). With ``train.min_step_groups``, it
+    waits only until that many groups have ended, and takes every group that has: the others carry over, still
+    running, into the next step's rollouts (``rollouts/carried_groups``, ``rollouts/groups_in_flight``), so that a
+    slow group does not stall the step. A carried group's calls more than ``max_staleness`` versions older than
+    the policy are not trained on (``drop_stale``), and a carried and a new group of the same task are one group
+    for the advantages (the same prompt). The last step, and validation, wait for every group; a run stopped
+    otherwise gives up the groups in flight (they fail in the store; ``--resume`` does not run them again). The
+    thread's exception, if any, is raised in the loop by ``take``."""
 
     def __init__(self, svc: Any, engine: Engine, cfg: TrainConfig, tasks: list[dict]):
         self.svc, self.engine, self.cfg, self.tasks = svc, engine, cfg, tasks
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="lit-rollouts") if cfg.train.max_staleness else None
         self.ahead: tuple[int, int, Future] | None = None  # (step, engine version when started, rollouts)
         self.finished: dict[int, tuple[int, tuple[list[Episode], dict[str, float]]]] = {}
+        self.dispatched_at: dict[int, int] = {}  # step -> the engine's version when its rollouts were handed out
+        self.wanted = threading.Event()  # set while the loop waits for the rollouts running ahead
 
     def take(self, step: int) -> tuple[list[Episode], dict[str, float], int]:
         """Step ``step``'s (from 0) episodes and rollout metrics, and the engine's weight version when they were
         handed out; in asynchronous mode, also start step ``step + 1``'s."""
         t0 = time.perf_counter()
         if self.ahead is not None and self.ahead[0] == step:
-            self.finish_ahead()
+            if step + 1 < self.cfg.train.steps:  # the last step waits for every group: none is left over
+                self.wanted.set()  # groups not ended once enough have carry over (``_enough``)
+            try:
+                self.finish_ahead()
+            finally:
+                self.wanted.clear()
         if step in self.finished:
             dispatched, (episodes, metrics) = self.finished.pop(step)
         else:  # the engine holds the weights of ``step`` updates
+            self.dispatched_at[step] = step
             dispatched, (episodes, metrics) = step, self._run(step)
+        # carried groups were handed out before this step's: the oldest bounds the staleness of unversioned calls
+        oldest = int(metrics.pop("rollouts/oldest_step", step))
+        dispatched = min(dispatched, self.dispatched_at.get(oldest, dispatched))
+        self.dispatched_at = {s: v for s, v in self.dispatched_at.items() if s >= oldest}
         metrics["time/rollout"] = time.perf_counter() - t0
         if self.pool is not None and step + 1 < self.cfg.train.steps:
+            self.dispatched_at[step + 1] = step
             self.ahead = (step + 1, step, self.pool.submit(self._run, step + 1))
         return episodes, metrics, dispatched
 
@@ -183,18 +204,26 @@ class Rollouts:
 
     def _run(self, step: int) -> tuple[list[Episode], dict[str, float]]:
         tasks = sample_tasks(self.tasks, self.cfg.train.seed, step, self.cfg.train.tasks_per_step)
-        return step_rollouts(self.svc, self.engine, tasks, self.cfg, step)
+        return step_rollouts(self.svc, self.engine, tasks, self.cfg, step,
+                             self._enough if self.cfg.train.min_step_groups else None)
+
+    def _enough(self, ended_groups: int) -> bool:
+        """Whether the rollouts running ahead may stop waiting: the loop wants them, and ``min_step_groups``
+        groups ended."""
+        least = self.cfg.train.min_step_groups
+        return bool(least) and self.wanted.is_set() and ended_groups >= least
 
 
-def step_rollouts(svc: Any, engine: Engine, tasks: list[dict], cfg: TrainConfig, step: int
-                  ) -> tuple[list[Episode], dict[str, float]]:
-    """The rollouts of training step ``step`` (from 0). If vLLM dies meanwhile, it is started again with the
-    policy's current weights and the step's rollouts run again (what was in flight is given up, and nothing of it
-    is trained on), up to ``MAX_ENGINE_RESTARTS`` times."""
+def step_rollouts(svc: Any, engine: Engine, tasks: list[dict], cfg: TrainConfig, step: int,
+                  enough: Callable[[int], bool] | None = None) -> tuple[list[Episode], dict[str, float]]:
+    """The rollouts of training step ``step`` (from 0); ``enough``: see ``Services.rollouts``. If vLLM dies
+    meanwhile, it is started again with the policy's current weights and the step's rollouts run again (what was in
+    flight, groups carried over too, is given up, and nothing of it is trained on), up to ``MAX_ENGINE_RESTARTS``
+    times."""
     for restart in range(MAX_ENGINE_RESTARTS + 1):
         try:
             label = f"s{step}" + (f"-restart{restart}" if restart else "")
-            return svc.rollouts(tasks, cfg.train.group_size, cfg.agent.temperature, step, label)
+            return svc.rollouts(tasks, cfg.train.group_size, cfg.agent.temperature, step, label, enough)
         except ServerDiedError as exc:
             if restart == MAX_ENGINE_RESTARTS:
                 raise

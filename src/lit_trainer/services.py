@@ -16,7 +16,7 @@ import contextlib
 import os
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -78,15 +78,19 @@ class Services:
         self.servers[index] = InferenceServer(replace(self.cfg.inference, port=old.port), index=index).start()
         self._stack.callback(self.servers[index].stop)
 
-    def rollouts(self, tasks: list[dict], group: int, temperature: float, step: int, label: str
-                 ) -> tuple[list[Episode], dict[str, float]]:
+    def rollouts(self, tasks: list[dict], group: int, temperature: float, step: int, label: str,
+                 enough: Callable[[int], bool] | None = None) -> tuple[list[Episode], dict[str, float]]:
         """Run ``group`` rollouts of each task (with a progress bar), all of one task on one vLLM server
-        (``server_of``); the episodes and the rollout metrics."""
+        (``server_of``); the episodes and the rollout metrics. ``enough`` (``Dispatcher.run``): told how many
+        groups ended, it may end the wait before all did; the groups still running carry over to the next call,
+        which returns them (``rollouts/carried_groups``: groups of an earlier step returned by this call,
+        ``rollouts/groups_in_flight``: groups this call left running)."""
         llms = [self.llm(temperature, i) for i in range(len(self.servers))]
         requests = [RolloutRequest(f"{self.session}-{label}-t{t['id']}-g{g}", str(t["id"]), t,
                                    llms[server_of(k, len(tasks), step, len(llms))], step)
                     for k, t in enumerate(tasks) for g in range(group)]
-        bar = progress_bar(total=len(requests), desc=f"{label} rollouts", unit="rollout", leave=False)
+        carried = len(self.dispatcher.carried)
+        bar = progress_bar(total=len(requests) + carried, desc=f"{label} rollouts", unit="rollout", leave=False)
         failed = 0
 
         def progress(outcome: Outcome) -> None:
@@ -97,9 +101,20 @@ class Services:
 
         self.check()
         with bar:
-            outcomes = self.dispatcher.run(requests, progress, check=self.check)
+            outcomes = self.dispatcher.run(requests, progress, check=self.check, enough=enough)
         self.check()
-        return gather_episodes(self.store, outcomes, self.cfg.agent.agents, self.cfg.train.success_reward)
+        episodes, metrics = gather_episodes(self.store, outcomes, self.cfg.agent.agents, self.cfg.train.success_reward)
+        if enough is not None:
+            earlier = (o.request for o in outcomes if o.request.step != step)
+            metrics["rollouts/carried_groups"] = float(len(groups_of(earlier)))
+            metrics["rollouts/groups_in_flight"] = float(len(groups_of(self.dispatcher.carried)))
+            metrics["rollouts/oldest_step"] = float(min((o.request.step for o in outcomes), default=step))
+        return episodes, metrics
+
+
+def groups_of(requests: Iterable[RolloutRequest]) -> set[tuple[int, str]]:
+    """The groups (step, task id) the requests belong to."""
+    return {(r.step, r.task_id) for r in requests}
 
 
 @contextlib.contextmanager

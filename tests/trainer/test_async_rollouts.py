@@ -2,7 +2,8 @@
 step updates (``loop.Rollouts``), and calls sampled by weights more than ``max_staleness`` versions old are not
 trained on (``schedule.drop_stale``). The services here are stand-ins that record when the loop asks for rollouts
 (real vLLM and workers: the ``ppo_schedule`` run of tests/e2e/test_train_options.py trains with
-``max_staleness = 1`` and checks the staleness of every call it trained on)."""
+``max_staleness = 1`` and checks the staleness of every call it trained on), except in the carry-over test, which
+runs real worker processes, dispatcher, collector and store (``train.min_step_groups``)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ class RecordingServices:
     def __init__(self, seconds: float = 0.0, fail_at: int | None = None):
         self.seconds, self.fail_at, self.calls = seconds, fail_at, []
 
-    def rollouts(self, tasks, group, temperature, step, label):
+    def rollouts(self, tasks, group, temperature, step, label, enough=None):
         self.calls.append((step, threading.current_thread().name, time.monotonic()))
         time.sleep(self.seconds)
         if step == self.fail_at:
@@ -52,7 +53,7 @@ class RecordingServices:
 
 def config(max_staleness: int, steps: int = 3) -> SimpleNamespace:
     return SimpleNamespace(train=SimpleNamespace(max_staleness=max_staleness, steps=steps, seed=0, tasks_per_step=1,
-                                                 group_size=2),
+                                                 group_size=2, min_step_groups=0),
                            agent=SimpleNamespace(temperature=1.0))
 
 
@@ -109,3 +110,62 @@ def test_an_error_in_the_rollouts_running_ahead_stops_the_loop_when_it_takes_the
     with pytest.raises(RuntimeError, match="collector stopped during step 1"):
         rollouts.take(1)
     rollouts.close()
+
+
+class UnusedServer:
+    """Stands in for the vLLM server: the address the agents are given, which ``returns_after_its_seconds`` never
+    calls (real vLLM is in the ``ppo_schedule`` run of tests/e2e/test_train_options.py)."""
+
+    openai_url, model_name, api_key = "http://127.0.0.1:9/v1", "none", None
+
+    def check_alive(self) -> None:
+        pass
+
+
+def test_a_group_still_running_carries_over_to_the_next_step_instead_of_stalling_it(tmp_path):
+    """Every step samples both tasks: task 0's rollouts take 3 s, task 1's 50 ms. Step 1 (index 1) takes its fast
+    group as soon as it ended (``min_step_groups = 1``) and its slow group carries over, running; step 2, the last,
+    gets it back with its own two groups: the last step waits for every group, so that none is left over."""
+    import contextlib
+    import os
+    from pathlib import Path
+
+    from lit_sdk.worker import spawn
+    from lit_trainer.config import from_dict
+    from lit_trainer.intake.collector import Collector
+    from lit_trainer.intake.store import RolloutStatus, SqliteStore
+    from lit_trainer.rollouts.dispatcher import Dispatcher
+    from lit_trainer.services import Services, stop_workers
+
+    cfg = from_dict({"agent": {"function": "rollout_agents:returns_after_its_seconds"},
+                     "train": {"steps": 3, "tasks_per_step": 2, "group_size": 2, "max_staleness": 1,
+                               "min_step_groups": 1},
+                     "update": {"recompute_old_logprobs": True}, "loss": {"is_correction": "truncate"}})
+    tasks = [{"id": 0, "value": 1.0, "seconds": 3.0}, {"id": 1, "value": 0.0, "seconds": 0.05}]
+    store = SqliteStore(tmp_path / "lit.sqlite")
+    collector = Collector(store, "tcp://127.0.0.1:0").start()
+    dispatcher = Dispatcher(store, "tcp://127.0.0.1:0", collector.endpoint, [UnusedServer.openai_url])
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "LIT_SPOOL_DIR": str(tmp_path / "spool")}
+    workers = [spawn(cfg.agent.function, dispatcher.endpoint, 8, env)]
+    try:
+        dispatcher.wait_for_workers(1, timeout_s=60)
+        svc = Services(cfg, store, collector, [UnusedServer()], dispatcher, "carry", contextlib.ExitStack())
+        rollouts = loop.Rollouts(svc, None, cfg, tasks)
+        _, metrics, _ = rollouts.take(0)  # nothing runs ahead of the first step: it waits for both groups
+        assert metrics["rollouts/requested"] == 4 and metrics["rollouts/groups_in_flight"] == 0
+        _, metrics, dispatched = rollouts.take(1)  # at once: step 1's rollouts have only just started
+        assert metrics["rollouts/requested"] == 2 and metrics["rollouts/succeeded"] == 2
+        assert metrics["rollouts/carried_groups"] == 0 and metrics["rollouts/groups_in_flight"] == 1
+        assert dispatched == 0
+        _, metrics, dispatched = rollouts.take(2)
+        assert metrics["rollouts/requested"] == 6 and metrics["rollouts/succeeded"] == 6
+        assert metrics["rollouts/carried_groups"] == 1 and metrics["rollouts/groups_in_flight"] == 0
+        assert dispatched == 0  # the carried group was handed out at version 0
+        assert dispatcher.carried == []
+        rollouts.close()
+        statuses = [(r.task_id, r.status) for r in store.rollouts_of_step(1)]
+        assert sorted(statuses) == [("0", RolloutStatus.SUCCEEDED)] * 2 + [("1", RolloutStatus.SUCCEEDED)] * 2
+    finally:
+        stop_workers(dispatcher, workers)
+        collector.stop()
+        store.close()

@@ -54,6 +54,8 @@ def test_overrides_take_toml_values_or_bare_words(tmp_path):
     ("[train]\nmax_staleness = 1\n", [], r"max_staleness = 1 trains on calls sampled by older weights"),
     ("[train]\nmax_staleness = 1\n[update]\nrecompute_old_logprobs = true\n", [], r"loss.is_correction = 'truncate'"),
     ("[train]\nmax_staleness = -1\n", [], r"max_staleness must be >= 0"),
+    ("[train]\nmin_step_groups = 1\n", [], r"only asynchronous rollouts do: set train.max_staleness >= 1"),
+    ("[train]\ntasks_per_step = 2\nmin_step_groups = 3\n", [], r"between 0 .* train.tasks_per_step = 2, got 3"),
     ("[weight_sync]\nmode = 'lora'\n", [], r"pushed as merged full weights"),
 ])
 def test_mistakes_name_the_key(tmp_path, text, overrides, message):

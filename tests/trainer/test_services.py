@@ -49,9 +49,9 @@ class Dispatcher:
     """A stand-in for the dispatcher: records the requests and fails them all (no store needed)."""
 
     def __init__(self):
-        self.requests = []
+        self.requests, self.carried = [], []
 
-    def run(self, requests, progress, check):
+    def run(self, requests, progress, check, enough=None):
         check()
         self.requests += requests
         return [Outcome(r, RolloutStatus.FAILED, f"{r.key}-a1", 1) for r in requests]
