@@ -221,14 +221,15 @@ def step_rollouts(svc: Any, engine: Engine, tasks: list[dict], cfg: TrainConfig,
     flight, groups carried over too, is given up, and nothing of it is trained on), up to ``MAX_ENGINE_RESTARTS``
     times."""
     for restart in range(MAX_ENGINE_RESTARTS + 1):
+        restarts = engine.restarts
         try:
             label = f"s{step}" + (f"-restart{restart}" if restart else "")
             return svc.rollouts(tasks, cfg.train.group_size, cfg.agent.temperature, step, label, enough)
         except ServerDiedError as exc:
             if restart == MAX_ENGINE_RESTARTS:
                 raise
-            engine.restart(str(step), f"during the rollouts of step {step + 1} ({first_line(exc)}); the step's "
-                           "rollouts run again")
+            engine.restart(f"during the rollouts of step {step + 1} ({first_line(exc)}); the step's rollouts run "
+                           "again", restarts)
     raise AssertionError("unreachable")
 
 
@@ -267,18 +268,19 @@ def update_policy(policy: Any, engine: Engine, store: Store, episodes: list[Epis
     metrics["update/transitions"] = float(sum(1 for _, a in pairs if a != 0.0))
     if not pairs or (cfg.loss.kl_beta == 0 and not any(a != 0.0 for _, a in pairs)):
         return metrics  # all-correct or all-wrong groups (or only unusable transitions): nothing to learn from
-    t0 = time.perf_counter()
-    trainer_logprobs: dict[int, list[float]] = {}
-    job = distributed.broadcast(UpdateJob(pairs, pad_id, seed=cfg.train.seed * 100_003 + step))
-    metrics.update(run_update(policy, job.pairs, cfg.update, cfg.loss, cfg.batching, pad_id, seed=job.seed,
-                              trainer_logprobs=trainer_logprobs))
-    store.save_trainer_logprobs((pairs[i][0].rollout_id, pairs[i][0].index, values)
-                                for i, values in trainer_logprobs.items())
-    metrics["time/update"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    report = engine.push_weights(policy.state_dict(), version=version)
-    # None: vLLM had died and was started again with these weights (Engine); that took the time
-    metrics["time/sync"] = report.total_s if report is not None else time.perf_counter() - t0
+    with engine.hold():  # no server is started again with weights half updated (asynchronous rollouts)
+        t0 = time.perf_counter()
+        trainer_logprobs: dict[int, list[float]] = {}
+        job = distributed.broadcast(UpdateJob(pairs, pad_id, seed=cfg.train.seed * 100_003 + step))
+        metrics.update(run_update(policy, job.pairs, cfg.update, cfg.loss, cfg.batching, pad_id, seed=job.seed,
+                                  trainer_logprobs=trainer_logprobs))
+        store.save_trainer_logprobs((pairs[i][0].rollout_id, pairs[i][0].index, values)
+                                    for i, values in trainer_logprobs.items())
+        metrics["time/update"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        report = engine.push_weights(policy.state_dict(), version=version)
+        # None: vLLM had died and was started again with these weights (Engine); that took the time
+        metrics["time/sync"] = report.total_s if report is not None else time.perf_counter() - t0
     every = cfg.train.check_sync_every
     if every and (version == "1" or int(version) % every == 0):  # every server: each got its own push
         gaps = {url: check_logprobs(url, cfg.inference.served_model_name, policy.unwrapped(),

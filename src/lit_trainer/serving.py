@@ -43,9 +43,16 @@ class Engine:
         self.svc, self.policy, self.cfg = svc, policy, cfg
         self.syncs = [self._open_sync(i) for i in range(len(svc.servers))]
         self.restarts = 0
+        self.version = "0"
+        """The weight version the servers hold: the last one pushed (the base model's is 0)."""
         # With asynchronous rollouts (loop.Rollouts) the rollouts' thread may restart a server while the loop's
-        # thread pushes weights: one at a time.
+        # thread updates the policy and pushes its weights (``hold``): one at a time.
         self._lock = threading.RLock()
+
+    def hold(self) -> threading.RLock:
+        """Held by the loop while it changes the policy's weights and pushes them, so that a server started again
+        meanwhile by the rollouts' thread (``restart``) gets whole weights of a version the others hold."""
+        return self._lock
 
     @property
     def sync(self) -> WeightSync:
@@ -67,7 +74,9 @@ class Engine:
         during this push) is started again with the policy's weights of ``version`` instead. The report; None
         when a server was started again (that took the time)."""
         with self._lock:
-            return self._push_weights(state, version)
+            report = self._push_weights(state, version)
+            self.version = version
+            return report
 
     def _push_weights(self, state: Any, version: str) -> PushReport | None:
         reports, died = [], []
@@ -85,13 +94,17 @@ class Engine:
                                                 f"({first_line(exc)})")
         return None if died else PushReport(version, reports)
 
-    def restart(self, version: str, when: str) -> None:
+    def restart(self, when: str, restarts_seen: int | None = None) -> None:
         """Start the servers that died ``when`` again (all of them when none is seen exited: the caller saw one
-        die), and push the policy's current weights into each as ``version``."""
+        die), and push the policy's current weights into each as the version the servers hold. ``restarts_seen``:
+        ``restarts`` when the caller began what saw the death; if a server was started again since (by the loop's
+        weight push, which found it dead too), there is nothing left to do."""
         with self._lock:
+            if restarts_seen is not None and self.restarts != restarts_seen:
+                return
             dead = [i for i, server in enumerate(self.svc.servers) if server.exited()]
             for index in dead or range(len(self.syncs)):
-                self.restart_server(index, version, when)
+                self.restart_server(index, self.version, when)
 
     def restart_server(self, index: int, version: str, when: str) -> None:
         """Start server ``index`` again after it died ``when``, with the policy's current weights as ``version``."""

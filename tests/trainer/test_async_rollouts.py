@@ -58,11 +58,13 @@ def config(max_staleness: int, steps: int = 3) -> SimpleNamespace:
 
 
 TASKS = [{"id": i} for i in range(4)]
+ENGINE = SimpleNamespace(restarts=0)
+"""A stand-in for ``serving.Engine`` that no server death reaches (the restart tests are in test_loop.py)."""
 
 
 def test_synchronous_rollouts_run_when_the_step_asks_in_the_loop_thread():
     svc = RecordingServices()
-    rollouts = loop.Rollouts(svc, None, config(0), TASKS)
+    rollouts = loop.Rollouts(svc, ENGINE, config(0), TASKS)
     for step in range(3):
         episodes, _, dispatched = rollouts.take(step)
         assert episodes == [f"episode of step {step}"] and dispatched == step
@@ -72,7 +74,7 @@ def test_synchronous_rollouts_run_when_the_step_asks_in_the_loop_thread():
 
 def test_asynchronous_rollouts_of_the_next_step_run_during_this_steps_update():
     svc = RecordingServices(seconds=0.3)
-    rollouts = loop.Rollouts(svc, None, config(1), TASKS)
+    rollouts = loop.Rollouts(svc, ENGINE, config(1), TASKS)
     episodes, _, dispatched = rollouts.take(0)
     assert episodes == ["episode of step 0"] and dispatched == 0
     updating = time.monotonic()
@@ -93,7 +95,7 @@ def test_asynchronous_rollouts_of_the_next_step_run_during_this_steps_update():
 
 def test_rollouts_running_ahead_are_finished_before_validation_and_kept_for_their_step():
     svc = RecordingServices(seconds=0.2)
-    rollouts = loop.Rollouts(svc, None, config(1), TASKS)
+    rollouts = loop.Rollouts(svc, ENGINE, config(1), TASKS)
     rollouts.take(0)
     rollouts.finish_ahead()  # validation needs the workers to itself
     assert len(svc.calls) == 2 and rollouts.ahead is None
@@ -105,7 +107,7 @@ def test_rollouts_running_ahead_are_finished_before_validation_and_kept_for_thei
 
 def test_an_error_in_the_rollouts_running_ahead_stops_the_loop_when_it_takes_them():
     svc = RecordingServices(fail_at=1)
-    rollouts = loop.Rollouts(svc, None, config(1), TASKS)
+    rollouts = loop.Rollouts(svc, ENGINE, config(1), TASKS)
     rollouts.take(0)
     with pytest.raises(RuntimeError, match="collector stopped during step 1"):
         rollouts.take(1)
@@ -150,7 +152,7 @@ def test_a_group_still_running_carries_over_to_the_next_step_instead_of_stalling
     try:
         dispatcher.wait_for_workers(1, timeout_s=60)
         svc = Services(cfg, store, collector, [UnusedServer()], dispatcher, "carry", contextlib.ExitStack())
-        rollouts = loop.Rollouts(svc, None, cfg, tasks)
+        rollouts = loop.Rollouts(svc, ENGINE, cfg, tasks)
         _, metrics, _ = rollouts.take(0)  # nothing runs ahead of the first step: it waits for both groups
         assert metrics["rollouts/requested"] == 4 and metrics["rollouts/groups_in_flight"] == 0
         _, metrics, dispatched = rollouts.take(1)  # at once: step 1's rollouts have only just started

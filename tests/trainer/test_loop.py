@@ -85,6 +85,7 @@ POLICY = SimpleNamespace(state_dict=lambda: {"w": 1})
 def test_vllm_dying_twice_in_the_rollouts_is_restarted_twice_with_the_current_weights(cfg, capsys):
     svc = DyingServices(deaths=2)
     engine = serving.Engine(svc, POLICY, cfg)
+    engine.version = "4"  # the servers hold the weights of 4 updates
     episodes, metrics = loop.step_rollouts(svc, engine, [{"id": 0}], cfg, step=4)
     assert episodes == ["episode"] and engine.restarts == 2
     assert svc.calls == ["s4", "s4-restart1", "s4-restart2"] and svc.restarts == 2

@@ -109,16 +109,38 @@ def test_a_sync_error_of_a_live_server_stops_the_run(engine):
 
 
 def test_a_death_seen_during_the_rollouts_restarts_the_dead_server_only(engine):
+    engine.push_weights({"w": "step 4"}, version="4")
     engine.svc.servers[0].dead = True
-    engine.restart("4", "during the rollouts of step 5")
+    engine.restart("during the rollouts of step 5")
     assert engine.svc.restarted == [0] and engine.restarts == 1
-    assert engine.syncs[0].pushed == [("4", "current")] and engine.syncs[1].pushed == []
+    # the policy's weights, tagged with the version the servers hold
+    assert engine.syncs[0].pushed == [("4", "current")] and engine.syncs[1].pushed == [("4", "step 4")]
 
 
 def test_a_death_with_no_server_seen_exited_restarts_them_all(engine):
-    engine.restart("4", "during the rollouts of step 5")  # the error said one died; which is unknown
+    engine.restart("during the rollouts of step 1")  # the error said one died; which is unknown
     assert engine.svc.restarted == [0, 1] and engine.restarts == 2
-    assert [s.pushed for s in engine.syncs] == [[("4", "current")], [("4", "current")]]
+    assert [s.pushed for s in engine.syncs] == [[("0", "current")], [("0", "current")]]  # the base model's: 0
+
+
+def test_a_death_seen_by_the_rollouts_waits_for_the_update_and_is_not_restarted_twice(engine):
+    """Asynchronous rollouts: their thread sees server 0 die while the loop updates the policy (``hold``). The
+    restart waits for the update and its push, which found the server dead and started it again with the new
+    weights: nothing is left to do, and no server got weights half updated."""
+    import threading
+
+    seen = engine.restarts  # when the rollouts began
+    engine.svc.servers[0].dead = True
+    with engine.hold():
+        restarting = threading.Thread(target=engine.restart, args=("during the rollouts of step 3", seen))
+        restarting.start()
+        restarting.join(0.2)
+        assert restarting.is_alive() and engine.svc.restarted == []  # waits for the update
+        assert engine.push_weights({"w": "step 2"}, version="2") is None  # the push finds it dead: restarted
+    restarting.join(5)
+    assert not restarting.is_alive()
+    assert engine.svc.restarted == [0] and engine.restarts == 1 and engine.version == "2"
+    assert engine.syncs[0].pushed == [("2", "current")] and engine.syncs[1].pushed == [("2", "step 2")]
 
 
 def test_close_closes_every_sync(engine):
