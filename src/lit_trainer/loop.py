@@ -100,7 +100,7 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
             step += 1
             minutes += (time.perf_counter() - t0) / 60
             metrics["minutes"] = minutes
-            metrics.update(memory_gb(svc.server.process.pid if svc.server.process else None))
+            metrics.update(memory_gb([server.process.pid for server in svc.servers if server.process]))
             log.log(step, metrics)
             print(step_line(step, cfg.train.steps, metrics), flush=True)
             last_step = step >= cfg.train.steps or (cfg.train.max_minutes and minutes >= cfg.train.max_minutes)

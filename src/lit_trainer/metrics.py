@@ -18,18 +18,22 @@ from pathlib import Path
 from typing import Any
 
 
-def memory_gb(server_pid: int | None = None) -> dict[str, float]:
-    """``memory/trainer_peak_gb``: the peak resident set of this process so far; ``memory/vllm_gb``: the resident
-    set now of the largest process among the vLLM server ``server_pid`` and its children (its engine core). GiB."""
+def memory_gb(server_pids: Sequence[int] = ()) -> dict[str, float]:
+    """``memory/trainer_peak_gb``: the peak resident set of this process so far; ``memory/vllm_gb``: over the vLLM
+    servers ``server_pids``, the sum of each one's largest process now (its engine core) among it and its children.
+    GiB."""
     out = {"memory/trainer_peak_gb": _peak_rss() / 2**30}
-    if server_pid is not None:
+    if server_pids:
         import psutil
 
-        try:
-            server = psutil.Process(server_pid)
-            out["memory/vllm_gb"] = max(p.memory_info().rss for p in [server, *server.children(recursive=True)]) / 2**30
-        except psutil.Error:
-            pass  # the server is gone: the loop's health checks say so
+        total = 0
+        for pid in server_pids:
+            try:
+                server = psutil.Process(pid)
+                total += max(p.memory_info().rss for p in [server, *server.children(recursive=True)])
+            except psutil.Error:
+                pass  # the server is gone: the loop's health checks say so
+        out["memory/vllm_gb"] = total / 2**30
     return out
 
 

@@ -52,7 +52,7 @@ class Services:
 
     @property
     def server(self) -> InferenceServer:
-        """The first vLLM server (the one ``memory/vllm_gb`` measures)."""
+        """The first vLLM server."""
         return self.servers[0]
 
     def llm(self, temperature: float, server: int = 0) -> LLM:

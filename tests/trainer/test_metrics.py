@@ -98,7 +98,7 @@ def test_plot_curve_writes_a_png_and_nothing_without_data(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
 
-def test_memory_figures_are_this_process_peak_and_a_server_s_largest_process():
+def test_memory_figures_are_this_process_peak_and_the_servers_largest_processes():
     import subprocess
     import sys
     import time
@@ -106,8 +106,8 @@ def test_memory_figures_are_this_process_peak_and_a_server_s_largest_process():
     import psutil
 
     ballast = bytearray(64 * 2**20)  # 64 MiB touched: this process's peak is at least that much
-    assert memory_gb(None)["memory/trainer_peak_gb"] >= 64 / 1024
-    assert "memory/vllm_gb" not in memory_gb(None)
+    assert memory_gb()["memory/trainer_peak_gb"] >= 64 / 1024
+    assert "memory/vllm_gb" not in memory_gb()
     # A stand-in "server" whose child holds 200 MiB: the figure is its largest process, the child.
     code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
             "'import time; b = bytearray(200 * 2**20); time.sleep(60)']); time.sleep(60)")
@@ -119,7 +119,10 @@ def test_memory_figures_are_this_process_peak_and_a_server_s_largest_process():
             if children and children[0].memory_info().rss > 190 * 2**20:
                 break
             time.sleep(0.1)
-        assert memory_gb(server.pid)["memory/vllm_gb"] == pytest.approx(200 / 1024, rel=0.15)
+        assert memory_gb([server.pid])["memory/vllm_gb"] == pytest.approx(200 / 1024, rel=0.15)
+        # several servers: each one's largest process, added up (here the same one twice); one gone counts 0
+        assert memory_gb([server.pid, server.pid])["memory/vllm_gb"] == pytest.approx(400 / 1024, rel=0.15)
+        assert memory_gb([server.pid, 2**22 + 7])["memory/vllm_gb"] == pytest.approx(200 / 1024, rel=0.15)
     finally:
         for proc in psutil.Process(server.pid).children(recursive=True):
             proc.kill()
