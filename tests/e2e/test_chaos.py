@@ -18,6 +18,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from test_train import CONFIG
 
 from lit_sdk import semconv as sc
 from lit_sdk.protocol import codec
+from lit_trainer.engine.server import free_orphan_segments
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TESTS = Path(__file__).parents[1]
@@ -102,6 +104,7 @@ def run(point: str, config: Path, out: Path, resume: bool) -> subprocess.Complet
 
 
 def test_sigkill_in_rollouts_update_and_sync_then_resume_loses_and_repeats_nothing(prepared_model, tmp_path):
+    began = time.time()
     out = tmp_path / "run"
     config = tmp_path / "config.toml"
     config.write_text(CONFIG.format(model=prepared_model, out=out).replace("steps = 2", "steps = 4")
@@ -128,6 +131,9 @@ def test_sigkill_in_rollouts_update_and_sync_then_resume_loses_and_repeats_nothi
     assert "chaos: SIGKILL to vLLM" in log and ("vLLM died during the rollouts of step 3" in log or
                                                 "vLLM died before the weights of step 3 reached it" in log), log[-3000:]
     assert [r["engine/restarts"] for r in train] == [0, 0, 1, 0]  # restarted once, and step 3 ran again
+    # the killed vLLM's shared memory was freed by the trainer (the others, stopped by SIGTERM, freed their own)
+    assert "shared memory that the dead vLLM left" in log, log[-3000:]
+    assert free_orphan_segments(began) == [], "vLLM's shared memory left in /dev/shm"
 
     with sqlite3.connect(out / "lit.sqlite") as conn:
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"

@@ -174,6 +174,40 @@ def build_command(
     return cmd + list(config.extra_args)
 
 
+def free_orphan_segments(since: float, shm_dir: Path = Path("/dev/shm")) -> list[tuple[str, int]]:
+    """Remove the shared-memory segments a vLLM killed without its clean-up (SIGKILL, the OOM killer) left behind,
+    which hold RAM until reboot (about 0.4 GB a server here): Python's ``psm_*`` segments in ``shm_dir`` of this
+    user, changed since ``since`` (the server's launch, wall clock), that no process maps any more. Returns what was
+    freed, (name, bytes). A segment that another program of this user made and left unmapped meanwhile would go too:
+    called only after a vLLM died."""
+    me = os.getuid()
+    candidates = {}
+    for path in shm_dir.glob("psm_*"):
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        if st.st_uid == me and st.st_mtime >= since:
+            candidates[str(path)] = st.st_size
+    if not candidates:
+        return []
+    for maps in Path("/proc").glob("[0-9]*/maps"):  # this user's processes (all of them for root) can be read
+        try:
+            text = maps.read_text()
+        except OSError:
+            continue
+        for name in [n for n in candidates if n in text]:
+            del candidates[name]
+    freed = []
+    for name, size in candidates.items():
+        try:
+            os.unlink(name)
+            freed.append((Path(name).name, size))
+        except OSError:
+            pass
+    return freed
+
+
 def build_env(config: InferenceConfig, base: dict[str, str] | None = None, *, api_key: str | None = None,
               admin_token: str | None = None, guard_dir: Path | None = None, index: int = 0) -> dict[str, str]:
     """The environment of server ``index`` (of ``config.servers``): this one plus its cores or GPUs
@@ -280,6 +314,7 @@ class InferenceServer:
         """The API key and the admin token, for the trainer's own requests (``WeightSync``, the logprob check)."""
         self._guard_dir: Path | None = None
         self._t0 = 0.0
+        self._launched_at = 0.0  # wall clock, for ``free_orphan_segments``
 
     @property
     def base_url(self) -> str:
@@ -330,7 +365,7 @@ class InferenceServer:
         logs.mkdir(parents=True, exist_ok=True)
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         self.log_path = logs / f"vllm-{stamp}-{self.port}.log"
-        self._t0 = time.perf_counter()
+        self._t0, self._launched_at = time.perf_counter(), time.time()
         with self.log_path.open("wb") as log_file:
             log_file.write((" ".join(cmd) + "\n").encode())
             log_file.flush()
@@ -442,6 +477,12 @@ class InferenceServer:
             self._guard_dir = None
         if process is None:
             return
+        died = process.poll() is not None  # before it was asked to stop: perhaps killed, with no clean-up
         # The leader may be gone while engine-core children linger: stop_child kills what is left of the group, and
         # returns only once none is left (a killed process takes a moment to release gigabytes of memory).
         stop_child(process, self.config.shutdown_timeout_s, name="vLLM")
+        if died:
+            freed = free_orphan_segments(self._launched_at)
+            if freed:
+                log.warning("lit: freed %.2f GB of shared memory that the dead vLLM left in /dev/shm (%s)",
+                            sum(size for _, size in freed) / 2**30, ", ".join(name for name, _ in freed))

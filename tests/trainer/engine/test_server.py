@@ -31,6 +31,7 @@ from lit_trainer.engine.server import (
     VLLMNotInstalledError,
     build_command,
     build_env,
+    free_orphan_segments,
     pick_port,
 )
 
@@ -321,3 +322,19 @@ def _script(path: Path, body: str) -> Path:
 def _fake_server(tmp_path: Path, server_body: str) -> Path:
     """A 'python' that answers lit's import probe like the real one, and runs ``server_body`` as the server."""
     return _script(tmp_path / "fake-python", f'if [ "$1" = "-c" ]; then exec {sys.executable} "$@"; fi\n{server_body}')
+
+
+def test_shared_memory_a_killed_vllm_left_is_freed_and_nothing_else(tmp_path: Path):
+    """Segments as vLLM's message queues make them (``psm_*``): one no process maps (its vLLM was killed), one this
+    process still maps, one older than the server's launch, and a file of another name. Only the first goes."""
+    import mmap
+
+    since = time.time()
+    for name in ("psm_orphan", "psm_live", "psm_old", "lit-weights-x"):
+        (tmp_path / name).write_bytes(b"\0" * 4096)
+    os.utime(tmp_path / "psm_old", (since - 60, since - 60))
+    with (tmp_path / "psm_live").open("r+b") as f, mmap.mmap(f.fileno(), 4096):
+        freed = free_orphan_segments(since, tmp_path)
+        assert freed == [("psm_orphan", 4096)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lit-weights-x", "psm_live", "psm_old"]
+    assert free_orphan_segments(since, tmp_path) == [("psm_live", 4096)]  # unmapped now
