@@ -79,6 +79,10 @@ class Policy:
         wait = InitProcessGroupKwargs(timeout=distributed.COLLECTIVE_TIMEOUT)
         self.accelerator = Accelerator(log_with=list(trackers) or None, project_dir=project_dir,
                                        kwargs_handlers=[wait], cpu=distributed.on_cpu_processes())
+        refused = distributed.unsupported_launch(self.accelerator.distributed_type.value,
+                                                 str(self.accelerator.mixed_precision))
+        if refused:
+            raise ValueError(refused)
         model = AutoModelForCausalLM.from_pretrained(resolve_model(config.model), dtype=torch.float32)
         if config.gradient_checkpointing:
             model.gradient_checkpointing_enable()

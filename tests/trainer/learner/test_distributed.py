@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch.testing import assert_close
 
-from lit_trainer.learner.distributed import assign, broadcast, gather, sum_gradients
+from lit_trainer.learner.distributed import assign, broadcast, gather, sum_gradients, unsupported_launch
 
 SCRIPT = Path(__file__).with_name("update_across_processes.py")
 
@@ -64,3 +64,22 @@ def test_two_processes_on_gloo_take_the_same_update_as_one(tiny_model: Path, tmp
         w2 = two["weights"][name]
         assert (w2 - w1).abs().max() <= 4 * 1e-3 * 1.01, name
         assert ((w2 - w1).abs() > 1e-6).float().mean() < 1e-3, name
+
+
+def test_sharded_engines_and_mixed_precision_from_accelerate_are_refused_with_the_fix():
+    # FSDP and DeepSpeed are set up by accelerate on GPUs only: their refusal is checked here on the names
+    assert "lit shards no model yet" in unsupported_launch("FSDP", "no")
+    assert "--use_fsdp / --use_deepspeed" in unsupported_launch("DEEPSPEED", "bf16")
+    assert unsupported_launch("MULTI_GPU", "no") is None and unsupported_launch("MULTI_CPU", "no") is None
+    assert unsupported_launch("NO", "no") is None
+
+
+def test_a_policy_under_accelerate_mixed_precision_says_how_to_launch(tiny_model: Path):
+    """What ``accelerate launch --mixed_precision bf16`` sets, on a real Policy: refused before the model loads."""
+    code = ("from lit_trainer.learner.policy import Policy, PolicyConfig\n"
+            f"Policy(PolicyConfig(model={str(tiny_model)!r}))")
+    env = {**os.environ, "ACCELERATE_MIXED_PRECISION": "bf16", "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "ValueError: accelerate is set up for mixed precision 'bf16'" in done.stderr, done.stderr[-3000:]
+    assert "--mixed_precision no" in done.stderr
