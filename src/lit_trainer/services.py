@@ -16,7 +16,7 @@ import contextlib
 import os
 import sys
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -31,7 +31,7 @@ from lit_trainer.intake.collector import Collector
 from lit_trainer.intake.episodes import Episode, UnusableRollout, build_episode
 from lit_trainer.intake.store import RolloutStatus, SqliteStore
 from lit_trainer.progress import progress_bar
-from lit_trainer.rollouts.dispatcher import Dispatcher, Outcome, RolloutRequest
+from lit_trainer.rollouts.dispatcher import Dispatcher, Outcome, RolloutRequest, group_of
 
 WORKER_START_TIMEOUT_S = 180.0
 WORKER_STOP_TIMEOUT_S = 15.0
@@ -105,16 +105,11 @@ class Services:
         self.check()
         episodes, metrics = gather_episodes(self.store, outcomes, self.cfg.agent.agents, self.cfg.train.success_reward)
         if enough is not None:
-            earlier = (o.request for o in outcomes if o.request.step != step)
-            metrics["rollouts/carried_groups"] = float(len(groups_of(earlier)))
-            metrics["rollouts/groups_in_flight"] = float(len(groups_of(self.dispatcher.carried)))
+            earlier = {group_of(o.request) for o in outcomes if o.request.step != step}
+            metrics["rollouts/carried_groups"] = float(len(earlier))
+            metrics["rollouts/groups_in_flight"] = float(len(set(map(group_of, self.dispatcher.carried))))
             metrics["rollouts/oldest_step"] = float(min((o.request.step for o in outcomes), default=step))
         return episodes, metrics
-
-
-def groups_of(requests: Iterable[RolloutRequest]) -> set[tuple[int, str]]:
-    """The groups (step, task id) the requests belong to."""
-    return {(r.step, r.task_id) for r in requests}
 
 
 @contextlib.contextmanager

@@ -158,12 +158,16 @@ class _Round:
     errors: dict[str, list[str]] = field(default_factory=lambda: collections.defaultdict(list))
 
 
+def group_of(request: RolloutRequest) -> tuple[int, str]:
+    """The group of a request: its step and task."""
+    return request.step, request.task_id
+
+
 def _ended_groups(round_: _Round) -> set[tuple[int, str]]:
-    """The groups (step, task id) of ``round_`` all of whose requests ended."""
+    """The groups of ``round_`` all of whose requests ended."""
     groups: dict[tuple[int, str], bool] = {}
     for r in round_.requests:
-        key = (r.step, r.task_id)
-        groups[key] = groups.get(key, True) and r.key in round_.outcomes
+        groups[group_of(r)] = groups.get(group_of(r), True) and r.key in round_.outcomes
     return {key for key, ended in groups.items() if ended}
 
 
@@ -274,8 +278,8 @@ class Dispatcher:
                 worker.running.clear()
             raise
         ended = _ended_groups(round_)
-        returned = [r for r in round_.requests if (r.step, r.task_id) in ended]
-        round_.requests = [r for r in round_.requests if (r.step, r.task_id) not in ended]
+        returned = [r for r in round_.requests if group_of(r) in ended]
+        round_.requests = [r for r in round_.requests if group_of(r) not in ended]
         outcomes = [round_.outcomes.pop(r.key) for r in returned]
         round_.on_progress = None
         if not round_.requests:
