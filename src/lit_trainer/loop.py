@@ -156,8 +156,8 @@ class Rollouts:
     def __init__(self, svc: Any, engine: Engine, cfg: TrainConfig, tasks: list[dict]):
         self.svc, self.engine, self.cfg, self.tasks = svc, engine, cfg, tasks
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="lit-rollouts") if cfg.train.max_staleness else None
-        self.ahead: tuple[int, int, Future] | None = None  # (step, engine version when started, rollouts)
-        self.finished: dict[int, tuple[int, tuple[list[Episode], dict[str, float]]]] = {}
+        self.ahead: tuple[int, Future] | None = None  # (step, its rollouts)
+        self.finished: dict[int, tuple[list[Episode], dict[str, float]]] = {}
         self.dispatched_at: dict[int, int] = {}  # step -> the engine's version when its rollouts were handed out
         self.wanted = threading.Event()  # set while the loop waits for the rollouts running ahead
 
@@ -173,26 +173,25 @@ class Rollouts:
             finally:
                 self.wanted.clear()
         if step in self.finished:
-            dispatched, (episodes, metrics) = self.finished.pop(step)
+            episodes, metrics = self.finished.pop(step)
         else:  # the engine holds the weights of ``step`` updates
             self.dispatched_at[step] = step
-            dispatched, (episodes, metrics) = step, self._run(step)
-        # carried groups were handed out before this step's: the oldest bounds the staleness of unversioned calls
+            episodes, metrics = self._run(step)
+        # groups carried over were handed out before this step's: the oldest step's version is the episodes' own
         oldest = int(metrics.pop("rollouts/oldest_step", step))
-        dispatched = min(dispatched, self.dispatched_at.get(oldest, dispatched))
-        self.dispatched_at = {s: v for s, v in self.dispatched_at.items() if s >= oldest}
+        dispatched = self.dispatched_at[oldest]
         metrics["time/rollout"] = time.perf_counter() - t0
         if self.pool is not None and step + 1 < self.cfg.train.steps:
             self.dispatched_at[step + 1] = step
-            self.ahead = (step + 1, step, self.pool.submit(self._run, step + 1))
+            self.ahead = (step + 1, self.pool.submit(self._run, step + 1))
         return episodes, metrics, dispatched
 
     def finish_ahead(self) -> None:
         """Wait for the rollouts running ahead (their exception is raised here), and keep them for their step."""
         if self.ahead is not None:
-            step, dispatched, future = self.ahead
+            step, future = self.ahead
             self.ahead = None
-            self.finished[step] = (dispatched, future.result())
+            self.finished[step] = future.result()
 
     def close(self) -> None:
         """Wait for rollouts still running ahead (a run stopped by ``max_minutes``) and let go of the thread."""
@@ -210,8 +209,7 @@ class Rollouts:
     def _enough(self, ended_groups: int) -> bool:
         """Whether the rollouts running ahead may stop waiting: the loop wants them, and ``min_step_groups``
         groups ended."""
-        least = self.cfg.train.min_step_groups
-        return bool(least) and self.wanted.is_set() and ended_groups >= least
+        return self.wanted.is_set() and ended_groups >= self.cfg.train.min_step_groups
 
 
 def step_rollouts(svc: Any, engine: Engine, tasks: list[dict], cfg: TrainConfig, step: int,

@@ -125,9 +125,10 @@ class UnusedServer:
 
 
 def test_a_group_still_running_carries_over_to_the_next_step_instead_of_stalling_it(tmp_path):
-    """Every step samples both tasks: task 0's rollouts take 3 s, task 1's 50 ms. Step 1 (index 1) takes its fast
-    group as soon as it ended (``min_step_groups = 1``) and its slow group carries over, running; step 2, the last,
-    gets it back with its own two groups: the last step waits for every group, so that none is left over."""
+    """Every step samples both tasks: task 0's rollouts take 4 s, task 1's 50 ms. Steps 1 and 2 (indices) each take
+    their fast group as soon as it ended (``min_step_groups = 1``) and their slow groups carry over, running (step
+    1's through two steps); step 3, the last, gets both back with its own two groups: the last step waits for every
+    group, so that none is left over, and its episodes count from the oldest group's dispatch."""
     import contextlib
     import os
     from pathlib import Path
@@ -140,10 +141,10 @@ def test_a_group_still_running_carries_over_to_the_next_step_instead_of_stalling
     from lit_trainer.services import Services, stop_workers
 
     cfg = from_dict({"agent": {"function": "rollout_agents:returns_after_its_seconds"},
-                     "train": {"steps": 3, "tasks_per_step": 2, "group_size": 2, "max_staleness": 1,
+                     "train": {"steps": 4, "tasks_per_step": 2, "group_size": 2, "max_staleness": 1,
                                "min_step_groups": 1},
                      "update": {"recompute_old_logprobs": True}, "loss": {"is_correction": "truncate"}})
-    tasks = [{"id": 0, "value": 1.0, "seconds": 3.0}, {"id": 1, "value": 0.0, "seconds": 0.05}]
+    tasks = [{"id": 0, "value": 1.0, "seconds": 4.0}, {"id": 1, "value": 0.0, "seconds": 0.05}]
     store = SqliteStore(tmp_path / "lit.sqlite")
     collector = Collector(store, "tcp://127.0.0.1:0").start()
     dispatcher = Dispatcher(store, "tcp://127.0.0.1:0", collector.endpoint, [UnusedServer.openai_url])
@@ -159,10 +160,13 @@ def test_a_group_still_running_carries_over_to_the_next_step_instead_of_stalling
         assert metrics["rollouts/requested"] == 2 and metrics["rollouts/succeeded"] == 2
         assert metrics["rollouts/carried_groups"] == 0 and metrics["rollouts/groups_in_flight"] == 1
         assert dispatched == 0
-        _, metrics, dispatched = rollouts.take(2)
-        assert metrics["rollouts/requested"] == 6 and metrics["rollouts/succeeded"] == 6
-        assert metrics["rollouts/carried_groups"] == 1 and metrics["rollouts/groups_in_flight"] == 0
-        assert dispatched == 0  # the carried group was handed out at version 0
+        _, metrics, dispatched = rollouts.take(2)  # at once again: step 1's slow group is still running too
+        assert metrics["rollouts/requested"] == 2 and metrics["rollouts/carried_groups"] == 0
+        assert metrics["rollouts/groups_in_flight"] == 2 and dispatched == 1
+        _, metrics, dispatched = rollouts.take(3)
+        assert metrics["rollouts/requested"] == 8 and metrics["rollouts/succeeded"] == 8
+        assert metrics["rollouts/carried_groups"] == 2 and metrics["rollouts/groups_in_flight"] == 0
+        assert dispatched == 0  # step 1's slow group was handed out at version 0
         assert dispatcher.carried == []
         rollouts.close()
         statuses = [(r.task_id, r.status) for r in store.rollouts_of_step(1)]
