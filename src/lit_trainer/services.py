@@ -50,11 +50,6 @@ class Services:
     session: str
     _stack: contextlib.ExitStack
 
-    @property
-    def server(self) -> InferenceServer:
-        """The first vLLM server."""
-        return self.servers[0]
-
     def llm(self, temperature: float, server: int = 0) -> LLM:
         """What the agents of a rollout on vLLM server ``server`` get."""
         chosen = self.servers[server]
