@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lit_sdk.cache import cache_dir
-from lit_sdk.security import keys_dir_from_env
+from lit_sdk.protocol.security import keys_dir_from_env
 
 FRAMEWORKS = ("langchain", "autogen", "openai_agents", "openai")
 DEFAULT_FRAMEWORKS = ("langchain", "autogen", "openai_agents")

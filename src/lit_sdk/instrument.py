@@ -46,10 +46,11 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
-from lit_sdk import _agents, _context, _state, config, security
+from lit_sdk import _agents, _context, _state, config
 from lit_sdk._processor import LitSpanProcessor
 from lit_sdk._spans import quietly
 from lit_sdk.openai_instrumentor import LitOpenAIInstrumentor
+from lit_sdk.protocol import security
 from lit_sdk.sender import DeliveryCounts, SpanSender
 
 log = logging.getLogger("lit")

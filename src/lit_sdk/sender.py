@@ -44,9 +44,9 @@ from typing import Any
 
 import zmq
 
-from lit_sdk import protocol, security
+from lit_sdk import protocol
 from lit_sdk._spool import Entry, LostRecord, Spool, owner_name
-from lit_sdk.protocol import codec
+from lit_sdk.protocol import codec, security
 
 log = logging.getLogger("lit")
 

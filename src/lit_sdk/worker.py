@@ -47,9 +47,10 @@ from urllib.parse import urlsplit, urlunsplit
 import zmq
 import zmq.asyncio
 
-from lit_sdk import _context, security
+from lit_sdk import _context
 from lit_sdk.instrument import flush, instrument
 from lit_sdk.processes import start_child, stop_children
+from lit_sdk.protocol import security
 from lit_sdk.protocol.codec import ProtocolError
 from lit_sdk.protocol.dispatch import (
     MAX_HOST_CHARS,

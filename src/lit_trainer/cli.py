@@ -234,7 +234,7 @@ def _toml_value(value: object) -> str:
 
 
 def _keys_generate(args: argparse.Namespace) -> int:
-    from lit_sdk.security import CLIENT_SECRET, KEYS_ENV, SERVER_PUBLIC, generate_keys
+    from lit_sdk.protocol.security import CLIENT_SECRET, KEYS_ENV, SERVER_PUBLIC, generate_keys
 
     folder = args.folder.expanduser()
     for path in generate_keys(folder):

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lit_sdk.security import API_KEY, check_bind
+from lit_sdk.protocol.security import API_KEY, check_bind
 from lit_trainer.algorithm.advantages import AdvantageConfig
 from lit_trainer.algorithm.credit import CreditConfig
 from lit_trainer.algorithm.loss import LossConfig

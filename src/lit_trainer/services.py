@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from lit_sdk import security
+from lit_sdk.protocol import security
 from lit_sdk.processes import stop_children, wait_children
 from lit_sdk.resources import LLM
 from lit_sdk.worker import load_target, spawn

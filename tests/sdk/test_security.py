@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import zmq
 
-from lit_sdk import config, security
-from lit_sdk.security import (
+from lit_sdk import config
+from lit_sdk.protocol import security
+from lit_sdk.protocol.security import (
     ClientKeys,
     SecurityError,
     ServerKeys,

@@ -348,7 +348,7 @@ def test_garbage_replies_are_ignored_and_logged_once(make_sender, caplog):
 
 
 def test_a_collector_on_another_machine_without_keys_is_refused_with_the_fix(tmp_path):
-    from lit_sdk.security import SecurityError
+    from lit_sdk.protocol.security import SecurityError
 
     with pytest.raises(SecurityError, match="LIT_KEYS_DIR"):
         SpanSender("tcp://10.1.2.3:5555", spool_dir=tmp_path)

@@ -1,9 +1,12 @@
-"""The wire format between agents and the trainer: versioned MessagePack frames with a type tag, never pickle.
+"""The wire between agents and the trainer, shared by both ends: versioned MessagePack frames with a type tag, never
+pickle, and who may talk over it.
 
 Two channels (see docs/protocol.md): ``spans`` (agents deliver finished spans to the collector, which
 acknowledges them; ``packed`` is the trainer's fast decoder for it) and ``dispatch`` (the trainer hands rollouts
 to workers). Both use ``codec``'s MessagePack settings, version, size limit and first checks. This package turns
 typed records into bytes and bytes back into validated records, and says in words what is wrong with a frame.
+``security`` holds both ends of each channel's handshake: the trainer's keys and guards as well as the agents'.
+The rest of ``lit_sdk`` (the agent SDK) is above this package and never below it (import-linter).
 """
 
 from lit_sdk.protocol.codec import MAX_FRAME_BYTES, VERSION, ProtocolError

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lit_sdk.security import HOW_TO_MAKE, is_loopback_host
+from lit_sdk.protocol.security import HOW_TO_MAKE, is_loopback_host
 
 _DEVICES = ("auto", "cpu", "cuda")
 _TRANSPORTS = ("shm", "nccl", "ipc")

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lit_sdk.processes import start_child, stop_child
-from lit_sdk.security import read_api_key
+from lit_sdk.protocol.security import read_api_key
 from lit_trainer.engine import route_guard
 from lit_trainer.engine.config import InferenceConfig
 from lit_trainer.engine.placement import placement_env

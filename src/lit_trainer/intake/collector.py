@@ -33,7 +33,8 @@ from dataclasses import dataclass
 import msgpack
 import zmq
 
-from lit_sdk import protocol, security
+from lit_sdk import protocol
+from lit_sdk.protocol import security
 from lit_trainer.intake.store import Store
 
 log = logging.getLogger("lit")

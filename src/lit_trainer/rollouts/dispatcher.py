@@ -36,7 +36,7 @@ from typing import Any
 
 import zmq
 
-from lit_sdk import security
+from lit_sdk.protocol import security
 from lit_sdk.protocol.codec import ProtocolError
 from lit_sdk.protocol.dispatch import (
     TO_TRAINER,

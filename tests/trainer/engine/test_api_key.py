@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from lit_sdk.security import SecurityError, generate_keys, read_api_key
+from lit_sdk.protocol.security import SecurityError, generate_keys, read_api_key
 from lit_trainer.engine.config import InferenceConfig, WeightSyncConfig
 from lit_trainer.engine.logprob_check import sample_from_vllm
 from lit_trainer.engine.route_guard import HEADER

@@ -357,7 +357,7 @@ def test_only_peers_with_the_client_key_reach_the_collector(tmp_path, store):
     """Hole: no authentication, so anyone reaching the port could store a forged root span with a chosen reward.
     With keys, a peer without the client key (or with another one) is refused at the handshake and counted; its
     frames never reach the store."""
-    from lit_sdk import security
+    from lit_sdk.protocol import security
 
     security.generate_keys(tmp_path / "keys")
     security.generate_keys(tmp_path / "other")
@@ -387,7 +387,7 @@ def test_only_peers_with_the_client_key_reach_the_collector(tmp_path, store):
 
 
 def test_a_collector_on_another_address_needs_keys(store):
-    from lit_sdk import security
+    from lit_sdk.protocol import security
 
     with pytest.raises(security.SecurityError, match="lit keys generate"):
         Collector(store, "tcp://0.0.0.0:0").start()

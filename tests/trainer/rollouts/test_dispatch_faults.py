@@ -614,7 +614,7 @@ def test_with_keys_only_workers_holding_the_client_key_take_rollouts(tmp_path):
     counted, and never becomes a worker."""
     from pathlib import Path
 
-    from lit_sdk import security
+    from lit_sdk.protocol import security
     from lit_sdk.worker import spawn
     from lit_trainer.intake.collector import Collector
     from lit_trainer.services import stop_workers

@@ -34,9 +34,9 @@ from pathlib import Path
 
 import pytest
 
-from lit_sdk import security
 from lit_sdk import semconv as sc
 from lit_sdk.processes import start_child, stop_children, wait_children
+from lit_sdk.protocol import security
 from lit_sdk.resources import LLM
 from lit_trainer import cli
 from lit_trainer.intake.collector import Collector

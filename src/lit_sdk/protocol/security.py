@@ -17,7 +17,10 @@ A client socket (a DEALER that connects) gets ``secure_client``. Both return a `
 handshakes that failed (a peer without keys, with a wrong client key or a wrong server key) by kind and logs each
 kind once: a refused peer is data, never a crash. ``check_bind`` refuses a non-loopback endpoint without keys.
 
-Light like the rest of lit_sdk: pyzmq and the standard library only.
+Both ends live here, in the wire package that agents and trainer share: the trainer's side (``generate_keys``,
+``load_server_keys``, ``guard_server``, the ZAP allow-list, ``read_api_key`` for vLLM's key) and the agents' and
+workers' side (``load_client_keys``, ``guard_client``). Light like the rest of lit_sdk: pyzmq and the standard
+library only.
 """
 
 from __future__ import annotations
