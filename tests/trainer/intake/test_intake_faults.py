@@ -18,6 +18,8 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_collector import WAIT_S, Client, span, spans_frame
+from waiting import wait_until
+from zmq.utils.monitor import recv_monitor_message
 
 import lit_sdk as lit
 from lit_sdk import protocol
@@ -118,15 +120,29 @@ def test_a_full_disk_stops_the_collector_loudly_and_loses_nothing(tmp_path):
 def test_a_frame_over_the_limit_never_reaches_the_collector(collector):
     """Hole: no zmq.MAXMSGSIZE, so a peer could make the collector receive (allocate) a frame of any size. ZeroMQ
     now cuts it off at the limit (dropping that peer's connection), and the others are served as before."""
-    hostile, client = Client(collector.endpoint), Client(collector.endpoint)
+    hostile = Client.__new__(Client)  # watched from before it connects: ZeroMQ says when the collector drops it
+    hostile.sock = zmq.Context.instance().socket(zmq.DEALER)
+    hostile.sock.setsockopt(zmq.LINGER, 0)
+    events = hostile.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+    hostile.sock.connect(collector.endpoint)
+    client = Client(collector.endpoint)
     try:
+        assert _monitor_event(events) == zmq.EVENT_CONNECTED
         hostile.send(b"\x00" * (protocol.MAX_FRAME_BYTES + 2048))
-        time.sleep(0.5)
+        assert _monitor_event(events) == zmq.EVENT_DISCONNECTED, "the collector did not cut the oversized frame off"
         acked_within(client, "after")
         assert collector.counts.rejected == {}, "the oversized frame was read into memory"
     finally:
+        hostile.sock.disable_monitor()
+        events.close()
         hostile.close()
         client.close()
+
+
+def _monitor_event(events: zmq.Socket) -> int:
+    """The next event of a socket monitor, within ``WAIT_S``."""
+    assert events.poll(int(WAIT_S * 1000)), f"no socket event within {WAIT_S} s"
+    return recv_monitor_message(events)["event"]
 
 
 def test_a_turn_holds_a_bounded_number_of_bytes(store):
@@ -376,7 +392,7 @@ def test_only_peers_with_the_client_key_reach_the_collector(tmp_path, store):
         for name in ("wrong key", "no key"):
             peers[name].send(spans_frame(f"forged-{name}", [forged]))
         acked_within(peers["good"], "good", seconds=WAIT_S)
-        time.sleep(0.5)
+        wait_until(lambda: sum(collector.counts.refused_peers.values()) >= 2, "both peers refused at the handshake")
         for name in ("wrong key", "no key"):
             assert not peers[name].sock.poll(50), f"the peer with {name} got an answer"
         refused = collector.counts.refused_peers

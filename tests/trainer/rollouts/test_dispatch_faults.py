@@ -20,6 +20,7 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
+from waiting import wait_until
 
 import lit_sdk as lit
 from lit_sdk.protocol import decode_frame, encode_nack
@@ -286,7 +287,8 @@ def test_a_rollout_a_reconnected_worker_no_longer_runs_is_retried_at_once(make_d
     outcomes = run_in_thread(dispatcher, requests(1))
     assert receive(first, Run).rollout_id == "r0-a1"
     first.send(beat(["r0-a1"]))  # it runs it... then its connection breaks, and its report with it
-    time.sleep(0.2)
+    wait_until(lambda: any(w.listed == {"r0-a1"} for w in list(dispatcher.workers.values())),
+               "the dispatcher read the heartbeat that lists the rollout")
     first.close()
     gone = time.monotonic()
     again = FakeWorker(dispatcher.endpoint, worker_id="w-1")
@@ -361,7 +363,8 @@ def test_a_real_worker_whose_connection_breaks_mid_rollout_reports_it_done(make_
         dispatcher.wait_for_workers(1, timeout_s=10)
         [before] = dispatcher.workers
         outcomes = run_in_thread(dispatcher, requests(1))
-        time.sleep(0.5)
+        wait_until(lambda: any(w.listed for w in list(dispatcher.workers.values())),
+                   "the worker's heartbeat lists the rollout it runs")
         proxy.cut()
         cut = time.monotonic()
         [outcome] = outcomes()
