@@ -5,7 +5,7 @@ informative response token, and the gradient norm, vary from step to step under 
 
 RUN_DIR is a run's ``train.output_dir``: its ``config.json`` (rebuilt with ``lit_trainer.config.from_dict``),
 ``lit.sqlite`` (the episodes of every rollout) and ``metrics.jsonl``. For every training step k of the run the script
-rebuilds the step's (transition, advantage) pairs exactly as ``loop.update_policy`` does: the succeeded rollouts of
+rebuilds the step's (transition, advantage) pairs exactly as ``pipeline.prepare`` does: the succeeded rollouts of
 the step (``store.rollouts_of_step(k - 1)``, train rollouts only, not the validation's, which share the step number;
 after a ``--resume`` that re-ran the step, the last session's), their stored episodes in request order, groups
 smaller than ``train.min_group_size`` dropped, ``episode_advantages``, ``keep_usable``, ``mask_overlong``. It checks
@@ -66,7 +66,7 @@ from lit_trainer.learner.schedule import mask_overlong
 from lit_trainer.metrics import read as read_metrics
 
 TRAIN_ROLLOUT = re.compile(r"^(?P<session>[^-]+)-s(?P<step>\d+)-t(?P<task>.*)-g(?P<g>\d+)-a(?P<attempt>\d+)$")
-"""A training rollout's id: ``<session>-s<step from 0>-t<task>-g<index in group>-a<attempt>`` (services.rollouts
+"""A training rollout's id: ``<session>-s<step from 0>-t<task>-g<index in group>-a<attempt>`` (``RolloutRunner.run``
 and the dispatcher); validation rollouts are ``<session>-val<step>-...``."""
 
 
@@ -137,7 +137,7 @@ def step_episodes(store: SqliteStore, step: int) -> tuple[list[Episode], int]:
 
 
 def rebuild(cfg: TrainConfig, step: int, episodes: list[Episode], sessions: int) -> Step:
-    """The step's pairs as ``loop.update_policy`` builds them, and their counts."""
+    """The step's pairs as ``pipeline.prepare`` builds them, and their counts."""
     groups = collections.Counter(e.task_id for e in episodes)
     kept = [e for e in episodes if groups[e.task_id] >= cfg.train.min_group_size]
     pairs: list[tuple[Transition, float]] = []

@@ -30,7 +30,8 @@ from transformers import AutoModelForCausalLM
 
 from lit_sdk.processes import start_child, stop_child
 from lit_trainer.engine.config import InferenceConfig, WeightSyncConfig
-from lit_trainer.engine.server import InferenceServer, build_env, pick_port
+from lit_trainer.engine.launch import build_env, pick_port
+from lit_trainer.engine.server import InferenceServer
 from lit_trainer.engine.weight_sync import WeightSync
 from lit_trainer.models import resolve_model
 
@@ -63,7 +64,7 @@ def bench_lit(args: argparse.Namespace, model_dir: str) -> tuple[float, dict[str
     trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with InferenceServer(config) as server:
         phases: dict[str, list[float]] = {}
-        with WeightSync(server.base_url, WeightSyncConfig()) as sync:
+        with WeightSync(server.base_url, WeightSyncConfig(), credentials=server.credentials) as sync:
             for _ in range(args.syncs):
                 time.sleep(args.gap)
                 report = sync.push_weights(trainer)

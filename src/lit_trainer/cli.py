@@ -132,7 +132,7 @@ def _build_parser() -> argparse.ArgumentParser:
                                "rewards (docs/viewer.md); without an id, list the rollouts of a step")
     show.add_argument("rollout_id", nargs="?", help="a rollout id; without one, list the last step's rollouts")
     show.add_argument("--run", dest="run_dir", type=Path, required=True,
-                      help="the run's train.output_dir (the folder holding lit.sqlite)")
+                      help="the run's train.output_dir (the folder holding its store)")
     show.add_argument("--output", type=Path, help="where to write the page (default: RUN/rollouts/ROLLOUT_ID.html)")
     show.add_argument("--step", type=int, help="list the rollouts of this step (from 0) instead of the last one")
     show.set_defaults(run=_show)
@@ -251,25 +251,26 @@ server.key_secret and api_key never leave this host.""", file=sys.stderr)
 
 
 def _show(args: argparse.Namespace) -> int:
-    from lit_trainer import viewer
+    from lit_trainer.runs import Run
 
-    if args.rollout_id is not None:
-        output = args.output or args.run_dir / "rollouts" / f"{args.rollout_id}.html"
-        print(viewer.view_rollout(args.run_dir, args.rollout_id).save(output))
-        return 0
-    with viewer.open_store(args.run_dir) as store:
-        step = store.last_step() if args.step is None else args.step
-        rows = viewer.list_rollouts(store, step) if step is not None else []
-    if not rows:
-        raise ValueError(f"no rollouts of step {step} in {args.run_dir}" if step is not None
-                         else f"no rollouts in {args.run_dir} yet")
-    print(f"rollouts of step {step} (from 0); open one with: lit show ROLLOUT_ID --run {args.run_dir}",
-          file=sys.stderr)
-    width = max(len(r.rollout_id) for r, _ in rows)
-    print(f"{'rollout':<{width}}  {'task':<10} {'status':<10} return")
-    for row, episode_return in rows:
-        shown = "-" if episode_return is None else f"{episode_return:+.3f}"
-        print(f"{row.rollout_id:<{width}}  {row.task_id:<10} {row.status.value:<10} {shown}")
+    with Run(args.run_dir) as run:
+        if args.rollout_id is not None:
+            output = args.output or run.folder.rollout_page(args.rollout_id)
+            print(run.show(args.rollout_id).save(output))
+            return 0
+        step = run.store().last_step() if args.step is None else args.step
+        rows = run.rollouts(step) if step is not None else []
+        if not rows:
+            raise ValueError(f"no rollouts of step {step} in {args.run_dir}" if step is not None
+                             else f"no rollouts in {args.run_dir} yet")
+        print(f"rollouts of step {step} (from 0); open one with: lit show ROLLOUT_ID --run {args.run_dir}",
+              file=sys.stderr)
+        width = max(len(r.rollout_id) for r in rows)
+        print(f"{'rollout':<{width}}  {'task':<10} {'status':<10} return")
+        for row in rows:
+            episode_return = run.episode_return(row.rollout_id)
+            shown = "-" if episode_return is None else f"{episode_return:+.3f}"
+            print(f"{row.rollout_id:<{width}}  {row.task_id:<10} {row.status.value:<10} {shown}")
     return 0
 
 

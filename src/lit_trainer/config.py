@@ -31,29 +31,12 @@ from lit_trainer.learner.policy import PolicyConfig
 from lit_trainer.learner.schedule import UpdateConfig
 from lit_trainer.metrics import check_trackers
 from lit_trainer.rollouts.dispatcher import DispatchConfig
+from lit_trainer.rollouts.runner import AgentConfig
 from lit_trainer.rollouts.tasks import DataConfig
 
 
 class ConfigError(ValueError):
     """The config file or an override is wrong; the message names the key and the fix."""
-
-
-@dataclass(frozen=True)
-class AgentConfig:
-    function: str = ""
-    """The ``@lit.trace`` agent function as ``module:function``; it is called as ``fn(task, llm)``."""
-    agents: tuple[str, ...] = ()
-    """Names of the agents whose LLM calls are trained; empty: every agent."""
-    local_workers: int = 1
-    """Worker processes the trainer starts on this machine (0: only workers started with ``lit worker``)."""
-    concurrency: int = 16
-    """Concurrent rollouts per local worker process."""
-    temperature: float = 1.0
-    """Sampling temperature of training rollouts."""
-    val_temperature: float = 0.0
-    """Sampling temperature of validation (0: greedy)."""
-    max_tokens: int = 128
-    """Most tokens per LLM call."""
 
 
 @dataclass(frozen=True)

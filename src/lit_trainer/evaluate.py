@@ -10,19 +10,21 @@ from pathlib import Path
 from typing import Any
 
 from lit_trainer.config import TrainConfig
-from lit_trainer.learner import checkpoint as ckpt
 from lit_trainer.metrics import MetricsLog
+from lit_trainer.rollouts.runner import RolloutRunner
 from lit_trainer.rollouts.tasks import load_tasks
-from lit_trainer.services import Services, services
+from lit_trainer.runs import RunFolder, resolve_checkpoint
+from lit_trainer.services import services
 
 
-def validate(svc: Services, tasks: list[dict], log: MetricsLog, step: int, minutes: float,
+def validate(runner: RolloutRunner, tasks: list[dict], log: MetricsLog, step: int, minutes: float,
              title: str = "") -> dict[str, float]:
-    """One greedy rollout per held-out task; accuracy counts failed rollouts as wrong (and reports them), overall
-    and per task kind (``accuracy/<kind>``, ``reward/<kind>``) when the tasks carry a ``"kind"``. ``title``: what
-    the printed line says was validated (default: ``validation after step N``)."""
+    """One rollout per held-out task at ``agent.val_temperature`` (greedy by default); accuracy counts failed
+    rollouts as wrong (and reports them), overall and per task kind (``accuracy/<kind>``, ``reward/<kind>``) when
+    the tasks carry a ``"kind"``. ``title``: what the printed line says was validated (default: ``validation after
+    step N``)."""
     t0 = time.perf_counter()
-    _, metrics = svc.rollouts(tasks, 1, svc.cfg.agent.val_temperature, step, f"val{step}")
+    metrics = runner.run(tasks, 1, runner.agent.val_temperature, step, f"val{step}", version=step).metrics
     metrics.update({"minutes": minutes, "time/validation": time.perf_counter() - t0})
     log.log(step, metrics, kind="validation")
     print(f"{title or f'validation after step {step}'}: {accuracy_line(metrics)} on {len(tasks)} held-out tasks "
@@ -45,15 +47,15 @@ def evaluate(cfg: TrainConfig, checkpoint: str | Path | None = None, output: Pat
     0 for the base model) and ``tasks``."""
     model, step, what = cfg.model, 0, f"the base model {cfg.model}"
     if checkpoint:
-        found = ckpt.resolve(checkpoint)
+        found = resolve_checkpoint(checkpoint)
         model, step, what = str(found.model_dir), found.step, f"checkpoint {found.path} (step {found.step})"
         cfg = replace(cfg, model=model, inference=replace(cfg.inference, model=model))
     _, val_tasks = load_tasks(cfg.data)
-    out = Path(cfg.train.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    log = MetricsLog(out / "eval.jsonl")
-    with services(cfg, out / "eval.sqlite") as svc:
-        metrics = validate(svc, val_tasks, log, step, 0.0, title=what)
+    run = RunFolder(cfg.train.output_dir)
+    run.dir.mkdir(parents=True, exist_ok=True)
+    log = MetricsLog(run.eval_metrics)
+    with services(cfg, run.eval_store, run.spool) as svc:
+        metrics = validate(svc.runner, val_tasks, log, step, 0.0, title=what)
     result = {"model": model, "evaluated": what, "step": step, "tasks": len(val_tasks), **metrics}
     if output:
         output.write_text(json.dumps(result, indent=2))

@@ -34,6 +34,7 @@ from lit_trainer.engine.server import InferenceServer
 from lit_trainer.intake.collector import Collector
 from lit_trainer.intake.episodes import Episode, UnusableRollout, build_episode
 from lit_trainer.intake.store import SqliteStore
+from lit_trainer.runs import Run, RunFolder
 
 STORED_TIMEOUT_S = 30.0
 """How long ``run`` waits for the rollout's spans to be stored after the agent returned."""
@@ -69,15 +70,15 @@ class Playground:
         if self.cfg.security.keys_dir:
             raise ValueError("the playground runs on loopback without keys: leave [security] keys_dir empty")
         self.folder.mkdir(parents=True, exist_ok=True)
-        (self.folder / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2, default=str))
+        RunFolder(self.folder).config.write_text(json.dumps(self.cfg.to_dict(), indent=2, default=str))
         try:
-            self.store = self._stack.enter_context(SqliteStore(self.folder / "lit.sqlite"))
+            run = RunFolder(self.folder)
+            self.store = self._stack.enter_context(SqliteStore(run.store))
             collector = self._stack.enter_context(Collector(self.store, "tcp://127.0.0.1:0"))
             print(f"lit: starting vLLM on {self.cfg.model} (about a minute on CPU)", file=sys.stderr, flush=True)
             # one server, with every core, whatever inference.servers a training config asks for
             self.server = self._stack.enter_context(InferenceServer(replace(self.cfg.inference, servers=1)))
-            lit.instrument(endpoint=collector.endpoint, llm_base_urls=[self.server.openai_url],
-                           spool_dir=self.folder / "spool")
+            lit.instrument(endpoint=collector.endpoint, llm_base_urls=[self.server.openai_url], spool_dir=run.spool)
             self._stack.callback(lit.uninstrument)
         except BaseException:
             self._stack.close()
@@ -132,6 +133,5 @@ class Playground:
 
     def show(self, rollout_id: str) -> Any:
         """The rollout viewer for one of this playground's rollouts (no advantages: nothing was trained)."""
-        from lit_trainer.viewer import view_rollout
-
-        return view_rollout(self.folder, rollout_id)
+        with Run(self.folder) as run:
+            return run.show(rollout_id)

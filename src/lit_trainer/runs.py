@@ -1,4 +1,14 @@
-"""A run's output folder, read back: its config, metrics, curve, store, rollouts and checkpoints.
+"""A run's output folder: what ``lit train`` writes where (``RunFolder``), and a run read back (``Run``).
+
+    <train.output_dir>/
+        config.json                  the settings the run used
+        metrics.jsonl                one record per training step and per validation
+        curve.png                    held-out and training accuracy against minutes
+        STORE_FILE                   the store (SQLite): every span, rollout attempt, episode, advantage
+        spool/                       spans the local workers have not delivered yet
+        checkpoints/step-000012/     one checkpoint (learner/checkpoint.py writes it; DONE last)
+        rollouts/ROLLOUT_ID.html     pages written by ``lit show``
+        eval.sqlite, eval.jsonl      the store and the result of ``lit eval``
 
     run = lit_trainer.open_run("runs/calc")      # or what lit_trainer.train(cfg) returned
     run.validations()[-1]["accuracy"]             # the last held-out accuracy
@@ -6,8 +16,7 @@
     run.rollouts(step=3)                          # the attempts of step 3, with status and error
     run.show(rollout_id)                          # the rollout viewer
 
-Everything here reads what ``lit train`` wrote (``metrics.jsonl``, ``config.json``, ``lit.sqlite``,
-``checkpoints/``) and works on a finished, a running or a killed run alike.
+``Run`` reads what ``lit train`` wrote and works on a finished, a running or a killed run alike.
 """
 
 from __future__ import annotations
@@ -21,7 +30,122 @@ from lit_trainer.intake.episodes import Episode, UnusableRollout, build_episode
 from lit_trainer.intake.store import RolloutRow, SqliteStore
 from lit_trainer.metrics import plot_curve
 from lit_trainer.metrics import read as read_metrics
-from lit_trainer.viewer import open_store
+from lit_trainer.viewer import RolloutView, view_rollout
+
+STORE_FILE = "lit.sqlite"
+"""The store's file in a run's folder."""
+CHECKPOINT_PREFIX = "step-"
+DONE_FILE = "DONE"
+"""Written last into a checkpoint: a folder without it is an interrupted save and is ignored."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One checkpoint folder (``checkpoints/step-N``; what is in it: learner/checkpoint.py)."""
+
+    path: Path
+    step: int
+
+    @property
+    def model_dir(self) -> Path:
+        """The model in Hugging Face format (with LoRA, the adapter merged in)."""
+        return self.path / "model"
+
+    @property
+    def adapter_path(self) -> Path:
+        """Where a LoRA run's checkpoint holds its adapter."""
+        return self.path / "adapter"
+
+    @property
+    def adapter_dir(self) -> Path | None:
+        """The LoRA adapter of a LoRA run's checkpoint; None for a full fine-tune's."""
+        return self.adapter_path if self.adapter_path.is_dir() else None
+
+    @property
+    def state_file(self) -> Path:
+        """The optimizer, step, RNG states, data position and weight version."""
+        return self.path / "trainer_state.pt"
+
+    @property
+    def done_file(self) -> Path:
+        return self.path / DONE_FILE
+
+
+class RunFolder:
+    """Where each part of a run lives (the module docstring's layout)."""
+
+    def __init__(self, output_dir: str | Path) -> None:
+        self.dir = Path(output_dir).expanduser()
+
+    def __repr__(self) -> str:
+        return f"RunFolder({str(self.dir)!r})"
+
+    @property
+    def config(self) -> Path:
+        return self.dir / "config.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.dir / "metrics.jsonl"
+
+    @property
+    def curve(self) -> Path:
+        return self.dir / "curve.png"
+
+    @property
+    def store(self) -> Path:
+        return self.dir / STORE_FILE
+
+    @property
+    def spool(self) -> Path:
+        return self.dir / "spool"
+
+    @property
+    def eval_store(self) -> Path:
+        return self.dir / "eval.sqlite"
+
+    @property
+    def eval_metrics(self) -> Path:
+        return self.dir / "eval.jsonl"
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.dir / "checkpoints"
+
+    def rollout_page(self, rollout_id: str) -> Path:
+        """Where ``lit show`` writes a rollout's page by default."""
+        return self.dir / "rollouts" / f"{rollout_id}.html"
+
+    def checkpoint(self, step: int) -> Checkpoint:
+        """The checkpoint of ``step`` (written or not)."""
+        return Checkpoint(self.checkpoints_dir / f"{CHECKPOINT_PREFIX}{step:06d}", step)
+
+    def checkpoints(self) -> list[Checkpoint]:
+        """The complete checkpoints, oldest first."""
+        found = [Checkpoint(p, _step_of(p)) for p in self.checkpoints_dir.glob(f"{CHECKPOINT_PREFIX}*")
+                 if (p / DONE_FILE).exists()]
+        return sorted(found, key=lambda c: c.step)
+
+    def latest_checkpoint(self) -> Checkpoint | None:
+        """The newest complete checkpoint, if any."""
+        done = self.checkpoints()
+        return done[-1] if done else None
+
+
+def resolve_checkpoint(path: str | Path) -> Checkpoint:
+    """A checkpoint folder, or a run's output folder (its latest checkpoint); a clear error otherwise."""
+    path = Path(path)
+    if (path / DONE_FILE).exists():
+        return Checkpoint(path, _step_of(path) if path.name.startswith(CHECKPOINT_PREFIX) else 0)
+    found = RunFolder(path).latest_checkpoint()
+    if found is None:
+        raise FileNotFoundError(f"no checkpoint at {path}: give a checkpoints/step-N folder or a run's output_dir "
+                                "that holds one")
+    return found
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name.removeprefix(CHECKPOINT_PREFIX))
 
 
 @dataclass(frozen=True)
@@ -35,12 +159,13 @@ class Curve:
 
 
 class Run:
-    """The output folder of one ``lit train`` (its ``train.output_dir``)."""
+    """The output folder of one ``lit train`` (its ``train.output_dir``), read back."""
 
     def __init__(self, output_dir: str | Path):
-        self.dir = Path(output_dir)
-        if not (self.dir / "metrics.jsonl").exists() and not (self.dir / "lit.sqlite").exists():
-            raise FileNotFoundError(f"{self.dir} is not a lit run: it has neither metrics.jsonl nor lit.sqlite "
+        self.folder = RunFolder(output_dir)
+        self.dir = self.folder.dir
+        if not self.folder.metrics.exists() and not self.folder.store.exists():
+            raise FileNotFoundError(f"{self.dir} is not a lit run: no {STORE_FILE} and no metrics.jsonl in it "
                                     "(give the train.output_dir of a run)")
         self._store: SqliteStore | None = None
 
@@ -50,12 +175,12 @@ class Run:
     @property
     def config(self) -> dict[str, Any]:
         """The settings the run used (``config.json``), as a nested dict."""
-        return json.loads((self.dir / "config.json").read_text())
+        return json.loads(self.folder.config.read_text())
 
     def metrics(self, kind: str | None = None) -> list[dict[str, Any]]:
         """The records of ``metrics.jsonl`` in order; ``kind``: only ``"train"`` (one per step) or
         ``"validation"``."""
-        records = read_metrics(self.dir / "metrics.jsonl")
+        records = read_metrics(self.folder.metrics)
         return [r for r in records if kind is None or r["kind"] == kind]
 
     def validations(self) -> list[dict[str, Any]]:
@@ -64,15 +189,18 @@ class Run:
 
     def plot(self, title: str = "") -> Curve:
         """Draw (again) the curve of held-out and training accuracy against minutes to ``curve.png``."""
-        png = plot_curve(self.dir / "metrics.jsonl", self.dir / "curve.png", title=title or str(self.dir))
+        png = plot_curve(self.folder.metrics, self.folder.curve, title=title or str(self.dir))
         if png is None:
             raise ValueError(f"{self.dir} has no metrics yet: nothing to plot")
         return Curve(png)
 
     def store(self) -> SqliteStore:
-        """The run's store (every span, rollout attempt, episode and advantage); closed by ``close()``."""
+        """The run's store (every span, rollout attempt, episode and advantage); closed by ``close()``.
+        FileNotFoundError (never a new empty store) when the run has none."""
         if self._store is None:
-            self._store = open_store(self.dir)
+            if not self.folder.store.is_file():
+                raise FileNotFoundError(f"no {STORE_FILE} in {self.dir}: give a run's train.output_dir")
+            self._store = SqliteStore(self.folder.store)
         return self._store
 
     def rollouts(self, step: int | None = None) -> list[RolloutRow]:
@@ -85,6 +213,11 @@ class Run:
                 return []
         return store.rollouts_of_step(step)
 
+    def episode_return(self, rollout_id: str) -> float | None:
+        """The return of the rollout's stored episode; None when it gave none (failed, or not built)."""
+        stored = self.store().get_episode(rollout_id)
+        return None if stored is None else stored.episode_return
+
     def spans(self, rollout_id: str) -> list:
         """The stored spans of one rollout (``SpanRecord``s, in no particular order)."""
         return self.store().spans_of_rollout(rollout_id)
@@ -92,19 +225,30 @@ class Run:
     def episode(self, rollout_id: str) -> Episode | UnusableRollout:
         """The episode rebuilt from the rollout's spans, with the run's agent filter: its transitions (one per
         trained LLM call) and rewards; or why the rollout gives none."""
-        agents = tuple(self.config.get("agent", {}).get("agents", ())) if (self.dir / "config.json").exists() else ()
+        agents = tuple(self.config.get("agent", {}).get("agents", ())) if self.folder.config.exists() else ()
         return build_episode(self.spans(rollout_id), agents or None)
 
-    def show(self, rollout_id: str) -> Any:
-        """The rollout viewer (span tree, tokens coloured by advantage); displays inline in a notebook."""
-        from lit_trainer.viewer import view_rollout
+    def show(self, rollout_id: str) -> RolloutView:
+        """The rollout viewer (span tree, tokens coloured by advantage), its tokens decoded with the run's
+        tokenizer; displays inline in a notebook, ``save(path)`` writes it."""
+        return view_rollout(self.store(), rollout_id, self.tokenizer())
 
-        return view_rollout(self.dir, rollout_id)
+    def tokenizer(self) -> Any:
+        """The tokenizer of the run's model (``config.json``); None when it cannot be loaded (tokens are then
+        shown as their ids)."""
+        from lit_trainer.models import ModelError, resolve_model
+
+        try:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(resolve_model(self.config["model"]))
+        except (OSError, KeyError, ValueError, ModelError, ImportError):
+            return None
 
     def checkpoints(self) -> list[Path]:
         """The complete checkpoint folders, oldest first (``checkpoints/step-N``; ``lit eval --checkpoint``
         takes one, or the run folder for the latest)."""
-        return sorted(p for p in (self.dir / "checkpoints").glob("step-*") if (p / "DONE").exists())
+        return [c.path for c in self.folder.checkpoints()]
 
     def close(self) -> None:
         if self._store is not None:

@@ -1,4 +1,4 @@
-"""``lit show``: one rollout as a self-contained HTML page, as it was trained on.
+"""One rollout rendered as a self-contained HTML page, as it was trained on (what ``lit show`` writes).
 
 The page holds the rollout's span tree (with where each reward attaches), then every LLM call with its prompt and
 response tokens, decoded one by one with the run's tokenizer. Response tokens are coloured by the advantage their
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import bisect
 import html
-import json
 import math
 import uuid
 from collections.abc import Callable, Sequence
@@ -28,10 +27,8 @@ from typing import Any
 from lit_sdk import semconv as sc
 from lit_sdk.protocol import STATUS_ERROR, SpanRecord
 from lit_trainer.intake.episodes import Episode, Transition, UnusableRollout, build_episode
-from lit_trainer.intake.store import RolloutRow, SqliteStore, Store
+from lit_trainer.intake.store import RolloutRow, Store
 
-STORE_FILE = "lit.sqlite"
-"""The store's file in a run's ``train.output_dir``."""
 ADVANTAGE_FULL = 1.0
 """|advantage| at and above which a token has its full colour."""
 GAP_FULL = 0.1
@@ -88,42 +85,10 @@ class RolloutView:
         return path
 
 
-def view_rollout(run: str | Path | Store, rollout_id: str, tokenizer: Any = None) -> RolloutView:
-    """The page of rollout ``rollout_id`` of ``run``: a run's ``train.output_dir`` (its store and, for the
-    tokenizer, its model) or an open store. Without a tokenizer (a store given, or the run's model not found),
-    tokens are shown as their ids."""
-    if not isinstance(run, (str, Path)):
-        return _view(run, rollout_id, _decoder(tokenizer))
-    with open_store(run) as store:
-        return _view(store, rollout_id, _decoder(tokenizer if tokenizer is not None else run_tokenizer(run)))
-
-
-def open_store(run_dir: str | Path) -> SqliteStore:
-    """The store of a run's ``train.output_dir``; FileNotFoundError (never a new empty store) when it has none."""
-    path = Path(run_dir).expanduser() / STORE_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"no {STORE_FILE} in {path.parent}: give a run's train.output_dir")
-    return SqliteStore(path)
-
-
-def run_tokenizer(run_dir: str | Path) -> Any:
-    """The tokenizer of the model in the run's ``config.json``; None when it cannot be loaded."""
-    from lit_trainer.models import ModelError, resolve_model
-
-    try:
-        model = json.loads((Path(run_dir).expanduser() / "config.json").read_text())["model"]
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(resolve_model(model))
-    except (OSError, KeyError, ValueError, ModelError, ImportError):
-        return None
-
-
-def list_rollouts(store: Store, step: int) -> list[tuple[RolloutRow, float | None]]:
-    """The rollouts of training step ``step`` (from 0) with their episode returns (None: no episode)."""
-    rows = store.rollouts_of_step(step)
-    episodes = [store.get_episode(r.rollout_id) for r in rows]
-    return [(r, None if e is None else e.episode_return) for r, e in zip(rows, episodes, strict=True)]
+def view_rollout(store: Store, rollout_id: str, tokenizer: Any = None) -> RolloutView:
+    """The page of rollout ``rollout_id`` in ``store``; tokens decoded with ``tokenizer`` (None: shown as their
+    ids). A run's folder: ``lit_trainer.open_run(dir).show(rollout_id)``, which finds its store and tokenizer."""
+    return _view(store, rollout_id, _decoder(tokenizer))
 
 
 def _view(store: Store, rollout_id: str, decode: Callable[[int], str] | None) -> RolloutView:

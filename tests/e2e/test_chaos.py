@@ -26,7 +26,7 @@ from test_train import CONFIG
 
 from lit_sdk import semconv as sc
 from lit_sdk.protocol import codec
-from lit_trainer.engine.server import free_orphan_segments
+from lit_trainer.engine._shm import free_orphan_segments
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TESTS = Path(__file__).parents[1]
@@ -77,8 +77,8 @@ if point == "rollouts":  # the second step's (index 1)
 elif point == "vllm":  # vLLM, not the trainer, during the third step's rollouts
     when_rollouts_ended(2, kill_vllm)
 elif point == "update":  # the first policy update of this run: the second step's
-    import lit_trainer.loop as loop
-    loop.run_update = lambda *args, **kwargs: die()
+    import lit_trainer.pipeline as pipeline
+    pipeline.run_update = lambda *args, **kwargs: die()
 elif point == "sync":  # the second weight sync of this run (the first pushes the checkpoint), with vLLM paused
     from lit_trainer.engine.weight_sync import WeightSync
     post, pauses = WeightSync.post, []

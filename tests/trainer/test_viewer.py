@@ -1,5 +1,5 @@
 """The rollout viewer: real spans in a real SQLite store, rendered to HTML and read back with an HTML parser, and
-the advantages that ``update_policy`` saves for it."""
+the advantages that the update pipeline keeps for it."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from lit_trainer.cli import main
 from lit_trainer.config import TrainConfig
 from lit_trainer.intake.episodes import Episode, Transition, build_episode
 from lit_trainer.intake.store import AdvantageRow, RolloutRow, RolloutStatus, SqliteStore
-from lit_trainer.loop import update_policy
+from lit_trainer.pipeline import prepare
+from lit_trainer.runs import Run
 
 TRACE = "ab" * 16
 SCRIPT = "<script>alert(1)</script>"
@@ -119,7 +120,8 @@ def test_one_call_rollout_shows_its_tokens_decoded_coloured_and_escaped(run_dir,
     with SqliteStore(run_dir / "lit.sqlite") as store:
         r.store(store)
         store.save_advantages([AdvantageRow(r.rollout_id, 0, 1, 0.75)])
-    page = viewer.view_rollout(run_dir, r.rollout_id)._repr_html_()
+    with Run(run_dir) as run:  # the run's store, and its model's tokenizer
+        page = run.show(r.rollout_id)._repr_html_()
 
     assert "<script" not in page
     assert html.escape(json.dumps({"question": SCRIPT})) in page  # the rollout's input, in the header
@@ -220,15 +222,18 @@ def transition(rollout_id: str, task_id: str, index: int, reward: float | None =
                       rollout_id=rollout_id, task_id=task_id, index=index, span_id=f"{index:016x}")
 
 
-def test_update_policy_saves_the_advantages_it_computes(tmp_path):
+def test_the_advantages_of_transitions_the_update_skips_are_kept_too(tmp_path):
     rollouts = [("t1", "r1", 1.0, 2), ("t1", "r2", 0.0, 1), ("t1", "r3", 0.5, 3), ("t2", "r4", 0.2, 1),
                 ("t2", "r5", 0.9, 2), ("t3", "r6", 1.0, 1)]  # t3: a group of one, dropped before the advantages
     episodes = [Episode(rid, task, 1, [transition(rid, task, i) for i in range(n)], ret, ret)
                 for task, rid, ret, n in rollouts]
     cfg = TrainConfig()
-    # No behaviour logprobs: every transition is skipped after its advantage is computed, so no policy is needed.
+    # No behaviour logprobs: every transition is skipped after its advantage is computed: nothing to train on.
+    work = prepare(episodes, cfg, step=3)
+    assert not work.trains
+    metrics = work.metrics
     with SqliteStore(tmp_path / "lit.sqlite") as store:
-        metrics = update_policy(None, None, store, episodes, cfg, pad_id=0, step=3)
+        store.save_advantages(work.advantages)
         saved = {e.rollout_id: store.advantages_of_rollout(e.rollout_id) for e in episodes}
     kept = episodes[:5]
     assert metrics["update/skipped_no_logprobs"] == sum(len(e.transitions) for e in kept) == 9

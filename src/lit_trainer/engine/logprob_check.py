@@ -18,8 +18,6 @@ from dataclasses import dataclass
 import requests
 import torch
 
-from lit_trainer.engine.server import credentials_for
-
 DEFAULT_PROMPTS = (
     "The capital of France is",
     "def fibonacci(n):",
@@ -61,7 +59,7 @@ def sample_from_vllm(
     timeout_s: float = 300.0,
 ) -> list[Sample]:
     """Greedy-decode each prompt (token ids) in one batched request; return vLLM's token ids and logprobs.
-    ``api_key``: default, the key of the server this process started at ``base_url`` (``credentials_for``)."""
+    ``api_key``: the server's (``InferenceServer.api_key``), None when it has none."""
     body = {
         "model": model_name,
         "prompt": [list(p) for p in prompts],
@@ -70,8 +68,6 @@ def sample_from_vllm(
         "logprobs": 0,
         "return_token_ids": True,
     }
-    if api_key is None and (credentials := credentials_for(base_url)) is not None:
-        api_key = credentials.api_key
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     response = requests.post(f"{base_url.rstrip('/')}/v1/completions", json=body, headers=headers, timeout=timeout_s)
     if not response.ok:

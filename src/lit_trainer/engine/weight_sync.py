@@ -41,7 +41,7 @@ import requests
 import torch
 
 from lit_trainer.engine.config import WeightSyncConfig
-from lit_trainer.engine.server import Credentials, credentials_for
+from lit_trainer.engine.launch import Credentials
 
 if TYPE_CHECKING:
     from typing import Self
@@ -181,8 +181,8 @@ class WeightSync:
     """Pushes weights into one vLLM server at ``base_url``; holds the shared-memory folder and the version counter.
 
     The server's routes for weight sync need its admin token (``route_guard``) and the LoRA route its API key too:
-    ``credentials`` default to those of the ``InferenceServer`` this process started at ``base_url``
-    (``credentials_for``); ``api_key`` replaces the API key."""
+    ``credentials`` are those of the server (``InferenceServer.credentials``; None: send none); ``api_key``
+    replaces the API key."""
 
     def __init__(self, base_url: str, config: WeightSyncConfig, api_key: str | None = None, version: int = 0,
                  credentials: Credentials | None = None) -> None:
@@ -190,7 +190,6 @@ class WeightSync:
         self.config = config
         self.version = version
         self.session = requests.Session()
-        credentials = credentials or credentials_for(self.base_url)
         if credentials is not None:
             self.session.headers.update(credentials.headers())
         if api_key:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import random
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,86 +27,42 @@ import torch
 
 from lit_trainer.learner import lora
 from lit_trainer.learner.policy import Policy
+from lit_trainer.runs import Checkpoint, RunFolder
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "generation_config.json", "chat_template.jinja")
 
 
-@dataclass(frozen=True)
-class Checkpoint:
-    path: Path
-    step: int
-
-    @property
-    def model_dir(self) -> Path:
-        return self.path / "model"
-
-    @property
-    def adapter_dir(self) -> Path | None:
-        """The LoRA adapter of a LoRA run's checkpoint; None for a full fine-tune's."""
-        adapter = self.path / "adapter"
-        return adapter if adapter.is_dir() else None
-
-    def state(self) -> dict[str, Any]:
-        # onto the CPU: under several GPU processes each would otherwise load it onto the device that saved it
-        return torch.load(self.path / "trainer_state.pt", weights_only=False, map_location="cpu")
-
-
-def folder(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "checkpoints"
-
-
-def latest(output_dir: str | Path) -> Checkpoint | None:
-    """The newest complete checkpoint in ``output_dir``, if any."""
-    done = [p for p in folder(output_dir).glob("step-*") if (p / "DONE").exists()]
-    if not done:
-        return None
-    path = max(done, key=lambda p: int(p.name.split("-")[1]))
-    return Checkpoint(path, int(path.name.split("-")[1]))
-
-
-def resolve(path: str | Path) -> Checkpoint:
-    """A checkpoint folder, or a run's output folder (its latest checkpoint); a clear error otherwise."""
-    path = Path(path)
-    if (path / "DONE").exists():
-        return Checkpoint(path, int(path.name.split("-")[1]) if path.name.startswith("step-") else 0)
-    found = latest(path)
-    if found is None:
-        raise FileNotFoundError(f"no checkpoint at {path}: give a checkpoints/step-N folder or a run's output_dir "
-                                "that holds one")
-    return found
-
-
 def save(output_dir: str | Path, step: int, policy: Policy, base_model_dir: Path, extra: dict[str, Any],
          keep: int = 2) -> Checkpoint:
     """Write the checkpoint of ``step`` atomically and delete all but the newest ``keep``."""
-    root = folder(output_dir)
-    final = root / f"step-{step:06d}"
-    tmp = root / f".tmp-step-{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / "model").mkdir(parents=True)
+    run = RunFolder(output_dir)
+    checkpoint = run.checkpoint(step)
+    staging = Checkpoint(checkpoint.path.with_name(f".tmp-{checkpoint.path.name}"), step)
+    shutil.rmtree(staging.path, ignore_errors=True)
+    staging.model_dir.mkdir(parents=True)
     if policy.config.lora_rank:
-        lora.save_merged(policy.unwrapped(), tmp / "model")
-        lora.save_adapter(policy.unwrapped(), tmp / "adapter")
+        lora.save_merged(policy.unwrapped(), staging.model_dir)
+        lora.save_adapter(policy.unwrapped(), staging.adapter_path)
     else:
-        policy.unwrapped().save_pretrained(tmp / "model", safe_serialization=True)
+        policy.unwrapped().save_pretrained(staging.model_dir, safe_serialization=True)
     for name in TOKENIZER_FILES:
         if (base_model_dir / name).exists():
-            shutil.copy2(base_model_dir / name, tmp / "model" / name)
+            shutil.copy2(base_model_dir / name, staging.model_dir / name)
     state = {
         "step": step,
         "optimizer": policy.optimizer.state_dict(),
         "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
         **extra,
     }
-    torch.save(state, tmp / "trainer_state.pt")
-    (tmp / "DONE").write_text(f"step {step}\n")
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    complete = sorted((p for p in root.glob("step-*") if (p / "DONE").exists()), key=lambda p: p.name)
+    torch.save(state, staging.state_file)
+    staging.done_file.write_text(f"step {step}\n")  # last: the folder is complete
+    shutil.rmtree(checkpoint.path, ignore_errors=True)
+    staging.path.rename(checkpoint.path)
+    complete = run.checkpoints()
     for old in complete[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
-    return Checkpoint(final, step)
+        shutil.rmtree(old.path, ignore_errors=True)
+    return checkpoint
 
 
 def restore(checkpoint: Checkpoint, policy: Policy) -> dict[str, Any]:
@@ -122,7 +77,8 @@ def restore(checkpoint: Checkpoint, policy: Policy) -> dict[str, Any]:
     _check_kind(checkpoint, policy)
     if checkpoint.adapter_dir is not None:
         lora.load_adapter(policy.unwrapped(), checkpoint.adapter_dir)
-    state = checkpoint.state()
+    # onto the CPU: under several GPU processes each would otherwise load it onto the device that saved it
+    state = torch.load(checkpoint.state_file, weights_only=False, map_location="cpu")
     policy.optimizer.load_state_dict(state["optimizer"])
     random.setstate(state["rng"]["python"])
     np.random.set_state(state["rng"]["numpy"])

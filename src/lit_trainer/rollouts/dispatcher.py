@@ -92,6 +92,8 @@ class RolloutRequest:
     task: Any
     llm: LLM
     step: int
+    version: int = 0
+    """The weight version the engine held when the trainer asked for this rollout."""
 
 
 @dataclass

@@ -14,9 +14,10 @@ import requests
 
 from lit_sdk.protocol.security import SecurityError, generate_keys, read_api_key
 from lit_trainer.engine.config import InferenceConfig, WeightSyncConfig
+from lit_trainer.engine.launch import resolve_api_key
 from lit_trainer.engine.logprob_check import sample_from_vllm
 from lit_trainer.engine.route_guard import HEADER
-from lit_trainer.engine.server import InferenceServer, credentials_for, resolve_api_key
+from lit_trainer.engine.server import InferenceServer
 from lit_trainer.engine.weight_sync import WeightSync, WeightSyncError
 
 STAND_IN = textwrap.dedent(
@@ -115,25 +116,25 @@ def test_the_key_reaches_agents_weight_sync_and_the_logprob_check_but_the_token_
         assert requests.post(f"{server.openai_url}/completions", json=body, headers=agent, timeout=10).ok
         for route in ("/collective_rpc", "/pause"):  # an agent holds the API key, never the admin token
             assert requests.post(f"{server.base_url}{route}", json={}, headers=agent, timeout=10).status_code == 403
-        assert credentials_for(server.openai_url) == credentials_for(server.base_url) == server.credentials
+        assert server.credentials.api_key == key and server.credentials.admin_token not in server.log_path.read_text()
 
-        # The trainer's side: no argument needed, the credentials of the server it started are found.
-        samples = sample_from_vllm(server.base_url, "policy", [[1, 2], [3]])
+        # The trainer's side: the server's credentials, handed over as arguments (no registry of them).
+        samples = sample_from_vllm(server.base_url, "policy", [[1, 2], [3]], api_key=server.api_key)
         assert [s.response_ids for s in samples] == [[7, 8], [7, 8]]
-        with WeightSync(server.base_url, WeightSyncConfig(shm_dir=str(tmp_path))) as sync:
+        with WeightSync(server.base_url, WeightSyncConfig(shm_dir=str(tmp_path)),
+                        credentials=server.credentials) as sync:
             assert sync.rpc("reload_weights") == {"success": True}
             assert sync.session.headers[HEADER] == server.credentials.admin_token
         with pytest.raises(RuntimeError, match="HTTP 401"):
             sample_from_vllm(server.base_url, "policy", [[1]], api_key="a-wrong-key")
-        base_url = server.base_url
-    assert credentials_for(base_url) is None
+        with pytest.raises(RuntimeError, match="HTTP 401"):
+            sample_from_vllm(server.base_url, "policy", [[1]])  # no key given, none sent
 
 
 def test_weight_sync_without_the_token_is_refused(stand_in: Path, tmp_path: Path):
     config = InferenceConfig(model=str(tmp_path / "model"), python=str(stand_in), log_dir=str(tmp_path),
                              startup_timeout_s=60)
     with InferenceServer(config) as server:
-        url = server.base_url.replace("127.0.0.1", "localhost")  # not the URL the server registered
-        with WeightSync(url, WeightSyncConfig(shm_dir=str(tmp_path))) as sync:
+        with WeightSync(server.base_url, WeightSyncConfig(shm_dir=str(tmp_path))) as sync:  # no credentials
             with pytest.raises(WeightSyncError, match="403"):
                 sync.rpc("reload_weights")

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from lit_trainer.engine import server
+from lit_trainer.engine import launch
 from lit_trainer.engine.config import InferenceConfig
+from lit_trainer.engine.launch import build_command, build_env, server_ports
 from lit_trainer.engine.placement import (
     PlacementError,
     cpu_list,
@@ -21,7 +22,6 @@ from lit_trainer.engine.placement import (
     threads_bind,
     visible_gpus,
 )
-from lit_trainer.engine.server import build_command, build_env, server_ports
 
 
 def no_gpu_count() -> int:
@@ -105,7 +105,7 @@ def test_build_env_places_server_index(monkeypatch):
     cuda = InferenceConfig(device="cuda", servers=2, tensor_parallel_size=2)
     base = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4"}
     assert [build_env(cuda, base=base, index=i)["CUDA_VISIBLE_DEVICES"] for i in (0, 1)] == ["0,1", "2,3"]
-    monkeypatch.setattr(server, "cuda_device_count", lambda: 1)
+    monkeypatch.setattr(launch, "cuda_device_count", lambda: 1)
     with pytest.raises(PlacementError, match="needs 4 GPUs, and 1 are visible"):
         build_env(cuda, base={}, index=0)
 
@@ -123,7 +123,7 @@ def test_ports_of_several_servers(monkeypatch):
     assert server_ports(InferenceConfig(port=8100, servers=3)) == [8100, 8101, 8102]
     assert server_ports(InferenceConfig()) == [0]  # one server picks its own free port when it starts
     picks = iter([41000, 41000, 41001])  # the kernel may hand a released port out again
-    monkeypatch.setattr(server, "pick_port", lambda config: next(picks))
+    monkeypatch.setattr(launch, "pick_port", lambda config: next(picks))
     assert server_ports(InferenceConfig(servers=2)) == [41000, 41001]
 
 

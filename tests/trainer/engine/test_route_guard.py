@@ -17,8 +17,8 @@ import pytest
 
 from lit_trainer.engine import route_guard
 from lit_trainer.engine.config import InferenceConfig
+from lit_trainer.engine.launch import GUARD_MODULE, build_command, build_env, write_guard
 from lit_trainer.engine.route_guard import HEADER, RouteGuard, is_agent_route
-from lit_trainer.engine.server import GUARD_MODULE, build_command, build_env, write_guard
 
 TOKEN = "admin-token-of-this-run"
 ADMIN_ROUTES = ["/pause", "/resume", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version",

@@ -21,19 +21,11 @@ import pytest
 import requests
 
 from lit_sdk.processes import group_members
+from lit_trainer.engine._shm import free_orphan_segments
 from lit_trainer.engine.config import InferenceConfig, WeightSyncConfig
+from lit_trainer.engine.launch import PortBusyError, VLLMNotInstalledError, build_command, build_env, pick_port
 from lit_trainer.engine.served_model import TOOL_TEMPLATE, chat_template_for, untied_view
-from lit_trainer.engine.server import (
-    InferenceServer,
-    PortBusyError,
-    ServerDiedError,
-    StartupTimeoutError,
-    VLLMNotInstalledError,
-    build_command,
-    build_env,
-    free_orphan_segments,
-    pick_port,
-)
+from lit_trainer.engine.server import InferenceServer, ServerDiedError, StartupTimeoutError
 
 HARNESS = textwrap.dedent(
     """

@@ -272,27 +272,28 @@ def test_synced_weights_change_outputs_and_pass_the_consistency_check(
     vllm_server: InferenceServer, trainer_model, check_prompts: list[list[int]]
 ):
     url, name, tolerance = vllm_server.base_url, vllm_server.model_name, WeightSyncConfig().logprob_tolerance
-    before = check_logprobs(url, name, trainer_model, check_prompts, tolerance)
+    key = vllm_server.api_key
+    before = check_logprobs(url, name, trainer_model, check_prompts, tolerance, api_key=key)
     assert before.ok, before
-    old_samples = sample_from_vllm(url, name, check_prompts)
+    old_samples = sample_from_vllm(url, name, check_prompts, api_key=key)
     perturbed = copy.deepcopy(trainer_model)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():  # noise on every weight, the tied embedding included (it is also the output head)
         for param in perturbed.parameters():
             param.add_(torch.randn(param.shape, generator=generator) * 0.05 * param.std())
-    with WeightSync(url, WeightSyncConfig()) as sync:
+    with WeightSync(url, WeightSyncConfig(), credentials=vllm_server.credentials) as sync:
         try:
             report = sync.push_weights(perturbed, version="perturbed")
             assert sync.weight_version() == "perturbed" == report.version
-            new_samples = sample_from_vllm(url, name, check_prompts)
+            new_samples = sample_from_vllm(url, name, check_prompts, api_key=key)
             assert [s.response_ids for s in new_samples] != [s.response_ids for s in old_samples]
-            after = check_logprobs(url, name, perturbed, check_prompts, tolerance)
+            after = check_logprobs(url, name, perturbed, check_prompts, tolerance, api_key=key)
             assert after.ok, after
-            stale = check_logprobs(url, name, trainer_model, check_prompts, tolerance)
+            stale = check_logprobs(url, name, trainer_model, check_prompts, tolerance, api_key=key)
             assert not stale.ok, f"the old weights still match the server after the sync: {stale}"
         finally:
             sync.push_weights(trainer_model, version="original")
-    assert check_logprobs(url, name, trainer_model, check_prompts, tolerance).ok
+    assert check_logprobs(url, name, trainer_model, check_prompts, tolerance, api_key=key).ok
 
 
 @pytest.mark.vllm
@@ -325,7 +326,7 @@ def test_request_in_flight_during_a_sync_is_kept(vllm_server: InferenceServer, t
     thread.start()
     assert first_chunk.wait(timeout=120), "the server sent no token within 120 s"
     sync_began = time.monotonic()
-    with WeightSync(vllm_server.base_url, WeightSyncConfig()) as sync:
+    with WeightSync(vllm_server.base_url, WeightSyncConfig(), credentials=vllm_server.credentials) as sync:
         sync.push_weights(trainer_model)
     sync_ended = time.monotonic()
     thread.join(timeout=600)
@@ -352,7 +353,7 @@ def test_completions_carry_the_weight_version_they_arrived_under(vllm_server: In
             answer.raise_for_status()
         return [answer.json()["lit_weight_version"] for answer in answers]
 
-    with WeightSync(vllm_server.base_url, WeightSyncConfig()) as sync:
+    with WeightSync(vllm_server.base_url, WeightSyncConfig(), credentials=vllm_server.credentials) as sync:
         engine = sync.weight_version()
         assert versions() == ["0" if engine == "default" else engine] * 2
         sync.push_weights(trainer_model, version="7")

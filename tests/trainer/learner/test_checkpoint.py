@@ -13,6 +13,7 @@ from torch.testing import assert_close
 
 from lit_trainer.learner import checkpoint as ckpt
 from lit_trainer.learner.policy import Policy, PolicyConfig
+from lit_trainer.runs import resolve_checkpoint
 
 VOCAB = 64  # the tiny_model fixture's (conftest.py)
 
@@ -58,7 +59,7 @@ def test_lora_checkpoint_holds_the_merged_model_and_resumes_the_adapter(lora_con
 
     policy = trained(lora_config)
     saved = ckpt.save(tmp_path, 2, policy, tiny_model, {"minutes": 1.5})
-    found = ckpt.resolve(tmp_path)
+    found = resolve_checkpoint(tmp_path)
     assert found == saved and found.adapter_dir == found.path / "adapter"
     assert (found.adapter_dir / "adapter_config.json").exists()
     assert not (found.model_dir / "adapter_config.json").exists(), "model/ must be a plain model, not an adapter"

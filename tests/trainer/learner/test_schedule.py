@@ -1,6 +1,7 @@
 """The update schedule on a tiny real Llama: the normaliser counts zero-advantage transitions (``batch``), PPO epochs
 and mini-batches take several optimizer steps, recomputed old logprobs and importance-sampling corrections, overlong
-responses, and the KL term against a frozen reference (full fine-tune and LoRA)."""
+responses, calls sampled too many weight versions ago (asynchronous rollouts), and the KL term against a frozen
+reference (full fine-tune and LoRA)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from lit_trainer.algorithm.loss import LossConfig
 from lit_trainer.intake.episodes import Transition
 from lit_trainer.learner.batching import BatchingConfig, make_micro_batches
 from lit_trainer.learner.policy import Policy, PolicyConfig
-from lit_trainer.learner.schedule import UpdateConfig, mask_overlong, run_update, split
+from lit_trainer.learner.schedule import UpdateConfig, drop_stale, mask_overlong, run_update, split
 
 VOCAB = 64  # the tiny_model fixture's (conftest.py)
 BATCHING = BatchingConfig()
@@ -112,6 +113,25 @@ def test_recomputed_old_logprobs_and_importance_sampling_corrections(tiny_model:
     assert plain["loss/policy"] == pytest.approx(-(3 - 6) / 9, abs=1e-5)
     assert masked["loss/policy"] == pytest.approx(-(0 - 6) / 9, abs=1e-5)
     assert truncated["loss/policy"] == pytest.approx(-(3 * 2 - 6) / 9, abs=1e-5)
+
+
+def transition(version: int | None) -> Transition:
+    return Transition(prompt_ids=[1], response_ids=[2], logprobs=[-1.0], reward=None, agent="a", rollout_id="r",
+                      task_id="t", index=0, span_id="s", weight_version=version)
+
+
+def test_drop_stale_keeps_calls_at_most_max_staleness_versions_old():
+    pairs = [(transition(v), 1.0) for v in (5, 4, 3, None)]
+    # policy version 5: ages 0, 1, 2 and (no recorded version: dispatched at 4) 1
+    kept, metrics = drop_stale(pairs, policy_version=5, max_staleness=1, dispatched=4)
+    assert [t.weight_version for t, _ in kept] == [5, 4, None]
+    assert metrics == {"async/staleness_mean": 1.0, "async/staleness_max": 2.0, "async/dropped_stale": 1.0,
+                       "async/calls": 4.0, "async/versioned_calls": 3.0}
+    kept, metrics = drop_stale(pairs, policy_version=5, max_staleness=2, dispatched=4)
+    assert len(kept) == 4 and metrics["async/dropped_stale"] == 0.0
+    assert drop_stale([], 3, 1, 2) == ([], {"async/staleness_mean": 0.0, "async/staleness_max": 0.0,
+                                            "async/dropped_stale": 0.0, "async/calls": 0.0,
+                                            "async/versioned_calls": 0.0})
 
 
 def test_overlong_responses_are_masked_on_request():

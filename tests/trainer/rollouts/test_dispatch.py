@@ -15,7 +15,8 @@ from lit_trainer.evaluate import accuracy_line
 from lit_trainer.intake.collector import Collector
 from lit_trainer.intake.store import RolloutStatus, SqliteStore
 from lit_trainer.rollouts.dispatcher import DispatchConfig, Dispatcher, DispatchError, Outcome, RolloutRequest
-from lit_trainer.services import gather_episodes, stop_workers
+from lit_trainer.rollouts.gather import gather_episodes
+from lit_trainer.services import stop_workers
 
 TESTS = Path(__file__).parents[2]
 NO_LLM = LLM("http://127.0.0.1:9/v1", "none")

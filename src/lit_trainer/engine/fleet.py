@@ -1,0 +1,193 @@
+"""The vLLM servers of a run, as one fleet: started together, a weight sync into each, the policy's weights pushed
+into every one, and a server that died started again alone, on its port, with the current weights.
+
+    with Fleet(inference, weight_sync, weights=policy.state_dict) as fleet:   # every server loads at once
+        fleet.push_weights(policy.state_dict(), version="3")                  # into each server in turn
+        fleet.check()                                                          # ServerDiedError if one died
+
+With several servers (``inference.servers``) each gets its own cores or GPUs (``placement``) and its own port
+(``port``, ``port + 1``, ... or a free one each); the weight sync of server ``i`` meets on NCCL port
+``nccl_master_port + i``. A server dying is recovered from wherever it is noticed: during a push (``push_weights``)
+or by whoever saw a request fail (``restart``); ``restarts`` counts the servers started again. With asynchronous
+rollouts a restart may come from another thread while the loop changes the weights: the loop ``hold``s the fleet
+meanwhile, so a server started again never gets weights half updated.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from lit_trainer.engine.config import InferenceConfig, WeightSyncConfig
+from lit_trainer.engine.launch import server_ports
+from lit_trainer.engine.logprob_check import LogprobGap, check_logprobs
+from lit_trainer.engine.server import InferenceServer, ServerDiedError
+from lit_trainer.engine.weight_sync import SyncReport, WeightSync, WeightSyncError
+
+if TYPE_CHECKING:
+    from typing import Self
+
+Weights = Callable[[], Mapping[str, Any]]
+"""What gives the policy's current weights (its ``state_dict``), for a server started again."""
+
+
+@dataclass
+class PushReport:
+    """One push of the weights into every server, one after the other: each server's ``SyncReport``."""
+
+    version: str
+    reports: list[SyncReport]
+
+    @property
+    def total_s(self) -> float:
+        """The whole push (the servers were synced one after the other)."""
+        return sum(r.total_s for r in self.reports)
+
+    @property
+    def slowest_s(self) -> float:
+        """The slowest server's sync."""
+        return max((r.total_s for r in self.reports), default=0.0)
+
+
+class Fleet:
+    """``inference.servers`` vLLM servers and, when it takes weights (``weights``: what gives the policy's current
+    state dict), a ``WeightSync`` into each. Without ``weights`` (``lit eval``) it only serves: no sync is opened,
+    and a server started again serves the config's model."""
+
+    def __init__(self, inference: InferenceConfig, weight_sync: WeightSyncConfig | None = None,
+                 weights: Weights | None = None) -> None:
+        if weights is not None and weight_sync is None:
+            raise ValueError("a fleet that takes weights needs a WeightSyncConfig")
+        self.inference, self.weight_sync, self.weights = inference, weight_sync, weights
+        self.servers: list[InferenceServer] = []
+        self.syncs: list[WeightSync] = []
+        self.restarts = 0
+        """Servers started again after they died."""
+        self.version = "0"
+        """The weight version the servers hold: the last one pushed (the base model's is 0)."""
+        self._lock = threading.RLock()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def start(self) -> Self:
+        """Start every server and open their syncs; on any failure stop what was started and raise. All servers
+        are launched from this thread (a server gets SIGTERM when the thread that launched it ends), then waited
+        for, so that they load at once."""
+        many = f"{self.inference.servers} vLLM servers" if self.inference.servers > 1 else "vLLM"
+        print(f"lit: starting {many} on {self.inference.model} (about a minute on CPU)", file=sys.stderr, flush=True)
+        try:
+            for index, port in enumerate(server_ports(self.inference)):
+                server = InferenceServer(replace(self.inference, port=port), index=index)
+                self.servers.append(server)
+                server.launch()
+            for server in self.servers:
+                server.wait_ready()
+            self.syncs = [self._open_sync(i) for i in range(len(self.servers))] if self.weights else []
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Close the syncs and stop every server, the last started first. Idempotent."""
+        for sync in self.syncs:
+            sync.close()
+        for server in reversed(self.servers):
+            server.stop()
+
+    @property
+    def base_urls(self) -> list[str]:
+        """Every server's ``http://host:port``, in server order."""
+        return [s.base_url for s in self.servers]
+
+    @property
+    def pids(self) -> list[int]:
+        """The process of every running server (for the memory metrics)."""
+        return [s.process.pid for s in self.servers if s.process is not None]
+
+    def check(self) -> None:
+        """Raise ``ServerDiedError`` if a server has died."""
+        for server in self.servers:
+            server.check_alive()
+
+    def hold(self) -> threading.RLock:
+        """Held by the loop while it changes the policy's weights and pushes them, so that a server started again
+        meanwhile from another thread (``restart``) gets whole weights of a version the others hold."""
+        return self._lock
+
+    def push_weights(self, state: Mapping[str, Any], version: str) -> PushReport | None:
+        """Push ``state`` into every server in turn, tagged ``version``; a server that has died (during the update,
+        or during this push) is started again with the current weights instead. The report; None when a server was
+        started again (that took the time)."""
+        with self._lock:
+            reports, died = [], []
+            for index, sync in enumerate(self.syncs):
+                server = self.servers[index]
+                try:
+                    server.check_alive()
+                    reports.append(sync.push_weights(state, version=version))
+                except (ServerDiedError, WeightSyncError) as exc:
+                    if not server.exited(within_s=5.0):  # an error of a live server is no death: it stops the run
+                        raise
+                    died.append((index, exc))
+            for index, exc in died:
+                self.restart_server(index, version, f"before the weights of step {version} reached it "
+                                                    f"({first_line(exc)})")
+            self.version = version
+            return None if died else PushReport(version, reports)
+
+    def restart(self, when: str, restarts_seen: int | None = None) -> None:
+        """Start the servers that died ``when`` again (all of them when none is seen exited: the caller saw one
+        die), with the current weights as the version the servers hold. ``restarts_seen``: ``restarts`` when the
+        caller began what saw the death; if a server was started again since (by the loop's weight push, which
+        found it dead too), there is nothing left to do."""
+        with self._lock:
+            if restarts_seen is not None and self.restarts != restarts_seen:
+                return
+            dead = [i for i, server in enumerate(self.servers) if server.exited()]
+            for index in dead or range(len(self.servers)):
+                self.restart_server(index, self.version, when)
+
+    def restart_server(self, index: int, version: str, when: str) -> None:
+        """Start server ``index`` again after it died ``when``, on its port (the agents' calls name its URL), with
+        its own cores or GPUs, and push the current weights into it as ``version``; the others are left alone."""
+        with self._lock:
+            old = self.servers[index]
+            which = f"vLLM server {index} ({old.base_url})" if len(self.servers) > 1 else "vLLM"
+            print(f"lit: {which} died {when}; starting it again with the current weights", file=sys.stderr)
+            if self.syncs:
+                self.syncs[index].close()
+            old.stop()
+            print(f"lit: restarting vLLM on port {old.port}", file=sys.stderr, flush=True)
+            self.servers[index] = InferenceServer(replace(self.inference, port=old.port), index=index).start()
+            self.restarts += 1
+            if self.weights is not None:
+                self.syncs[index] = self._open_sync(index)
+                self.syncs[index].push_weights(self.weights(), version=version)
+
+    def logprob_gaps(self, model: Any, prompts: Sequence[Sequence[int]], tolerance: float,
+                     max_tokens: int = 8) -> dict[str, LogprobGap]:
+        """Each server's logprobs of greedy continuations of ``prompts`` against ``model``'s (``check_logprobs``),
+        by base URL: whether the weights pushed last reached every server."""
+        return {s.base_url: check_logprobs(s.base_url, s.model_name, model, prompts, tolerance,
+                                           max_tokens=max_tokens, api_key=s.api_key) for s in self.servers}
+
+    def _open_sync(self, index: int) -> WeightSync:
+        assert self.weight_sync is not None
+        config = self.weight_sync
+        if index:  # each server's NCCL group meets on a port of its own
+            config = replace(config, nccl_master_port=config.nccl_master_port + index)
+        server = self.servers[index]
+        return WeightSync(server.base_url, config, credentials=server.credentials)
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an error's message (its type when it has none), for a one-line report."""
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__

@@ -1,0 +1,135 @@
+"""One training step's update as a pipeline: prepare → update → push → check.
+
+- ``prepare``: LightningRL on the step's episodes (credit → group advantages) and the choice of what is trained on:
+  groups smaller than ``min_group_size`` are dropped, transitions lit cannot use are skipped, calls sampled too many
+  versions ago are left out (``max_staleness``), responses cut at ``max_tokens`` masked, and transitions whose
+  advantage is 0 (a group where every rollout got the same return) add nothing to the policy gradient. Every
+  transition's advantage is kept for ``lit show``, also of those then left out. A call sampled with settings lit
+  cannot reproduce (top-p, top-k, penalties) stops the run with a message: its importance ratios would be wrong.
+- ``update``: the optimizer step(s) of ``[update]`` on this process's share (learner/schedule.py). Under
+  ``torchrun --nproc_per_node N`` the main process broadcasts the ``UpdateJob`` and every process runs this stage.
+- ``push``: the new weights into every vLLM server (weight version = the step).
+- ``check``: after the push of step 1 and every ``check_sync_every`` steps, vLLM's logprobs against the trainer's on
+  two of the step's prompts: a sync that did not land stops the run.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lit_trainer.algorithm.advantages import episode_advantages
+from lit_trainer.config import ConfigError, TrainConfig
+from lit_trainer.engine.fleet import Fleet
+from lit_trainer.engine.weight_sync import WeightSyncError
+from lit_trainer.intake.episodes import Episode, Transition, unsupported_sampling
+from lit_trainer.intake.store import AdvantageRow, Store
+from lit_trainer.learner.batching import keep_usable
+from lit_trainer.learner.schedule import drop_stale, mask_overlong, run_update
+
+Pairs = list[tuple[Transition, float]]
+"""Transitions with their advantages."""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What ``prepare`` made of a step's episodes."""
+
+    pairs: Pairs
+    """What the update trains on."""
+    advantages: list[AdvantageRow]
+    """Every transition's advantage, also of those then left out of the update (``lit show``)."""
+    metrics: dict[str, float]
+
+    @property
+    def trains(self) -> bool:
+        """Whether the update has anything to do (a step of all-correct or all-wrong groups has not)."""
+        return bool(self.pairs)
+
+
+@dataclass(frozen=True)
+class UpdateJob:
+    """What every process needs of one training step's update: the same arguments on each."""
+
+    pairs: Pairs
+    pad_id: int
+    seed: int
+
+
+def prepare(episodes: Sequence[Episode], cfg: TrainConfig, step: int, dispatched: int | None = None) -> Prepared:
+    """The pairs that training step ``step`` (from 1) trains on, every transition's advantage, and their metrics.
+    ``dispatched``: the engine's weight version when the episodes' rollouts were handed out (default ``step - 1``,
+    synchronous); with ``train.max_staleness`` the calls sampled more than that many versions before the policy's
+    are left out (``drop_stale``)."""
+    groups = collections.Counter(e.task_id for e in episodes)
+    kept = [e for e in episodes if groups[e.task_id] >= cfg.train.min_group_size]
+    metrics: dict[str, float] = {"rollouts/small_groups_dropped": float(len(episodes) - len(kept))}
+    if not kept:
+        return Prepared([], [], metrics)
+    bad = unsupported_sampling(kept)
+    if bad is not None:
+        raise ConfigError(f"transition {bad.rollout_id}#{bad.index} (agent {bad.agent!r}) was sampled with "
+                          f"{bad.sampling_unsupported}: lit computes the trainer's logprobs of softmax(logits / "
+                          "temperature) only, so it cannot train on calls with top-p, top-k, min-p, penalties or a "
+                          "logit bias. Remove them from the agent's LLM settings (temperature alone is supported)")
+    advantages, adv_metrics = episode_advantages(kept, cfg.credit, cfg.advantages)
+    metrics.update(adv_metrics)
+    pairs = [(t, float(a)) for e, adv in zip(kept, advantages, strict=True)
+             for t, a in zip(e.transitions, adv.tolist(), strict=True)]
+    rows = [AdvantageRow(t.rollout_id, t.index, step, a) for t, a in pairs]
+    pairs, skipped = keep_usable(pairs, cfg.batching)  # a bad transition costs itself, not the step
+    metrics.update({f"update/skipped_{reason}": float(n) for reason, n in skipped.items()})
+    if cfg.train.max_staleness:
+        dispatched = step - 1 if dispatched is None else dispatched
+        pairs, stale = drop_stale(pairs, step - 1, cfg.train.max_staleness, dispatched)
+        metrics.update(stale)
+    pairs, overlong = mask_overlong(pairs, cfg.update)
+    metrics["update/overlong_masked"] = float(overlong)
+    metrics["update/transitions"] = float(sum(1 for _, a in pairs if a != 0.0))
+    if cfg.loss.kl_beta == 0 and not any(a != 0.0 for _, a in pairs):
+        pairs = []  # all-correct or all-wrong groups (or only unusable transitions): nothing to learn from
+    return Prepared(pairs, rows, metrics)
+
+
+def update(policy: Any, job: UpdateJob, cfg: TrainConfig, store: Store | None = None) -> dict[str, float]:
+    """This process's share of the update's optimizer steps; their metrics. ``store`` (the main process's): keeps
+    the trainer's logprobs of the response tokens it trained on, taken before the first optimizer step (the
+    viewer's trainer-vs-engine gap)."""
+    t0 = time.perf_counter()
+    trainer_logprobs: dict[int, list[float]] = {}
+    metrics = run_update(policy, job.pairs, cfg.update, cfg.loss, cfg.batching, job.pad_id, seed=job.seed,
+                         trainer_logprobs=trainer_logprobs)
+    if store is not None:
+        store.save_trainer_logprobs((job.pairs[i][0].rollout_id, job.pairs[i][0].index, values)
+                                    for i, values in trainer_logprobs.items())
+    metrics["time/update"] = time.perf_counter() - t0
+    return metrics
+
+
+def push(fleet: Fleet, policy: Any, step: int) -> dict[str, float]:
+    """The policy's weights into every vLLM server as weight version ``step``."""
+    t0 = time.perf_counter()
+    report = fleet.push_weights(policy.state_dict(), version=str(step))
+    # None: a vLLM had died and was started again with these weights (Fleet); that took the time
+    return {"time/sync": report.total_s if report is not None else time.perf_counter() - t0}
+
+
+def check(fleet: Fleet, policy: Any, pairs: Pairs, cfg: TrainConfig, step: int) -> dict[str, float]:
+    """After the push of step 1 and of every ``train.check_sync_every`` steps, every server's logprobs of two of
+    the step's prompts against the trainer's (each server got its own push); WeightSyncError when one is off by
+    more than ``weight_sync.logprob_tolerance``."""
+    every = cfg.train.check_sync_every
+    if not every or not (step == 1 or step % every == 0):
+        return {}
+    gaps = fleet.logprob_gaps(policy.unwrapped(), [t.prompt_ids for t, _ in pairs[:2]],
+                              cfg.weight_sync.logprob_tolerance)
+    worst = max(gaps, key=lambda url: gaps[url].max_abs)
+    if not gaps[worst].ok:
+        raise WeightSyncError(f"after the weight sync of step {step}, the logprobs of vLLM at {worst} differ "
+                              f"from the trainer's by up to {gaps[worst].max_abs:.4f} nats (tolerance "
+                              f"{gaps[worst].tolerance}): the new weights did not reach it. See its log; or set "
+                              "inference.dtype=float32")
+    return {"sync/logprob_gap_max": gaps[worst].max_abs, "sync/servers_checked": float(len(gaps))}

@@ -1,0 +1,100 @@
+"""Each training step's rollouts, handed to the loop one step at a time (``StepFeed.take``).
+
+Synchronous (``max_staleness = 0``): a step's rollouts run when the loop takes them. Asynchronous: as soon as a
+step has its rollouts, the next step's start in a background thread, so they run during this step's update and
+weight sync (the sync pauses them and they go on with the new weights); the next step then waits only for what is
+left of them (``time/rollout``). With ``min_step_groups``, it waits only until that many groups have ended, and
+takes every group that has: the others carry over, still running, into the next step's rollouts
+(``rollouts/carried_groups``, ``rollouts/groups_in_flight``), so that a slow group does not stall the step. A carried
+group's calls more than ``max_staleness`` versions older than the policy are not trained on (the batch's
+``dispatched_version`` says how old its oldest rollouts are), and a carried and a new group of the same task are one
+group for the advantages (the same prompt). The last step, and validation, wait for every group; a run stopped
+otherwise gives up the groups in flight (they fail in the store; ``--resume`` does not run them again). The
+thread's exception, if any, is raised in the loop by ``take``.
+
+A step's tasks are the same for the same seed and step, also after ``--resume`` (``sample_tasks``); if vLLM dies
+during a step's rollouts it is started again and they run again, up to ``MAX_ENGINE_RESTARTS`` times a step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from lit_trainer.rollouts.runner import RolloutBatch, RolloutRunner
+from lit_trainer.rollouts.tasks import sample_tasks
+
+MAX_ENGINE_RESTARTS = 3
+"""How many times one step's rollouts start vLLM again after it died, before the run stops."""
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What each training step's rollouts are (the config's ``[train]`` and ``[agent]`` settings of the same
+    names)."""
+
+    steps: int
+    tasks_per_step: int
+    group_size: int
+    seed: int
+    temperature: float
+    max_staleness: int = 0
+    min_step_groups: int = 0
+
+
+class StepFeed:
+    """The rollouts of training steps 0, 1, ... of ``tasks``, run by ``runner`` as ``plan`` says (module
+    docstring)."""
+
+    def __init__(self, runner: RolloutRunner, tasks: list[dict], plan: StepPlan) -> None:
+        self.runner, self.tasks, self.plan = runner, tasks, plan
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="lit-rollouts") if plan.max_staleness else None
+        self.ahead: tuple[int, Future[RolloutBatch]] | None = None  # (step, its rollouts)
+        self.finished: dict[int, RolloutBatch] = {}
+        self.wanted = threading.Event()  # set while the loop waits for the rollouts running ahead
+
+    def take(self, step: int) -> RolloutBatch:
+        """Step ``step``'s (from 0) rollouts; in asynchronous mode, also start step ``step + 1``'s."""
+        t0 = time.perf_counter()
+        last = step + 1 >= self.plan.steps
+        if self.ahead is not None and self.ahead[0] == step:
+            if not last:  # the last step waits for every group: none is left over
+                self.wanted.set()  # groups not ended once enough have carry over (``_enough``)
+            try:
+                self.finish_ahead()
+            finally:
+                self.wanted.clear()
+        # Run now, the engine holds the weights of ``step`` updates; run ahead, it still does.
+        batch = self.finished.pop(step) if step in self.finished else self._run(step, version=step)
+        batch.metrics["time/rollout"] = time.perf_counter() - t0
+        if self.pool is not None and not last:
+            self.ahead = (step + 1, self.pool.submit(self._run, step + 1, step))
+        return batch
+
+    def finish_ahead(self) -> None:
+        """Wait for the rollouts running ahead (their exception is raised here), and keep them for their step."""
+        if self.ahead is not None:
+            step, future = self.ahead
+            self.ahead = None
+            self.finished[step] = future.result()
+
+    def close(self) -> None:
+        """Wait for rollouts still running ahead (a run stopped by ``max_minutes``) and let go of the thread."""
+        try:
+            self.finish_ahead()
+        finally:
+            if self.pool is not None:
+                self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def _run(self, step: int, version: int) -> RolloutBatch:
+        plan = self.plan
+        tasks = sample_tasks(self.tasks, plan.seed, step, plan.tasks_per_step)
+        return self.runner.run(tasks, plan.group_size, plan.temperature, step, f"s{step}", version,
+                               self._enough if plan.min_step_groups else None, restarts=MAX_ENGINE_RESTARTS)
+
+    def _enough(self, ended_groups: int) -> bool:
+        """Whether the rollouts running ahead may stop waiting: the loop wants them, and ``min_step_groups``
+        groups ended."""
+        return self.wanted.is_set() and ended_groups >= self.plan.min_step_groups

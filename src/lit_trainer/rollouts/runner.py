@@ -1,0 +1,130 @@
+"""Run groups of rollouts on the agent workers and turn them into episodes: what one training step or one
+validation asks of the rollouts.
+
+``RolloutRunner.run`` hands ``group`` rollouts of each task to the workers (``Dispatcher``), every rollout of one
+task to the same vLLM server, whose prefix cache then holds the task's prompt for the whole group (``server_of``);
+it shows a progress bar, checks meanwhile that the collector and every server still run, and returns a
+``RolloutBatch``: the episodes of the rollouts that succeeded, the rollout metrics, and the weight version the
+engine held when the oldest of them was handed out. A failed rollout gives no episode, never a reward of 0, and
+neither does one whose spans are not all stored. If a vLLM server dies meanwhile, it is started again with the
+current weights and the rollouts run again (what was in flight is given up, groups carried over too, and nothing
+of it is trained on), up to ``restarts`` times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from lit_sdk.resources import LLM
+from lit_trainer.engine.fleet import Fleet, first_line
+from lit_trainer.engine.server import ServerDiedError
+from lit_trainer.intake.collector import Collector
+from lit_trainer.intake.episodes import Episode
+from lit_trainer.intake.store import RolloutStatus, Store
+from lit_trainer.progress import progress_bar
+from lit_trainer.rollouts.dispatcher import Dispatcher, Outcome, RolloutRequest, group_of
+from lit_trainer.rollouts.gather import gather_episodes
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    function: str = ""
+    """The ``@lit.trace`` agent function as ``module:function``; it is called as ``fn(task, llm)``."""
+    agents: tuple[str, ...] = ()
+    """Names of the agents whose LLM calls are trained; empty: every agent."""
+    local_workers: int = 1
+    """Worker processes the trainer starts on this machine (0: only workers started with ``lit worker``)."""
+    concurrency: int = 16
+    """Concurrent rollouts per local worker process."""
+    temperature: float = 1.0
+    """Sampling temperature of training rollouts."""
+    val_temperature: float = 0.0
+    """Sampling temperature of validation (0: greedy)."""
+    max_tokens: int = 128
+    """Most tokens per LLM call."""
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """What a run of rollouts gave."""
+
+    episodes: list[Episode]
+    metrics: dict[str, float]
+    dispatched_version: int
+    """The weight version the engine held when the oldest of these rollouts was handed out: groups carried over
+    from an earlier run are older than the run's own (``RolloutRequest.version``)."""
+
+
+def server_of(k: int, tasks: int, step: int, servers: int) -> int:
+    """The vLLM server of the ``k``-th of a step's ``tasks`` tasks: the tasks are dealt round-robin, each step
+    going on from where the previous one stopped, so every server gets a step's tasks within one of each other,
+    also when a step has fewer tasks than there are servers."""
+    return (step * tasks + k) % servers
+
+
+class RolloutRunner:
+    """Runs rollouts on the workers of ``dispatcher``, against the servers of ``fleet``, and builds their episodes
+    from ``store``; ``session`` makes the rollout ids of this run unique."""
+
+    def __init__(self, store: Store, collector: Collector, fleet: Fleet, dispatcher: Dispatcher, agent: AgentConfig,
+                 success_reward: float, session: str) -> None:
+        self.store, self.collector, self.fleet, self.dispatcher = store, collector, fleet, dispatcher
+        self.agent, self.success_reward, self.session = agent, success_reward, session
+
+    def check(self) -> None:
+        """Raise if a service the rollouts need has stopped: the collector (``CollectorError``: a full disk, say)
+        or a vLLM server (``ServerDiedError``), so that the run stops with the cause instead of letting every
+        rollout come back empty. Called while waiting for rollouts."""
+        self.collector.check()
+        self.fleet.check()
+
+    def run(self, tasks: list[dict], group: int, temperature: float, step: int, label: str, version: int,
+            enough: Callable[[int], bool] | None = None, restarts: int = 0) -> RolloutBatch:
+        """``group`` rollouts of each task, recorded under ``step`` (from 0); ``label`` names them (ids, progress
+        bar); ``version``: the weight version the engine holds as they are handed out. ``enough``
+        (``Dispatcher.run``): told how many groups ended, it may end the wait before all did; the groups still
+        running carry over to the next call, which returns them (``rollouts/carried_groups``: groups of an
+        earlier step returned by this call, ``rollouts/groups_in_flight``: groups this call left running).
+        ``restarts``: how many times a vLLM server that died is started again and the rollouts run again before
+        the error goes up."""
+        for restart in range(restarts + 1):
+            seen = self.fleet.restarts
+            try:
+                attempt = f"{label}-restart{restart}" if restart else label
+                return self._run(tasks, group, temperature, step, attempt, version, enough)
+            except ServerDiedError as exc:
+                if restart == restarts:
+                    raise
+                self.fleet.restart(f"during the rollouts of step {step + 1} ({first_line(exc)}); the step's "
+                                   "rollouts run again", seen)
+        raise AssertionError("unreachable")
+
+    def _run(self, tasks: list[dict], group: int, temperature: float, step: int, label: str, version: int,
+             enough: Callable[[int], bool] | None) -> RolloutBatch:
+        llms = [LLM(s.openai_url, s.model_name, api_key=s.api_key or "EMPTY", temperature=temperature,
+                    max_tokens=self.agent.max_tokens) for s in self.fleet.servers]
+        requests = [RolloutRequest(f"{self.session}-{label}-t{t['id']}-g{g}", str(t["id"]), t,
+                                   llms[server_of(k, len(tasks), step, len(llms))], step, version)
+                    for k, t in enumerate(tasks) for g in range(group)]
+        carried = len(self.dispatcher.carried)
+        bar = progress_bar(total=len(requests) + carried, desc=f"{label} rollouts", unit="rollout", leave=False)
+        failed = 0
+
+        def progress(outcome: Outcome) -> None:
+            nonlocal failed
+            failed += outcome.status is not RolloutStatus.SUCCEEDED
+            bar.set_postfix(failed=failed, refresh=False)
+            bar.update()
+
+        self.check()
+        with bar:
+            outcomes = self.dispatcher.run(requests, progress, check=self.check, enough=enough)
+        self.check()
+        episodes, metrics = gather_episodes(self.store, outcomes, self.agent.agents, self.success_reward)
+        if enough is not None:
+            earlier = {group_of(o.request) for o in outcomes if o.request.step != step}
+            metrics["rollouts/carried_groups"] = float(len(earlier))
+            metrics["rollouts/groups_in_flight"] = float(len(set(map(group_of, self.dispatcher.carried))))
+        dispatched = min((o.request.version for o in outcomes), default=version)
+        return RolloutBatch(episodes, metrics, dispatched)

@@ -1,0 +1,119 @@
+"""``RolloutRunner``: every rollout of one task goes to one vLLM server and the tasks are dealt round-robin
+(``server_of``), every server and the collector are checked while rollouts run, a server's death during the
+rollouts restarts it and runs them again at most ``restarts`` times, and the batch says the weight version its
+oldest rollouts were handed out with. The fleet, the collector and the dispatcher are stand-ins that record what
+they are asked (real servers and workers: the ``lora_kl`` run of tests/e2e/test_train_options.py, which checks in
+each vLLM's log which calls it served; a vLLM killed during the rollouts: tests/e2e/test_chaos.py; how the fleet
+restarts a server: tests/trainer/engine/test_fleet.py)."""
+
+from __future__ import annotations
+
+import collections
+from types import SimpleNamespace
+
+import pytest
+
+from lit_trainer.engine.server import ServerDiedError
+from lit_trainer.intake.store import RolloutStatus
+from lit_trainer.rollouts.dispatcher import Outcome, RolloutRequest
+from lit_trainer.rollouts.runner import AgentConfig, RolloutRunner, server_of
+
+
+def test_tasks_are_dealt_round_robin_going_on_from_the_previous_step():
+    assert [server_of(k, 2, 0, 2) for k in range(2)] == [0, 1]
+    assert [server_of(k, 3, 0, 2) for k in range(3)] == [0, 1, 0]
+    assert [server_of(k, 3, 1, 2) for k in range(3)] == [1, 0, 1]  # step 1 starts where step 0 stopped
+    assert [server_of(0, 1, step, 2) for step in range(4)] == [0, 1, 0, 1]  # one task a step: both servers serve
+    assert [server_of(k, 5, 2, 3) for k in range(5)] == [1, 2, 0, 1, 2]  # (2 * 5 + k) % 3
+    assert {server_of(k, 7, 3, 1) for k in range(7)} == {0}
+
+
+class Fleet:
+    """A stand-in for the vLLM fleet: its servers' URLs, a server that can be dead, and the restarts asked."""
+
+    def __init__(self, servers: int):
+        self.servers = [SimpleNamespace(openai_url=f"http://127.0.0.1:{8000 + i}/v1", model_name="policy",
+                                        api_key=None, port=8000 + i, dead=False) for i in range(servers)]
+        self.restarts, self.restarted = 0, []
+
+    def check(self) -> None:
+        for server in self.servers:
+            if server.dead:
+                raise ServerDiedError(f"vLLM on port {server.port} exited with code -9")
+
+    def restart(self, when: str, restarts_seen: int | None = None) -> None:
+        self.restarted.append((when, restarts_seen))
+        self.restarts += 1
+
+
+class Dispatcher:
+    """A stand-in for the dispatcher: records the requests and fails them all (no store needed); its first
+    ``deaths`` runs raise as a vLLM that died would; ``carried`` come back first, as the dispatcher's do."""
+
+    def __init__(self, deaths: int = 0, carried: list[RolloutRequest] = ()):
+        self.requests, self.carried, self.runs, self.deaths = [], list(carried), 0, deaths
+
+    def run(self, requests, progress, check, enough=None):
+        check()
+        self.runs += 1
+        if self.runs <= self.deaths:
+            raise ServerDiedError("vLLM exited with code -9: killed\nlast lines of the log")
+        self.requests += requests
+        returned, self.carried = self.carried + list(requests), []
+        return [Outcome(r, RolloutStatus.FAILED, f"{r.key}-a1", 1) for r in returned]
+
+
+def runner(servers: int = 1, dispatcher: Dispatcher | None = None) -> RolloutRunner:
+    return RolloutRunner(None, SimpleNamespace(check=lambda: None), Fleet(servers), dispatcher or Dispatcher(),
+                         AgentConfig(max_tokens=16), success_reward=1.0, session="sess")
+
+
+def test_every_rollout_of_a_task_goes_to_one_server_and_the_tasks_are_spread():
+    run = runner(servers=2)
+    tasks = [{"id": i} for i in range(5)]
+    batch = run.run(tasks, group=4, temperature=0.7, step=3, label="s3", version=3)
+    assert batch.metrics["rollouts/requested"] == 20 and batch.metrics["rollouts/failed"] == 20
+    assert batch.episodes == [] and batch.dispatched_version == 3
+    urls_of = collections.defaultdict(set)
+    for request in run.dispatcher.requests:
+        urls_of[request.task_id].add(request.llm.base_url)
+        assert request.llm.temperature == 0.7 and request.llm.max_tokens == 16 and request.llm.api_key == "EMPTY"
+        assert request.step == 3 and request.version == 3 and request.key.startswith("sess-s3-t")
+    # (3 * 5 + k) % 2 for tasks k = 0..4: servers 1, 0, 1, 0, 1
+    assert urls_of == {"0": {"http://127.0.0.1:8001/v1"}, "1": {"http://127.0.0.1:8000/v1"},
+                       "2": {"http://127.0.0.1:8001/v1"}, "3": {"http://127.0.0.1:8000/v1"},
+                       "4": {"http://127.0.0.1:8001/v1"}}
+
+
+def test_a_dead_server_among_several_stops_the_rollouts():
+    run = runner(servers=3)
+    run.fleet.servers[2].dead = True
+    with pytest.raises(ServerDiedError, match="port 8002"):
+        run.run([{"id": 0}], group=2, temperature=1.0, step=0, label="s0", version=0)
+    assert run.fleet.restarted == []  # restarts=0 (validation): the error goes up
+
+
+def test_vllm_dying_twice_in_the_rollouts_is_restarted_twice_and_they_run_again(capsys):
+    run = runner(dispatcher=Dispatcher(deaths=2))
+    batch = run.run([{"id": 0}], group=2, temperature=1.0, step=4, label="s4", version=4, restarts=3)
+    assert batch.metrics["rollouts/requested"] == 2 and run.dispatcher.runs == 3
+    assert [r.key for r in run.dispatcher.requests] == ["sess-s4-restart2-t0-g0", "sess-s4-restart2-t0-g1"]
+    assert run.fleet.restarted == [
+        ("during the rollouts of step 5 (vLLM exited with code -9: killed); the step's rollouts run again", 0),
+        ("during the rollouts of step 5 (vLLM exited with code -9: killed); the step's rollouts run again", 1)]
+
+
+def test_vllm_dying_once_more_than_allowed_stops_the_run():
+    run = runner(dispatcher=Dispatcher(deaths=4))
+    with pytest.raises(ServerDiedError, match="exited with code -9"):
+        run.run([{"id": 0}], group=2, temperature=1.0, step=0, label="s0", version=0, restarts=3)
+    assert len(run.fleet.restarted) == 3 and run.dispatcher.runs == 4
+
+
+def test_groups_carried_over_make_the_batch_as_old_as_their_dispatch():
+    llm = SimpleNamespace(base_url="http://127.0.0.1:8000/v1")
+    older = [RolloutRequest(f"sess-s1-t9-g{g}", "9", {"id": 9}, llm, step=1, version=0) for g in range(2)]
+    run = runner(dispatcher=Dispatcher(carried=older))
+    batch = run.run([{"id": 0}], group=2, temperature=1.0, step=2, label="s2", version=1, enough=lambda n: False)
+    assert batch.metrics["rollouts/requested"] == 4 and batch.dispatched_version == 0
+    assert batch.metrics["rollouts/carried_groups"] == 1 and batch.metrics["rollouts/groups_in_flight"] == 0

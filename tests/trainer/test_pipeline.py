@@ -1,0 +1,154 @@
+"""The update pipeline (``pipeline.py``): ``prepare`` on real episodes (spans recorded from a real AutoGen agent,
+tests/trainer/intake/golden/, rebuilt by the intake's ``build_episode``), with advantages computed by hand; then
+``update`` on a tiny real Llama, ``push`` and ``check``. The fleet that ``push`` and ``check`` talk to is a stand-in
+(a vLLM takes minutes: the e2e runs in tests/e2e push into real ones)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lit_sdk import semconv as sc
+from lit_sdk.protocol import STATUS_OK, SpanRecord
+from lit_trainer import pipeline
+from lit_trainer.config import ConfigError, TrainConfig, from_dict
+from lit_trainer.engine.weight_sync import WeightSyncError
+from lit_trainer.intake.episodes import Episode, build_episode
+from lit_trainer.intake.store import SqliteStore
+
+GOLDEN = json.loads((Path(__file__).parent / "intake" / "golden" / "autogen_assistant_agent.json").read_text())
+
+
+def episode(rollout_id: str, task_id: str, reward: float, **call_attrs: object) -> Episode:
+    """The real AutoGen rollout's spans as another rollout of ``task_id`` that returned ``reward``; ``call_attrs``
+    go on each of its two LLM calls."""
+    spans = []
+    for raw in copy.deepcopy(GOLDEN):
+        attrs = {**raw["attributes"], sc.ROLLOUT_ID: rollout_id, sc.TASK_ID: task_id}
+        if raw["name"] == sc.ROLLOUT_SPAN:
+            attrs[sc.ROLLOUT_RETURN_REWARD] = reward
+        if raw["name"] == sc.LLM_SPAN:
+            attrs.update(call_attrs)
+        spans.append(SpanRecord(**{**raw, "rollout_id": rollout_id, "attributes": attrs}))
+    built = build_episode(spans)
+    assert isinstance(built, Episode) and built.episode_return == reward and len(built.transitions) == 2
+    return built
+
+
+def test_prepare_keeps_every_advantage_and_trains_on_the_groups_with_signal():
+    episodes = [episode("a1", "a", 1.0), episode("a2", "a", 0.0), episode("a3", "a", 1.0),  # signal
+                episode("b1", "b", 0.5), episode("b2", "b", 0.5),  # equal returns: no signal
+                episode("c1", "c", 1.0)]  # a group of one: below min_group_size = 2
+    work = pipeline.prepare(episodes, TrainConfig(), step=3)
+    # group a: mean 2/3, Bessel std sqrt(1/3); every call of a rollout gets its rollout's advantage
+    up, down = (1 / 3) / math.sqrt(1 / 3), (-2 / 3) / math.sqrt(1 / 3)
+    assert [(r.rollout_id, r.index, r.step) for r in work.advantages] == [
+        (rid, i, 3) for rid in ("a1", "a2", "a3", "b1", "b2") for i in (0, 1)]
+    assert [r.advantage for r in work.advantages] == pytest.approx([up, up, down, down, up, up, 0, 0, 0, 0],
+                                                                   abs=1e-5)
+    assert [(t.rollout_id, t.index) for t, _ in work.pairs] == [(r.rollout_id, r.index) for r in work.advantages]
+    assert work.trains and work.metrics["update/transitions"] == 6.0  # the zero ones cost nothing in the update
+    assert work.metrics["rollouts/small_groups_dropped"] == 1.0
+    assert work.metrics["adv/groups"] == 2.0 and work.metrics["adv/zero_std_groups"] == 1.0
+    assert work.metrics["update/overlong_masked"] == 0.0 and "async/dropped_stale" not in work.metrics
+
+
+def test_a_step_without_signal_trains_nothing_but_keeps_its_advantages():
+    work = pipeline.prepare([episode("a1", "a", 1.0), episode("a2", "a", 1.0)], TrainConfig(), step=1)
+    assert not work.trains and work.pairs == [] and [r.advantage for r in work.advantages] == [0.0] * 4
+    assert work.metrics["update/transitions"] == 0.0
+    nothing = pipeline.prepare([episode("c1", "c", 1.0)], TrainConfig(), step=1)
+    assert not nothing.trains and nothing.advantages == [] and nothing.metrics == {
+        "rollouts/small_groups_dropped": 1.0}
+    kl = from_dict({"loss": {"kl_beta": 0.1}})  # the KL term has a gradient on every call
+    assert pipeline.prepare([episode("a1", "a", 1.0), episode("a2", "a", 1.0)], kl, step=1).trains
+
+
+def test_a_call_sampled_with_settings_lit_cannot_reproduce_stops_the_run():
+    episodes = [episode("a1", "a", 1.0), episode("a2", "a", 0.0, **{sc.LLM_SAMPLING_UNSUPPORTED: "top_p=0.9"})]
+    with pytest.raises(ConfigError, match=r"transition a2#0 .* top_p=0.9: .*Remove them"):
+        pipeline.prepare(episodes, TrainConfig(), step=1)
+
+
+def test_calls_sampled_too_many_versions_ago_are_left_out_with_asynchronous_rollouts():
+    cfg = from_dict({"train": {"max_staleness": 1}, "update": {"recompute_old_logprobs": True},
+                     "loss": {"is_correction": "truncate"}})
+    old = [episode("a1", "a", 1.0, **{sc.LLM_WEIGHT_VERSION: "1"}), episode("a2", "a", 0.0)]
+    work = pipeline.prepare(old, cfg, step=4, dispatched=1)  # the policy of 3 updates trains on calls of version 1
+    assert not work.trains and len(work.advantages) == 4 and work.metrics["async/dropped_stale"] == 4.0
+    work = pipeline.prepare(old, cfg, step=3, dispatched=1)  # one version old: kept
+    assert work.trains and len(work.pairs) == 4 and work.metrics["async/dropped_stale"] == 0.0
+
+
+class Fleet:
+    """A stand-in for the vLLM fleet: records the pushes, and reports the logprob gaps it is given."""
+
+    def __init__(self, gap: float = 0.001):
+        self.pushed, self.asked, self.gap = [], [], gap
+
+    def push_weights(self, state, version):
+        self.pushed.append((version, sorted(state)))
+        return SimpleNamespace(total_s=0.25)
+
+    def logprob_gaps(self, model, prompts, tolerance):
+        self.asked.append(prompts)
+        return {"http://127.0.0.1:8000": SimpleNamespace(max_abs=self.gap, tolerance=tolerance,
+                                                         ok=self.gap <= tolerance)}
+
+
+def tiny_episode(rollout_id: str, reward: float, prompt: list[int], responses: list[list[int]]) -> Episode:
+    """A rollout of task ``t`` with one call per response, token ids within the tiny model's vocabulary."""
+    trace, spans = "ab" * 16, []
+
+    def add(name: str, parent: str | None, start: int, **attrs: object) -> str:
+        span_id = format(len(spans) + 1, "016x")
+        spans.append(SpanRecord(trace, span_id, parent, name, start, start + 5, STATUS_OK, "", rollout_id,
+                                {sc.ROLLOUT_ID: rollout_id, sc.TASK_ID: "t", sc.ATTEMPT: 1, **attrs}))
+        return span_id
+
+    root = add(sc.ROLLOUT_SPAN, None, 0, **{sc.ROLLOUT_RETURN_REWARD: reward})
+    for k, response in enumerate(responses):
+        add(sc.LLM_SPAN, root, 10 * (k + 1), **{
+            sc.AGENT_NAME: "solver", sc.LLM_PROMPT_TOKEN_IDS: prompt, sc.LLM_RESPONSE_TOKEN_IDS: response,
+            sc.LLM_RESPONSE_LOGPROBS: [-3.5] * len(response), sc.LLM_FINISH_REASON: "stop"})
+    built = build_episode(spans)
+    assert isinstance(built, Episode)
+    return built
+
+
+def test_update_push_and_check_on_a_tiny_model(tiny_model: Path, tmp_path: Path):
+    from lit_trainer.learner.policy import Policy
+
+    cfg = from_dict({"policy": {"model": str(tiny_model)}, "train": {"check_sync_every": 2}})
+    policy = Policy(cfg.policy)
+    episodes = [tiny_episode("r1", 1.0, [1, 2, 3], [[4, 5], [6]]), tiny_episode("r2", 0.0, [1, 2, 3], [[7, 8, 9]])]
+    work = pipeline.prepare(episodes, cfg, step=1)
+    before = {name: p.detach().clone() for name, p in policy.unwrapped().named_parameters() if p.requires_grad}
+    with SqliteStore(tmp_path / "store.sqlite") as store:
+        store.save_advantages(work.advantages)  # as the loop does, before the update
+        metrics = pipeline.update(policy, pipeline.UpdateJob(work.pairs, pad_id=0, seed=7), cfg, store)
+        kept = {rid: store.trainer_logprobs_of_rollout(rid) for rid in ("r1", "r2")}
+    assert math.isfinite(metrics["loss/policy"]) and metrics["time/update"] >= 0
+    # the trainer's logprob of every response token it trained on, for the viewer: one per token, each a logprob
+    assert {rid: {i: len(v) for i, v in calls.items()} for rid, calls in kept.items()} == {"r1": {0: 2, 1: 1},
+                                                                                          "r2": {0: 3}}
+    assert all(value < 0 for calls in kept.values() for values in calls.values() for value in values)
+    after = dict(policy.unwrapped().named_parameters())
+    assert all(not torch.equal(before[name], after[name]) for name in before)  # every trainable parameter moved
+
+    fleet = Fleet()
+    assert pipeline.push(fleet, policy, step=1) == {"time/sync": 0.25}
+    assert fleet.pushed == [("1", sorted(policy.state_dict()))]
+    checked = pipeline.check(fleet, policy, work.pairs, cfg, step=1)  # step 1 is always checked
+    assert checked == {"sync/logprob_gap_max": 0.001, "sync/servers_checked": 1.0}
+    assert fleet.asked == [[[1, 2, 3], [1, 2, 3]]]  # two of the step's prompts
+    assert pipeline.check(fleet, policy, work.pairs, cfg, step=3) == {} and len(fleet.asked) == 1  # not due
+    with pytest.raises(WeightSyncError, match=r"sync of step 2, the logprobs of vLLM at http://127.0.0.1:8000 "
+                                              r"differ .* by up to 0.5000 nats"):
+        pipeline.check(Fleet(gap=0.5), policy, work.pairs, cfg, step=2)
