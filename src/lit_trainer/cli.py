@@ -258,12 +258,11 @@ def _show(args: argparse.Namespace) -> int:
             output = args.output or run.folder.rollout_page(args.rollout_id)
             print(run.show(args.rollout_id).save(output))
             return 0
-        step = run.store().last_step() if args.step is None else args.step
-        rows = run.rollouts(step) if step is not None else []
+        rows = run.rollouts(args.step)  # default: the last step's
         if not rows:
-            raise ValueError(f"no rollouts of step {step} in {args.run_dir}" if step is not None
+            raise ValueError(f"no rollouts of step {args.step} in {args.run_dir}" if args.step is not None
                              else f"no rollouts in {args.run_dir} yet")
-        print(f"rollouts of step {step} (from 0); open one with: lit show ROLLOUT_ID --run {args.run_dir}",
+        print(f"rollouts of step {rows[0].step} (from 0); open one with: lit show ROLLOUT_ID --run {args.run_dir}",
               file=sys.stderr)
         width = max(len(r.rollout_id) for r in rows)
         print(f"{'rollout':<{width}}  {'task':<10} {'status':<10} return")

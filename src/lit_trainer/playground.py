@@ -70,9 +70,9 @@ class Playground:
         if self.cfg.security.keys_dir:
             raise ValueError("the playground runs on loopback without keys: leave [security] keys_dir empty")
         self.folder.mkdir(parents=True, exist_ok=True)
-        RunFolder(self.folder).config.write_text(json.dumps(self.cfg.to_dict(), indent=2, default=str))
+        run = RunFolder(self.folder)
+        run.config.write_text(json.dumps(self.cfg.to_dict(), indent=2, default=str))
         try:
-            run = RunFolder(self.folder)
             self.store = self._stack.enter_context(SqliteStore(run.store))
             collector = self._stack.enter_context(Collector(self.store, "tcp://127.0.0.1:0"))
             print(f"lit: starting vLLM on {self.cfg.model} (about a minute on CPU)", file=sys.stderr, flush=True)
