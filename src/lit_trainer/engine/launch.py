@@ -97,7 +97,6 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count()
 
 
-
 def build_command(
     config: InferenceConfig, model_dir: Path, port: int, python: str, serve_dir: Path | None = None
 ) -> list[str]:
