@@ -21,6 +21,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from lit_trainer.engine.config import InferenceConfig, WeightSyncConfig
 from lit_trainer.engine.launch import server_ports
 from lit_trainer.engine.logprob_check import LogprobGap, check_logprobs
@@ -32,6 +34,28 @@ if TYPE_CHECKING:
 
 Weights = Callable[[], Mapping[str, Any]]
 """What gives the policy's current weights (its ``state_dict``), for a server started again."""
+
+SERVING_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+                  "float16": torch.float16, "half": torch.float16}
+"""``inference.dtype`` values lit casts the pushed weights to; ``auto`` leaves them as the trainer holds them."""
+
+
+def for_serving(state: Mapping[str, Any], dtype: str) -> dict[str, Any]:
+    """The weights in vLLM's serving dtype (``inference.dtype``): floating-point tensors cast on the device they are
+    on, before they travel (a bfloat16 server gets half the bytes of float32 master weights); names that share a
+    tensor (tied embeddings) still share its cast. ``auto``: as they are (vLLM casts them as it loads them)."""
+    target = SERVING_DTYPES.get(dtype)
+    if target is None:
+        return dict(state)
+    cast: dict[int, Any] = {}
+    out = {}
+    for name, tensor in state.items():
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.dtype != target:
+            if id(tensor) not in cast:
+                cast[id(tensor)] = tensor.detach().to(target)
+            tensor = cast[id(tensor)]
+        out[name] = tensor
+    return out
 
 
 @dataclass
@@ -128,11 +152,12 @@ class Fleet:
         started again (that took the time)."""
         with self._lock:
             reports, died = [], []
+            served = for_serving(state, self.inference.dtype)
             for index, sync in enumerate(self.syncs):
                 server = self.servers[index]
                 try:
                     server.check_alive()
-                    reports.append(sync.push_weights(state, version=version))
+                    reports.append(sync.push_weights(served, version=version))
                 except (ServerDiedError, WeightSyncError) as exc:
                     if not server.exited(within_s=5.0):  # an error of a live server is no death: it stops the run
                         raise
@@ -170,7 +195,7 @@ class Fleet:
             self.restarts += 1
             if self.weights is not None:
                 self.syncs[index] = self._open_sync(index)
-                self.syncs[index].push_weights(self.weights(), version=version)
+                self.syncs[index].push_weights(for_serving(self.weights(), self.inference.dtype), version=version)
 
     def logprob_gaps(self, model: Any, prompts: Sequence[Sequence[int]], tolerance: float,
                      max_tokens: int = 8) -> dict[str, LogprobGap]:

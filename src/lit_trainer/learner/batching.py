@@ -9,7 +9,14 @@ shifts logits by one to produce the same token-space logprobs; see ``logprobs.to
 Rows with the same prompt (a GRPO group's rollouts of one task) go into the same micro-batch, next to each other:
 ``logprobs.token_logprobs`` runs such a prompt once for all of them. The token budget counts what that forward
 computes: each distinct prompt once plus every row's response, padded to the micro-batch's longest group (a group
-of one row is just that row, so distinct prompts count as before: rows x padded length).
+of one row is just that row, so distinct prompts count as before: rows x padded length). A group over the budget is
+cut into parts that fit, each running the prompt again; a group whose prompt with one response is already over it
+stays whole (its parts would not fit either, and each would run a long prompt again), and so does a row alone: such
+a micro-batch is ``over_budget``, and the policy runs it with gradient checkpointing to stay in memory.
+
+The budget's default (0) is chosen for the device the learner computes on (``budget_for``): 2048 tokens on a CPU,
+4096 on a GPU (with a 1.5B model in bf16, a 4096-token micro-batch's activations take about 16 GiB; the weights,
+gradients and AdamW state another 23 GiB).
 
 A prompt longer than ``max_prompt_tokens`` is rejected with a message, unless ``truncate_prompt_left`` is set, in
 which case its oldest tokens are dropped (the behaviour logprobs then no longer describe exactly this context: that
@@ -21,6 +28,7 @@ transition never aborts a run. Token ids and numbers in, tensors out.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,19 +42,34 @@ log = logging.getLogger("lit")
 
 @dataclass(frozen=True)
 class BatchingConfig:
-    max_tokens_per_micro_batch: int = 2048
+    max_tokens_per_micro_batch: int = 0
     """Budget of one micro-batch: its prompt groups x the longest group's tokens (the prompt once plus every row's
-    response) stays at or under it; a group over the budget is split, and a single longer row gets its own."""
+    response) stays at or under it; a group over the budget is split, and a group or a row that cannot be split to
+    fit gets a micro-batch of its own, run with gradient checkpointing. 0: chosen for the device (2048 tokens on a
+    CPU, 4096 on a GPU; module docstring)."""
     max_prompt_tokens: int = 1536
     """Longest prompt accepted; longer ones are rejected unless ``truncate_prompt_left``."""
     truncate_prompt_left: bool = False
     """Drop the oldest prompt tokens beyond ``max_prompt_tokens`` instead of rejecting the transition."""
 
     def __post_init__(self) -> None:
-        if self.max_tokens_per_micro_batch < 2:
-            raise ValueError("BatchingConfig.max_tokens_per_micro_batch must be at least 2")
+        if self.max_tokens_per_micro_batch < 2 and self.max_tokens_per_micro_batch != 0:
+            raise ValueError("BatchingConfig.max_tokens_per_micro_batch must be at least 2, or 0 (chosen for the "
+                             f"device), got {self.max_tokens_per_micro_batch}")
         if self.max_prompt_tokens < 1:
             raise ValueError("BatchingConfig.max_prompt_tokens must be at least 1")
+
+
+DEFAULT_BUDGETS = {"cpu": 2048, "cuda": 4096}
+"""``max_tokens_per_micro_batch = 0`` on each kind of device (other kinds: the GPU's)."""
+
+
+def budget_for(config: BatchingConfig, device_type: str) -> BatchingConfig:
+    """``config`` with its token budget set: its own, or when that is 0, the default for ``device_type``."""
+    if config.max_tokens_per_micro_batch:
+        return config
+    return dataclasses.replace(config, max_tokens_per_micro_batch=DEFAULT_BUDGETS.get(device_type,
+                                                                                       DEFAULT_BUDGETS["cuda"]))
 
 
 class PromptTooLong(ValueError):
@@ -70,6 +93,9 @@ class MicroBatch:
     prox_logprobs: torch.Tensor | None = None  # (B, T) float
     """π_old's logprobs recomputed by the trainer (``update.recompute_old_logprobs``; learner/schedule.py), laid out
     like ``old_logprobs``; None: π_old is the behaviour policy."""
+    over_budget: bool = False
+    """Its forward computes more tokens than the budget (a prompt group or a row that could not be split to fit):
+    the policy runs it with gradient checkpointing."""
 
     def __post_init__(self) -> None:
         if self.temperature is None:
@@ -80,6 +106,15 @@ class MicroBatch:
     @property
     def n_response_tokens(self) -> int:
         return int(self.response_mask.sum().item())
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        """The same micro-batch with every tensor on ``device`` (itself when they all are there already)."""
+        tensors = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                   if isinstance(getattr(self, f.name), torch.Tensor)}
+        device = torch.device(device)
+        if all(t.device == device for t in tensors.values()):
+            return self
+        return dataclasses.replace(self, **{name: t.to(device) for name, t in tensors.items()})
 
 
 def make_micro_batches(
@@ -93,8 +128,10 @@ def make_micro_batches(
     """Pack transitions (with one advantage each) into micro-batches: rows with the same prompt together, groups of
     similar size together. A group costs its prompt once plus its rows' responses (module docstring); a micro-batch
     costs its groups x its costliest group. ``share_prompts=False`` costs every row whole (rows x padded length),
-    for a forward pass that runs each row in full (``logprobs.plain_token_logprobs``)."""
+    for a forward pass that runs each row in full (``logprobs.plain_token_logprobs``). A budget of 0 is a CPU's
+    (``budget_for``)."""
     assert len(transitions) == len(advantages), f"{len(transitions)} transitions, {len(advantages)} advantages"
+    config = budget_for(config, "cpu")  # 0: run_update resolved it for the learner's device already, else a CPU's
     rows = [_row(t, config) for t in transitions]
     if share_prompts:
         units = _prompt_groups(rows, config.max_tokens_per_micro_batch)
@@ -102,28 +139,34 @@ def make_micro_batches(
         units = [[i] for i in range(len(rows))]
     costs = [_cost(unit, rows) for unit in units]
     order = sorted(range(len(units)), key=lambda u: costs[u])
-    batches, current, count, longest = [], [], 0, 0
+    batches: list[tuple[list[int], int]] = []  # (rows, tokens its forward computes)
+    current, count, longest = [], 0, 0
     for u in order:
         if current and max(longest, costs[u]) * (count + 1) > config.max_tokens_per_micro_batch:
-            batches.append(current)
+            batches.append((current, longest * count))
             current, count, longest = [], 0, 0
         current += units[u]
         count += 1
         longest = max(longest, costs[u])
     if current:
-        batches.append(current)
+        batches.append((current, longest * count))
     adv = torch.as_tensor(advantages, dtype=torch.float32)  # (N,)
-    return [_collate(group, rows, adv, pad_id) for group in batches]
+    return [_collate(group, rows, adv, pad_id, over_budget=tokens > config.max_tokens_per_micro_batch)
+            for group, tokens in batches]
 
 
 def _prompt_groups(rows: list, budget: int) -> list[list[int]]:
     """The rows' indices grouped by prompt, in input order; a group costlier than ``budget`` is cut into parts
-    that fit (each part then runs its prompt once), with at least one row each."""
+    that fit (each part then runs its prompt once), with at least one row each, unless one of its rows alone is
+    over the budget: then no part could fit, and the group stays whole (its prompt runs once)."""
     by_prompt: dict[tuple[int, ...], list[int]] = {}
     for i, (ids, start, _, _) in enumerate(rows):
         by_prompt.setdefault(tuple(ids[:start]), []).append(i)
     groups = []
     for members in by_prompt.values():
+        if any(_cost([i], rows) > budget for i in members):
+            groups.append(members)
+            continue
         part: list[int] = []
         for i in members:
             if part and _cost([*part, i], rows) > budget:
@@ -197,7 +240,7 @@ def _row(t: Transition, config: BatchingConfig) -> tuple[list[int], int, list[fl
     return prompt + list(t.response_ids), len(prompt), list(t.logprobs or []), float(t.temperature)
 
 
-def _collate(group: list[int], rows: list, adv: torch.Tensor, pad_id: int) -> MicroBatch:
+def _collate(group: list[int], rows: list, adv: torch.Tensor, pad_id: int, over_budget: bool) -> MicroBatch:
     width = max(len(rows[i][0]) for i in group)
     n = len(group)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)  # (B, T)
@@ -211,4 +254,5 @@ def _collate(group: list[int], rows: list, adv: torch.Tensor, pad_id: int) -> Mi
         attention[b, : len(ids)] = 1
         response[b, start : len(ids)] = 1.0
         old[b, start : len(ids)] = torch.tensor(logprobs)
-    return MicroBatch(input_ids, attention, response, old, adv[group], list(group), temperature)
+    return MicroBatch(input_ids, attention, response, old, adv[group], list(group), temperature,
+                      over_budget=over_budget)

@@ -47,16 +47,17 @@ def unsupported_launch(distributed_type: str, mixed_precision: str) -> str | Non
     """Why lit cannot train as accelerate was set up (``accelerate launch`` flags or its config file), or None.
     Sharded engines (FSDP, DeepSpeed, Megatron-LM) would wrap the model so that every forward pass is collective,
     while the main process alone runs some (the logprob check after a sync, validation's reference); accelerate's
-    mixed precision would compute the trainer's logprobs in another precision than vLLM's."""
+    mixed precision would wrap the model's forward, which lit's logprobs bypass (``policy.precision`` is lit's)."""
     if distributed_type in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
         return (f"accelerate is set up for {distributed_type}, and lit shards no model yet: every process holds the "
                 "whole model and the processes add up their gradients (docs/scaling.md, Limits). Launch with "
                 "`torchrun --nproc_per_node N -m lit_trainer.cli train ...` or `accelerate launch --multi_gpu "
                 "--num_processes N ...` without --use_fsdp / --use_deepspeed")
     if mixed_precision not in ("no", ""):
-        return (f"accelerate is set up for mixed precision {mixed_precision!r}: lit trains in the policy's float32 "
-                "so that its logprobs match vLLM's. Launch with --mixed_precision no (or drop it from accelerate's "
-                "config file)")
+        return (f"accelerate is set up for mixed precision {mixed_precision!r}: lit sets its own precision "
+                "(float32 LM head and loss, so that its logprobs stay close to vLLM's). Set policy.precision = "
+                f"\"{'bf16' if 'bf16' in mixed_precision else 'fp32'}\" and launch with --mixed_precision no (or drop "
+                "it from accelerate's config file)")
     return None
 
 

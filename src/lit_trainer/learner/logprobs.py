@@ -16,6 +16,12 @@ the same values and the same gradients with less of both:
 * Head on response positions only. The decoder trunk gives hidden states; only those that predict a response
   token go through the LM head and the log-softmax, ``chunk_tokens`` positions at a time, each chunk recomputed in
   the backward pass (activation checkpointing), so at most one (chunk_tokens, V) block of logits lives at a time.
+  The head and the log-softmax run in float32 even when the caller runs the decoder under bf16 autocast
+  (``policy.precision``, learner/precision.py): autocast is off around them and a bfloat16 head is cast up. The
+  plain path computes its head inside the model's forward, under the caller's autocast.
+
+The micro-batch must be on the model's device (``Policy.place`` puts it there; a mismatch is a RuntimeError that says
+so): the layout built from it is made on the CPU and moved there once.
 
 ``token_logprobs`` calls the model's submodules (``get_decoder()``, ``get_output_embeddings()``) instead of its
 ``forward``: a wrapper that works through ``forward`` would be bypassed. So a torch DDP/FSDP/DataParallel wrapper
@@ -30,11 +36,14 @@ would turn off).
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from lit_trainer.learner import precision
 from lit_trainer.learner.batching import MicroBatch
 
 GREEDY_TEMPERATURE = 1e-5
@@ -53,11 +62,11 @@ def plain_token_logprobs(model: torch.nn.Module, batch: MicroBatch, *, with_entr
     """The reference: the model's full forward on every padded row, a (B, T-1, V) log-softmax of the tempered
     logits, the response tokens picked out. Returns logprobs (B, T) and, with ``with_entropy``, the entropy (B, T)
     of the distribution each response token was drawn from (a metric: no gradient); both 0 off the response."""
-    device = next(model.parameters()).device
-    input_ids = batch.input_ids.to(device)  # (B, T)
-    mask = batch.response_mask.to(device).bool()  # (B, T)
-    temperature = effective_temperature(batch.temperature.to(device).float())  # (B,)
-    logits = model(input_ids=input_ids, attention_mask=batch.attention_mask.to(device)).logits  # (B, T, V)
+    _check_device(batch, next(model.parameters()).device)
+    input_ids = batch.input_ids  # (B, T)
+    mask = batch.response_mask.bool()  # (B, T)
+    temperature = effective_temperature(batch.temperature.float())  # (B,)
+    logits = model(input_ids=input_ids, attention_mask=batch.attention_mask).logits  # (B, T, V)
     # The logits at position t-1 predict token t: drop the last position, shift the targets left by one.
     scaled = logits[:, :-1].float()  # (B, T-1, V)
     if bool((temperature != 1.0).any()):
@@ -87,21 +96,22 @@ def token_logprobs(model: torch.nn.Module, batch: MicroBatch, *, with_entropy: b
         return plain_token_logprobs(model, batch, with_entropy=with_entropy)
     trunk, head, share = parts
     device = head.weight.device
+    _check_device(batch, device)
     layout = pack_rows(batch) if share else _unpacked_rows(batch)
     if layout.source.numel() == 0:  # no response token: nothing to gain, and the plain path gives the zeros
         return plain_token_logprobs(model, batch, with_entropy=with_entropy)
+    layout = layout.to(device)
     if share:
-        attention = _group_mask(layout.segment.to(device), head.weight.dtype, trunk.config._attn_implementation)
+        attention = _group_mask(layout.segment, head.weight.dtype, trunk.config._attn_implementation)
     else:
-        attention = batch.attention_mask.to(device)  # (B, T): the model builds its causal padding mask
-    hidden = trunk(input_ids=layout.input_ids.to(device), attention_mask=attention,
-                   position_ids=layout.position_ids.to(device), use_cache=False).last_hidden_state  # (G, L, H)
-    states = hidden.reshape(-1, hidden.shape[-1]).index_select(0, layout.source.to(device))  # (N, H)
-    temperature = effective_temperature(batch.temperature.to(device).float())  # (B,)
-    picked, entropy = _head_logprobs(head, states, layout.target.to(device),
-                                     temperature[layout.dest.to(device) // batch.input_ids.shape[1]],
+        attention = batch.attention_mask  # (B, T): the model builds its causal padding mask
+    hidden = trunk(input_ids=layout.input_ids, attention_mask=attention, position_ids=layout.position_ids,
+                   use_cache=False).last_hidden_state  # (G, L, H)
+    states = hidden.reshape(-1, hidden.shape[-1]).index_select(0, layout.source)  # (N, H)
+    temperature = effective_temperature(batch.temperature.float())  # (B,)
+    picked, entropy = _head_logprobs(head, states, layout.target, temperature[layout.dest // batch.input_ids.shape[1]],
                                      chunk_tokens, with_entropy)  # (N,), (N,) or None
-    dest = layout.dest.to(device)  # (N,)
+    dest = layout.dest  # (N,)
     numel = batch.input_ids.numel()
     logp = picked.new_zeros(numel).index_copy(0, dest, picked).view_as(batch.input_ids)  # (B, T)
     if entropy is not None:
@@ -120,6 +130,16 @@ class PackedRows:
     source: torch.Tensor  # (N,) long: flat index into the trunk's (G * L) hidden states
     target: torch.Tensor  # (N,) long: the response token it predicts
     dest: torch.Tensor  # (N,) long: flat index of that token into the micro-batch's (B * T)
+
+    def to(self, device: torch.device) -> PackedRows:
+        return PackedRows(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
+
+
+def _check_device(batch: MicroBatch, device: torch.device) -> None:
+    """The micro-batch must be where the model computes (``Policy.place`` puts it there)."""
+    if batch.input_ids.device != device:
+        raise RuntimeError(f"the micro-batch is on {batch.input_ids.device} and the model on {device}: move it "
+                           "with MicroBatch.to (Policy.place does)")
 
 
 def prompt_lengths(batch: MicroBatch) -> torch.Tensor:
@@ -181,7 +201,7 @@ def _checked_rows(batch: MicroBatch) -> tuple[list[list[int]], list[int], list[i
     attention = batch.attention_mask.bool()  # (B, T)
     response = batch.response_mask.bool()  # (B, T)
     lengths = attention.sum(dim=1)  # (B,)
-    columns = torch.arange(attention.shape[1])  # (T,)
+    columns = torch.arange(attention.shape[1], device=attention.device)  # (T,)
     assert torch.equal(attention, columns[None, :] < lengths[:, None]), "rows must be right-padded"
     assert not (response & ~attention).any(), "response_mask marks padding"
     assert not response[:, 0].any(), "a response token at position 0 has no context to be predicted from"
@@ -227,20 +247,22 @@ def _head_logprobs(head: torch.nn.Module, states: torch.Tensor, target: torch.Te
     distribution's entropy (N,) when asked (no gradient), through the LM head ``chunk_tokens`` rows at a time."""
     picked, entropies = [], []
     recompute = torch.is_grad_enabled() and (states.requires_grad or any(p.requires_grad for p in head.parameters()))
+    logits_of = _float32_head(head)
     for start in range(0, states.shape[0], chunk_tokens):
         end = start + chunk_tokens
         first_pass = [True]  # backward's recomputation of the chunk must not record the entropy again
 
         def chunk(h: torch.Tensor, tgt: torch.Tensor, temp: torch.Tensor, first_pass: list[bool] = first_pass
                   ) -> torch.Tensor:
-            logits = head(h).float()  # (n, V)
-            if bool((temp != 1.0).any()):
-                logits = logits / temp[:, None]
-            logp = torch.log_softmax(logits, dim=-1)  # (n, V)
-            if with_entropy and first_pass[0]:
-                with torch.no_grad():
-                    entropies.append(-(logp.exp() * logp).sum(-1))  # (n,)
-            return logp.gather(-1, tgt[:, None])[:, 0]  # (n,)
+            with precision.float32_head(h.device):
+                logits = logits_of(h)  # (n, V)
+                if bool((temp != 1.0).any()):
+                    logits = logits / temp[:, None]
+                logp = torch.log_softmax(logits, dim=-1)  # (n, V)
+                if with_entropy and first_pass[0]:
+                    with torch.no_grad():
+                        entropies.append(-(logp.exp() * logp).sum(-1))  # (n,)
+                return logp.gather(-1, tgt[:, None])[:, 0]  # (n,)
 
         args = (states[start:end], target[start:end], temperature[start:end])
         # Checkpointed: only the chunk's hidden states are kept for backward, not its (n, V) log-softmax.
@@ -250,6 +272,18 @@ def _head_logprobs(head: torch.nn.Module, states: torch.Tensor, target: torch.Te
         empty = states.new_zeros(0, dtype=torch.float32)
         return empty, (empty if with_entropy else None)
     return torch.cat(picked), (torch.cat(entropies) if with_entropy else None)
+
+
+def _float32_head(head: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The LM head as a function of hidden states (n, H) -> float32 logits (n, V), computed in float32 (under bf16
+    autocast too: ``precision.float32_head`` turns it off around the call). A plain linear head is applied to the
+    float32 weight (a frozen bfloat16 head is cast once per call); any other head module (an adapter on it) runs
+    as it is, its output cast."""
+    if type(head) is not torch.nn.Linear:
+        return lambda h: head(h.to(head.weight.dtype)).float()
+    weight = head.weight.float()  # the parameter itself when float32: its gradient flows
+    bias = head.bias.float() if head.bias is not None else None
+    return lambda h: torch.nn.functional.linear(h.float(), weight, bias)
 
 
 def _trunk_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module, bool] | None:

@@ -1,6 +1,10 @@
 """The policy being trained: any Hugging Face causal LM (the prepared SmolLM2 by default), its per-token logprobs,
 and the optimizer step under accelerate (gradient accumulation over micro-batches, optional gradient checkpointing,
-optional LoRA through peft).
+optional LoRA through peft), in float32 or bf16 autocast (``precision``: learner/precision.py).
+
+Device placement happens here and only here: the learner computes where its weights are (``device``), and every
+micro-batch goes there (``place``) before the logprobs, the loss or the reference touch it, whatever device the
+batching made it on (the CPU).
 
 ``update`` takes the loss as a function, so the objective lives in ``algorithm/`` as pure tensor math and this
 module holds only state: the model, the optimizer, the accelerator. It also reports how far its own logprobs are
@@ -11,14 +15,18 @@ wrong.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from lit_trainer.learner import distributed, logprobs, lora
+from lit_trainer.learner import distributed, logprobs, lora, precision
 from lit_trainer.learner.batching import MicroBatch
 from lit_trainer.models import resolve_model
+
+log = logging.getLogger("lit")
 
 LossFn = Callable[[torch.Tensor, MicroBatch, torch.Tensor | None, torch.Tensor | None],
                   tuple[torch.Tensor, dict[str, float]]]
@@ -38,8 +46,14 @@ class PolicyConfig:
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
     """Gradients are clipped to this global norm (0 disables clipping)."""
+    precision: str = "auto"
+    """``fp32``, ``bf16`` (autocast over the decoder; float32 master weights, optimizer state, LM head, log-softmax
+    and loss) or ``auto``: bf16 on a GPU with native bfloat16, fp32 elsewhere (learner/precision.py). This is what
+    accelerate calls ``mixed_precision``; accelerate's own setting is refused, this one is lit's."""
     gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass: less memory for more compute (bench/README.md)."""
+    """Recompute activations in the backward pass in every micro-batch: less memory for more compute
+    (bench/README.md). Without it, only a micro-batch over ``batching.max_tokens_per_micro_batch`` (a prompt group
+    too long to split) recomputes."""
     lora_rank: int = 0
     """0 trains every weight; > 0 trains LoRA adapters of this rank only (peft): W' = W + (alpha / rank)·B·A with W
     frozen. vLLM gets W' merged (``state_dict``), checkpoints hold W' and the adapter (learner/checkpoint.py), and
@@ -59,6 +73,8 @@ class PolicyConfig:
             raise ValueError("PolicyConfig.max_grad_norm must be >= 0 (0 disables clipping)")
         if self.lora_rank < 0:
             raise ValueError("PolicyConfig.lora_rank must be >= 0 (0 = full fine-tune)")
+        if self.precision not in precision.PRECISIONS:
+            raise ValueError(f"PolicyConfig.precision must be one of {precision.PRECISIONS}, got {self.precision!r}")
 
 
 class Policy:
@@ -72,7 +88,6 @@ class Policy:
         has to be given to turn it on."""
         from accelerate import Accelerator
         from accelerate.utils import InitProcessGroupKwargs
-        from transformers import AutoModelForCausalLM
 
         self.config = config
         # The other processes wait in a collective while the main one runs the rollouts and validation.
@@ -83,10 +98,16 @@ class Policy:
                                                  str(self.accelerator.mixed_precision))
         if refused:
             raise ValueError(refused)
-        model = AutoModelForCausalLM.from_pretrained(resolve_model(config.model), dtype=torch.float32)
-        if config.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
-            model.config.use_cache = False
+        self.precision = precision.resolve(config.precision, self.accelerator.device)
+        """``fp32`` or ``bf16``: ``config.precision`` resolved for this device."""
+        precision.check(self.precision, self.accelerator.device)
+        slow = precision.slow_on(self.precision, self.accelerator.device)
+        if slow and self.accelerator.is_main_process:
+            log.warning("lit: %s", slow)
+        # trained weights are float32 masters; a LoRA policy's frozen base may live in bfloat16
+        model = _load(config.model, precision.weights_dtype(self.precision, frozen=bool(config.lora_rank)))
+        model.config.use_cache = False  # no KV cache in training; gradient checkpointing refuses one
+        self._recomputing = False
         if config.lora_rank:
             from peft import LoraConfig, get_peft_model
 
@@ -104,18 +125,32 @@ class Policy:
         self.reference: torch.nn.Module | None = None
         self.has_reference = reference is not None
         if reference is not None and not config.lora_rank:
-            frozen = AutoModelForCausalLM.from_pretrained(resolve_model(reference), dtype=torch.float32)
+            frozen = _load(reference, precision.weights_dtype(self.precision, frozen=True))
             self.reference = frozen.to(self.accelerator.device).eval().requires_grad_(False)
 
     @property
     def trainable(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
+    @property
+    def device(self) -> torch.device:
+        """Where the learner computes: where its weights are (accelerate put them on its device)."""
+        return next(self.model.parameters()).device
+
+    def place(self, batch: MicroBatch) -> MicroBatch:
+        """``batch`` with every tensor on the learner's ``device`` (the same batch when they are there already)."""
+        return batch.to(self.device)
+
     def token_logprobs(self, batch: MicroBatch, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token logprobs in token space (position t: log p(token t | tokens < t) at the row's sampling
         temperature; 0 where no response token sits), and optionally the entropy of the distribution each response
-        token was drawn from (0 elsewhere). Both (B, T)."""
-        return logprobs.token_logprobs(self.model, batch, with_entropy=with_entropy)
+        token was drawn from (0 elsewhere). Both (B, T), on the learner's device, computed in its precision."""
+        return self._logprobs(self.model, self.place(batch), with_entropy)
+
+    def _logprobs(self, model: torch.nn.Module, batch: MicroBatch, with_entropy: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        with precision.autocast(self.device, self.precision):
+            return logprobs.token_logprobs(model, batch, with_entropy=with_entropy)
 
     def update(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn,
                keep_logprobs: dict[int, list[float]] | None = None) -> dict[str, float]:
@@ -135,21 +170,24 @@ class Policy:
         sums: dict[str, float] = {}
         gap_sum, gap_tokens = 0.0, 0
         kept: dict[int, list[float]] = {}
-        for mb in self.my_share(micro_batches):
-            weight = mb.n_response_tokens / total_tokens
-            logp, entropy = self.token_logprobs(mb, with_entropy=self.config.compute_entropy)
-            loss, metrics = loss_fn(logp, mb, entropy, self.reference_logprobs(mb) if self.has_reference else None)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"the loss is {loss.item()} on micro-batch rows {mb.index}")
-            self.accelerator.backward(loss)
-            mask = mb.response_mask.to(logp.device)
-            if keep_logprobs is not None:
-                for b, row in enumerate(mb.index):
-                    kept[row] = logp[b].detach()[mask[b].bool()].tolist()
-            gap_sum += ((logp.detach() - mb.old_logprobs.to(logp.device)).abs() * mask).sum().item()
-            gap_tokens += int(mask.sum().item())
-            for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + float(value) * weight
+        with precision.tf32_matmuls(self.device, self.precision):
+            for mb in self.my_share(micro_batches):
+                mb = self.place(mb)
+                weight = mb.n_response_tokens / total_tokens
+                self._recompute(self.config.gradient_checkpointing or mb.over_budget)
+                logp, entropy = self._logprobs(self.model, mb, with_entropy=self.config.compute_entropy)
+                loss, metrics = loss_fn(logp, mb, entropy, self.reference_logprobs(mb) if self.has_reference else None)
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"the loss is {loss.item()} on micro-batch rows {mb.index}")
+                self.accelerator.backward(loss)
+                mask = mb.response_mask
+                if keep_logprobs is not None:
+                    for b, row in enumerate(mb.index):
+                        kept[row] = logp[b].detach()[mask[b].bool()].tolist()
+                gap_sum += ((logp.detach() - mb.old_logprobs).abs() * mask).sum().item()
+                gap_tokens += int(mask.sum().item())
+                for key, value in metrics.items():
+                    sums[key] = sums.get(key, 0.0) + float(value) * weight
         distributed.sum_gradients(self.trainable)
         sums, gap_sum, gap_tokens = _add_up(distributed.gather((sums, gap_sum, gap_tokens, kept)), keep_logprobs)
         grad_norm = self._clip()
@@ -173,10 +211,23 @@ class Policy:
         model with the adapter switched off."""
         if not self.has_reference:
             raise RuntimeError("this Policy has no reference model: build it with reference=<model folder>")
+        batch = self.place(batch)
         if self.reference is None:  # LoRA: the base weights are the reference
             with self.unwrapped().disable_adapter():
-                return self.token_logprobs(batch)[0]
-        return logprobs.token_logprobs(self.reference, batch)[0]
+                return self._logprobs(self.model, batch)[0]
+        return self._logprobs(self.reference, batch)[0]
+
+    def _recompute(self, on: bool) -> None:
+        """Gradient checkpointing on or off for the next forward pass (``gradient_checkpointing``, or a micro-batch
+        over the token budget)."""
+        if on == self._recomputing:
+            return
+        model = self.unwrapped()
+        if on:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_disable()
+        self._recomputing = on
 
     def _clip(self) -> float:
         if self.config.max_grad_norm > 0:
@@ -196,6 +247,43 @@ class Policy:
             return lora.merged_state_dict(self.unwrapped())
         return self.unwrapped().state_dict()
 
+
+    @contextlib.contextmanager
+    def in_float32(self) -> Iterator[torch.nn.Module]:
+        """The unwrapped model computing in float32 while this lasts, for the weight-sync check against vLLM: the
+        weights pushed to vLLM are what it computes with. Float32 weights stay as they are; bfloat16 ones (a LoRA
+        policy's frozen base under bf16) are cast to float32 one module at a time, for that module's forward
+        only, and back (exact: every bfloat16 value is a float32 value), so no float32 copy of the model is
+        ever whole in memory."""
+        model = self.unwrapped()
+        handles = []
+        for module in model.modules():
+            own = [p for p in module.parameters(recurse=False) if p.dtype == torch.bfloat16]
+            if own:
+                handles.append(module.register_forward_pre_hook(_cast_hook(own, torch.float32)))
+                handles.append(module.register_forward_hook(_cast_hook(own, torch.bfloat16), always_call=True))
+        try:
+            yield model
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def _cast_hook(params: list[torch.nn.Parameter], dtype: torch.dtype) -> Callable[..., None]:
+    def hook(*_: object) -> None:
+        for p in params:
+            p.data = p.data.to(dtype)
+    return hook
+
+
+def _load(model: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The causal LM ``model`` (a folder or ``smollm2-135m``) with its weights in ``dtype``; PrecisionError for a
+    quantized one."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = resolve_model(model)
+    precision.check_model_dtype(AutoConfig.from_pretrained(folder), str(folder))
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
 
 
 def _add_up(parts: list[tuple[dict[str, float], float, int, dict[int, list[float]]]],

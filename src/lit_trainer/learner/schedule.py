@@ -30,7 +30,7 @@ import torch
 from lit_trainer.algorithm.loss import LossConfig, normalizer_of, step_loss
 from lit_trainer.intake.episodes import Transition
 from lit_trainer.learner import distributed
-from lit_trainer.learner.batching import BatchingConfig, MicroBatch, make_micro_batches
+from lit_trainer.learner.batching import BatchingConfig, MicroBatch, budget_for, make_micro_batches
 from lit_trainer.progress import progress_bar
 
 OVERLONG = ("train", "mask")
@@ -109,6 +109,7 @@ def run_update(policy: Any, pairs: Sequence[tuple[Transition, float]], update: U
     ``update/processes`` (how many processes shared them, learner/distributed.py).
     ``trainer_logprobs``: filled with the trainer's token logprobs of each trained pair (by index in ``pairs``) in
     the first optimizer step that trains it, before that step changes the weights."""
+    batching = budget_for(batching, policy.device.type)
     prox = _old_logprobs(policy, pairs, batching, pad_id) if update.recompute_old_logprobs else None
     sums: dict[str, float] = {}
     tokens, steps = 0.0, 0
@@ -154,6 +155,7 @@ def _old_logprobs(policy: Any, pairs: Sequence[tuple[Transition, float]], batchi
     batches = make_micro_batches([t for t, _ in pairs], [a for _, a in pairs], batching, pad_id)
     mine: dict[int, list[float]] = {}
     for mb in policy.my_share(batches):
+        mb = policy.place(mb)
         logp, _ = policy.token_logprobs(mb)
         for b, i in enumerate(mb.index):
             mine[i] = logp[b][mb.response_mask[b].bool()].tolist()

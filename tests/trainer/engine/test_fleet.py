@@ -242,3 +242,29 @@ def test_logprob_gaps_asks_every_server_with_its_own_key(monkeypatch):
     assert list(gaps) == ["http://127.0.0.1:8000", "http://127.0.0.1:8001"]
     assert asked == [("http://127.0.0.1:8000", "policy", "key-8000", 8), ("http://127.0.0.1:8001", "policy",
                                                                           "key-8001", 8)]
+
+
+def test_weights_travel_in_the_servers_dtype():
+    import torch
+
+    from lit_trainer.engine.fleet import for_serving
+
+    embed = torch.randn(4, 3)
+    state = {"embed.weight": embed, "head.weight": embed, "norm.weight": torch.ones(3, dtype=torch.bfloat16),
+             "steps": torch.tensor([3])}
+    served = for_serving(state, "bfloat16")  # float32 master weights, a bfloat16 server: half the bytes travel
+    assert {k: v.dtype for k, v in served.items()} == {"embed.weight": torch.bfloat16, "head.weight": torch.bfloat16,
+                                                      "norm.weight": torch.bfloat16, "steps": torch.int64}
+    assert served["embed.weight"] is served["head.weight"]  # tied names still share one tensor
+    assert served["norm.weight"] is state["norm.weight"]  # already in the dtype: not copied
+    assert torch.equal(served["embed.weight"], embed.to(torch.bfloat16))
+    assert for_serving(state, "float32")["norm.weight"].dtype == torch.float32  # a frozen bfloat16 base, fp32 server
+    assert all(a is b for a, b in zip(for_serving(state, "auto").values(), state.values(), strict=True))
+    # the fleet pushes them so, to every server
+    fleet = Fleet(InferenceConfig(port=8000, servers=2, dtype="bfloat16"), WeightSyncConfig(),
+                  weights=lambda: {"w": torch.zeros(2)}).start()
+    fleet.push_weights({"w": torch.ones(2)}, version="1")
+    assert [s.pushed[0][1].dtype for s in fleet.syncs] == [torch.bfloat16, torch.bfloat16]
+    fleet.servers[0].dead = True
+    fleet.restart("during a test")
+    assert fleet.syncs[0].pushed[0][1].dtype == torch.bfloat16  # a server started again gets the same dtype

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.testing import assert_close
 
 from lit_trainer.intake.episodes import Transition
-from lit_trainer.learner.batching import BatchingConfig, MicroBatch, PromptTooLong, keep_usable, make_micro_batches
+from lit_trainer.learner.batching import (
+    BatchingConfig,
+    MicroBatch,
+    PromptTooLong,
+    budget_for,
+    keep_usable,
+    make_micro_batches,
+)
 
 PAD = 0
 
@@ -56,7 +65,7 @@ def test_missing_behaviour_logprobs_and_bad_inputs_are_clear_errors():
         make_micro_batches([no_lp], [1.0], BatchingConfig(), PAD)
     with pytest.raises(ValueError, match="empty prompt or response"):
         make_micro_batches([tr([], [2])], [1.0], BatchingConfig(), PAD)
-    with pytest.raises(ValueError, match="max_tokens_per_micro_batch"):
+    with pytest.raises(ValueError, match="max_tokens_per_micro_batch must be at least 2, or 0"):
         BatchingConfig(max_tokens_per_micro_batch=1)
 
 
@@ -98,6 +107,44 @@ def test_a_group_over_the_budget_is_split_into_parts_that_each_run_the_prompt():
     ts = [tr([1, 2, 3, 4], [5, 6, 7]) for _ in range(5)]  # the whole group costs 4 + 5 * 3 = 19 tokens
     batches = make_micro_batches(ts, [1.0] * 5, BatchingConfig(max_tokens_per_micro_batch=10), PAD)
     assert [mb.index for mb in batches] == [[4], [0, 1], [2, 3]]  # parts of 7, 10 and 10 tokens
+
+
+def test_a_group_whose_one_row_is_over_the_budget_stays_whole_and_is_recomputed():
+    # The long-context case: a 20-token prompt shared by three 4-token responses; one row alone (24) is over the
+    # budget of 16, so no part of the group could fit: it runs once as one 32-token micro-batch, over the budget.
+    long = [tr([1] * 20, [5, 6, 7, 8], index=i) for i in range(3)]
+    short = [tr([2, 3], [4, 5], index=3 + i) for i in range(2)]  # a group of 2 + 2 * 2 = 6 tokens: fits
+    batches = make_micro_batches(long + short, [1.0] * 5, BatchingConfig(max_tokens_per_micro_batch=16), PAD)
+    assert [(mb.index, mb.over_budget) for mb in batches] == [([3, 4], False), ([0, 1, 2], True)]
+    # A row over the budget counted whole is over it too
+    (alone,) = make_micro_batches(long[:1], [1.0], BatchingConfig(max_tokens_per_micro_batch=16), PAD,
+                                  share_prompts=False)
+    assert alone.over_budget
+    # ... and a group split into parts that fit is not (the parts of 7, 10 and 10 tokens above)
+    parts = make_micro_batches([tr([1, 2, 3, 4], [5, 6, 7]) for _ in range(5)], [1.0] * 5,
+                               BatchingConfig(max_tokens_per_micro_batch=10), PAD)
+    assert not any(mb.over_budget for mb in parts)
+
+
+def test_the_default_budget_is_chosen_for_the_device():
+    assert BatchingConfig().max_tokens_per_micro_batch == 0  # chosen for the device
+    assert budget_for(BatchingConfig(), "cpu").max_tokens_per_micro_batch == 2048
+    assert budget_for(BatchingConfig(), "cuda").max_tokens_per_micro_batch == 4096
+    assert budget_for(BatchingConfig(max_tokens_per_micro_batch=512), "cuda").max_tokens_per_micro_batch == 512
+    # make_micro_batches without a device takes a CPU's: 2 groups of 1030 tokens do not share a micro-batch
+    groups = [tr([g] * 1000, [7] * 10, index=i) for g in (1, 2) for i in range(3)]
+    assert len(make_micro_batches(groups, [1.0] * 6, BatchingConfig(), PAD)) == 2
+    assert len(make_micro_batches(groups, [1.0] * 6, budget_for(BatchingConfig(), "cuda"), PAD)) == 1
+
+
+def test_a_micro_batch_moves_whole_and_stays_itself_where_it_is():
+    (mb,) = make_micro_batches([tr([1, 2], [3, 4])], [1.0], BatchingConfig(), PAD)
+    assert mb.to("cpu") is mb
+    moved = mb.to("meta")
+    tensors = [f.name for f in dataclasses.fields(mb) if isinstance(getattr(mb, f.name), torch.Tensor)]
+    assert {"input_ids", "old_logprobs", "advantages", "temperature"} <= set(tensors)
+    assert all(getattr(moved, name).device.type == "meta" for name in tensors)
+    assert moved.index == mb.index and moved.over_budget == mb.over_budget
 
 
 def test_rows_carry_their_sampling_temperature():

@@ -82,4 +82,4 @@ def test_a_policy_under_accelerate_mixed_precision_says_how_to_launch(tiny_model
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     assert "ValueError: accelerate is set up for mixed precision 'bf16'" in done.stderr, done.stderr[-3000:]
-    assert "--mixed_precision no" in done.stderr
+    assert "--mixed_precision no" in done.stderr and 'Set policy.precision = "bf16"' in done.stderr

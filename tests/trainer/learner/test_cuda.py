@@ -1,0 +1,42 @@
+"""The learner on a real CUDA GPU: skipped without one (CI has none); ``bench/gpu/run_on_device.sh`` runs these on
+the lent GPU machine beside the benchmark. Without a GPU, test_device_placement.py checks the same placement on a
+simulated second device, and test_precision.py bf16 on the CPU's autocast."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from placement_scenarios import SCENARIOS
+from test_device_placement import assert_same, run
+from test_precision import batches
+
+from lit_trainer.algorithm.loss import LossConfig, step_loss
+from lit_trainer.learner.policy import Policy, PolicyConfig
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/gpu/run_on_device.sh)")]
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_a_training_step_on_cuda_gives_the_cpus_numbers(scenario: str, tiny_model: Path):
+    on_gpu = SCENARIOS[scenario](tiny_model, None)  # accelerate puts the policy on the GPU
+    on_cpu = run(scenario, tiny_model, "cpu")
+    assert on_gpu.pop("device") == "cuda:0" and on_cpu.pop("device") == "cpu"
+    assert_same(on_cpu, on_gpu, rel=2e-3)  # other kernels, the same math in float32
+
+
+def test_auto_precision_is_bf16_on_the_gpu_within_bf16s_gap(tiny_model: Path):
+    torch.manual_seed(0)
+    auto = Policy(PolicyConfig(model=str(tiny_model), learning_rate=1e-3))
+    exact = Policy(PolicyConfig(model=str(tiny_model), precision="fp32"))
+    assert auto.precision == "bf16" and auto.device.type == "cuda"
+    mbs = batches()
+    with torch.no_grad():
+        gap = (auto.token_logprobs(mbs[0])[0] - exact.token_logprobs(mbs[0])[0]).abs()
+    assert 0 < gap.max() < 0.1
+    metrics = auto.update(mbs, step_loss(LossConfig(), mbs))
+    assert metrics["policy/grad_norm"] > 0 and all(p.dtype == torch.float32 for p in auto.model.parameters())
+    assert torch.backends.cuda.matmul.fp32_precision != "tf32" or not hasattr(torch.backends.cuda.matmul,
+                                                                               "fp32_precision")
