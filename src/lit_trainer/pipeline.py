@@ -124,8 +124,8 @@ def check(fleet: Fleet, policy: Any, pairs: Pairs, cfg: TrainConfig, step: int) 
     every = cfg.train.check_sync_every
     if not every or not (step == 1 or step % every == 0):
         return {}
-    gaps = fleet.logprob_gaps(policy.unwrapped(), [t.prompt_ids for t, _ in pairs[:2]],
-                              cfg.weight_sync.logprob_tolerance)
+    with policy.in_float32() as model:  # the weights vLLM was given, computed in float32 whatever the precision
+        gaps = fleet.logprob_gaps(model, [t.prompt_ids for t, _ in pairs[:2]], cfg.weight_sync.logprob_tolerance)
     worst = max(gaps, key=lambda url: gaps[url].max_abs)
     if not gaps[worst].ok:
         raise WeightSyncError(f"after the weight sync of step {step}, the logprobs of vLLM at {worst} differ "

@@ -152,3 +152,30 @@ def test_update_push_and_check_on_a_tiny_model(tiny_model: Path, tmp_path: Path)
     with pytest.raises(WeightSyncError, match=r"sync of step 2, the logprobs of vLLM at http://127.0.0.1:8000 "
                                               r"differ .* by up to 0.5000 nats"):
         pipeline.check(Fleet(gap=0.5), policy, work.pairs, cfg, step=2)
+
+
+def test_the_sync_check_scores_a_bf16_lora_policy_in_float32(tiny_model: Path):
+    """vLLM got float32 merged weights; the trainer's side of the check must compute in float32 too, not on the
+    bfloat16 base it trains with (``Policy.in_float32``)."""
+    from lit_trainer.engine.logprob_check import trainer_logprobs
+    from lit_trainer.learner.policy import Policy
+
+    class Scoring(Fleet):
+        def logprob_gaps(self, model, prompts, tolerance):
+            dtypes = []
+            head = model.get_output_embeddings()
+            handle = head.register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
+            trainer_logprobs(model, prompts[0], [4, 5])
+            handle.remove()
+            self.asked.append(dtypes)
+            return super().logprob_gaps(model, prompts, tolerance)
+
+    cfg = from_dict({"policy": {"model": str(tiny_model), "precision": "bf16", "lora_rank": 4}})
+    policy = Policy(cfg.policy)
+    assert policy.unwrapped().get_output_embeddings().weight.dtype == torch.bfloat16
+    work = pipeline.prepare([tiny_episode("r1", 1.0, [1, 2, 3], [[4, 5]]), tiny_episode("r2", 0.0, [1, 2, 3], [[6]])],
+                            cfg, step=1)
+    fleet = Scoring()
+    assert pipeline.check(fleet, policy, work.pairs, cfg, step=1)["sync/servers_checked"] == 1.0
+    assert fleet.asked[0] == [torch.float32]
+    assert policy.unwrapped().get_output_embeddings().weight.dtype == torch.bfloat16  # and back after
