@@ -32,7 +32,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -198,6 +198,7 @@ class WeightSync:
         self.folder, self._owner_fd = claim_folder(Path(shm_root))
         self.checkpoint = ShmCheckpoint(self.folder / "full")
         self._transfer = None
+        self._latest: Mapping[str, torch.Tensor] = {}  # what the GPU transports send: the latest push's tensors
 
     def __enter__(self) -> Self:
         return self
@@ -221,12 +222,11 @@ class WeightSync:
     ) -> SyncReport:
         """Make the server generate with ``weights`` from now on and tag them ``version`` (default: previous + 1).
 
-        ``weights`` is a model or its state dict (``shm``); the GPU transports need the model itself.
+        ``weights`` is a model or its state dict (what ``Fleet`` pushes: the policy's, in the serving dtype). The GPU
+        transports send the named tensors of the latest push (a model's: its parameters).
         """
         if self.config.mode == "lora":
             raise WeightSyncError("WeightSyncConfig.mode is 'lora': call push_lora(adapter) instead")
-        if self.config.transport != "shm" and not isinstance(weights, torch.nn.Module):
-            raise WeightSyncError(f"transport {self.config.transport!r} needs the model, not a state dict")
         report = self._start_report(version)
         clock = _Clock(report)
         if self.config.transport == "shm":
@@ -238,7 +238,8 @@ class WeightSync:
                 self.rpc("reload_weights", weights_path=str(self.checkpoint.folder))
 
         else:
-            move = self._transfer_engine(weights).send_weights
+            self._latest = dict(weights.named_parameters()) if isinstance(weights, torch.nn.Module) else weights
+            move = self._transfer_engine().send_weights
         self._paused_round(clock, "reload" if self.config.transport == "shm" else "transfer", move, report.version)
         return report
 
@@ -311,9 +312,9 @@ class WeightSync:
         response.raise_for_status()
         return response.json()["weight_version"]
 
-    def _transfer_engine(self, model: torch.nn.Module):
+    def _transfer_engine(self):
         if self._transfer is None:
-            self._transfer = open_transfer_engine(self.base_url, self.config, model, self.session)
+            self._transfer = open_transfer_engine(self.base_url, self.config, lambda: self._latest, self.session)
         return self._transfer
 
 
@@ -335,15 +336,17 @@ def transfer_init_info(config: WeightSyncConfig, inference_world_size: int):
     raise WeightSyncError(f"transport {config.transport!r} has no vLLM weight-transfer engine")
 
 
-def open_transfer_engine(base_url: str, config: WeightSyncConfig, model: torch.nn.Module, session: requests.Session):
+def open_transfer_engine(base_url: str, config: WeightSyncConfig, latest: Callable[[], Mapping[str, torch.Tensor]],
+                         session: requests.Session):
     """Rendezvous with the server's weight-transfer engine (GPU transports; UNTESTED on a GPU).
 
     NCCL: the server's workers join the trainer's group during ``/init_weight_transfer_engine`` (run on a side
-    thread by vLLM while the trainer opens rank 0). Every later ``send_weights()`` replays the model's parameters
-    through ``/start_weight_update``, ``/update_weights`` (concurrent with the broadcast), ``/finish_weight_update``.
+    thread by vLLM while the trainer opens rank 0). Every later ``send_weights()`` replays the named tensors that
+    ``latest()`` gives then (the weights of that push) through ``/start_weight_update``, ``/update_weights``
+    (concurrent with the broadcast), ``/finish_weight_update``.
     """
     try:
-        from vllm.distributed.weight_transfer.base import ModuleSource
+        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, materialize_full_tensor
         from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
     except ImportError as exc:
@@ -356,7 +359,18 @@ def open_transfer_engine(base_url: str, config: WeightSyncConfig, model: torch.n
     response.raise_for_status()
     init_info = transfer_init_info(config, int(response.json()["world_size"]))
     client = HTTPVLLMWeightSyncClient(base_url, timeout=config.request_timeout_s)
-    return WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=ModuleSource(model))
+
+    class LatestWeights(WeightSource):
+        """vLLM's source of the trainer's weights: each round, the named tensors of the latest push, in order."""
+
+        def metadata(self) -> list[ParamMeta]:
+            return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in latest().items()]
+
+        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in latest().items():
+                yield name, materialize_full_tensor(tensor)
+
+    return WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=LatestWeights())
 
 
 class _Clock:

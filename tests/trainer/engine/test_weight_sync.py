@@ -196,7 +196,8 @@ def test_nccl_group_holds_the_trainer_and_every_vllm_worker():
 
 def test_gpu_transport_wiring(fake_vllm: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """The CPU-testable part of the GPU path: lit asks vLLM's world size, hands vLLM's trainer factory the init
-    info, an HTTP client for this server and the model, then runs each sync's transfer between pause and resume.
+    info, an HTTP client for this server and a source of the latest pushed weights (a state dict, as ``Fleet``
+    pushes, or a model's parameters), then runs each sync's transfer between pause and resume.
     vLLM's engines themselves need CUDA (they touch the device when built), so the factory is stubbed here."""
     pytest.importorskip("vllm")
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -211,20 +212,22 @@ def test_gpu_transport_wiring(fake_vllm: str, tmp_path: Path, monkeypatch: pytes
             opened["shutdown"] = True
 
     def trainer_init(init_info, *, client, source):
-        opened.update(init_info=init_info, url=client.base_url, names=[m.name for m in source.metadata()])
+        opened.update(init_info=init_info, url=client.base_url, names=[m.name for m in source.metadata()],
+                      source=source)
         return Engine()
 
     monkeypatch.setattr(WeightTransferTrainerFactory, "trainer_init", trainer_init)
     with WeightSync(fake_vllm, WeightSyncConfig(transport="nccl", shm_dir=str(tmp_path))) as sync:
-        with pytest.raises(WeightSyncError, match="needs the model"):
-            sync.push_weights({"w": torch.ones(2)})
+        first = {"w": torch.ones(2), "b": torch.zeros(1, dtype=torch.bfloat16)}  # a state dict, as Fleet pushes
+        sync.push_weights(first)
+        assert [(n, t.dtype) for n, t in opened["source"]] == [("w", torch.float32), ("b", torch.bfloat16)]
         _FakeVLLM.calls.clear()
-        report = sync.push_weights(torch.nn.Linear(2, 2))
-    assert (opened["init_info"].world_size, opened["url"], opened["names"]) == (
-        2,
-        fake_vllm,
-        ["weight", "bias"],
-    )
+        report = sync.push_weights({"w": torch.full((2,), 2.0), "b": torch.ones(1, dtype=torch.bfloat16)})
+        # the engine, opened once, sends each round what the latest push gave
+        assert [t.tolist() for _, t in opened["source"]] == [[2.0, 2.0], [1.0]]
+        sync.push_weights(torch.nn.Linear(2, 2))  # a model: its parameters
+        assert [n for n, _ in opened["source"]] == ["weight", "bias"]
+    assert (opened["init_info"].world_size, opened["url"], opened["names"]) == (2, fake_vllm, ["w", "b"])
     assert opened["shutdown"]
     assert [path.split("?")[0] for path, _ in _FakeVLLM.calls] == [
         "/pause",
@@ -232,7 +235,7 @@ def test_gpu_transport_wiring(fake_vllm: str, tmp_path: Path, monkeypatch: pytes
         "/reset_prefix_cache",
         "/update_weight_version",
         "/resume",
-    ]
+    ] * 2
     assert list(report.seconds) == ["pause", "transfer", "reset_cache", "version", "resume"]
 
 
