@@ -2,10 +2,13 @@
 config is accepted, 3 steps train and sync (vLLM's logprobs checked against the trainer's after every sync), a
 checkpoint is written, ``--resume`` continues to step 4, and ``lit eval --checkpoint`` serves the result.
 
-- LoRA with a KL term: the adapter trains, merged weights reach vLLM, the reference is the base under the adapter,
-  the checkpoint is a plain model for ``lit eval`` and resumes as base + adapter; the TensorBoard tracker logs
-  every step, the resumed one too. Served by two vLLM servers (``inference.servers = 2``, a core each): both serve
-  rollouts, all of one task's group on one server, and both take every weight sync (``two_servers_served``).
+- LoRA with a KL term, in bf16 (``policy.precision = "bf16"``: CPU autocast, the frozen base in bfloat16, float32
+  adapters, LM head and loss): the adapter trains, merged weights reach vLLM (the sync check scores them in float32),
+  the reference is the base under the adapter, the checkpoint is a plain model for ``lit eval`` and resumes as base
+  + adapter; the trainer-vs-vLLM logprob gap of the sampled tokens stays within what bf16 explains; the
+  TensorBoard tracker logs every step, the resumed one too. Served by two vLLM servers (``inference.servers = 2``,
+  a core each): both serve rollouts, all of one task's group on one server, and both take every weight sync
+  (``two_servers_served``).
 - Full fine-tune with every schedule option: KL to a frozen copy, 2 PPO epochs x 2 mini-batches, recomputed old
   logprobs with truncated importance sampling, overlong responses masked, the ``kept`` normaliser; trained by two
   processes (``torchrun --nproc_per_node 2``, gloo), the resumed step too; with asynchronous rollouts
@@ -56,7 +59,7 @@ log_dir = "{logs}"
 """
 
 OPTIONS = {
-    "lora_kl": ["policy.lora_rank=8", "policy.learning_rate=1e-4", "loss.kl_beta=0.05",
+    "lora_kl": ["policy.lora_rank=8", "policy.learning_rate=1e-4", "loss.kl_beta=0.05", "policy.precision='bf16'",
                 "train.trackers=['tensorboard']", "inference.servers=2", "inference.cpu_kv_cache_gb=1",
                 "inference.extra_args=['--enable-log-requests']"],  # each request's id in its server's log
     "ppo_schedule": ["loss.kl_beta=0.05", "update.ppo_epochs=2", "update.mini_batches=2",
@@ -106,9 +109,11 @@ def test_option_trains_syncs_checkpoints_resumes_and_evaluates(name: str, prepar
     assert trained, "no step had a group with differing rewards"
     assert all(r["update/processes"] == PROCESSES[name] for r in trained), trained
     if name == "lora_kl":
-        # One optimizer step per training step on the weights that sampled: the tempered logprobs agree.
+        # One optimizer step per training step on the weights that sampled: the tempered logprobs agree, to what
+        # the trainer's bf16 decoder costs: 0.026-0.062 nats on average here on 2026-11-26 (float32 on both sides:
+        # under 0.01, this test before policy.precision); the sync check above stays float32's
         gaps = [r["policy/vllm_logprob_gap"] for r in trained]
-        assert max(gaps) < 0.01, gaps
+        assert 0 < max(gaps) < 0.1, gaps
         assert all(r["sync/servers_checked"] == 2 for r in train), train  # the logprob gap is the worse server's
         two_servers_served(out / "lit.sqlite", tmp_path / "vllm-logs")
     else:
