@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lit_trainer.learner import distributed, logprobs, lora, precision
+from lit_trainer.learner import distributed, logprobs, lora, precision, sharding
 from lit_trainer.learner.batching import MicroBatch
 from lit_trainer.models import resolve_model
 
@@ -79,13 +79,17 @@ class PolicyConfig:
 
 class Policy:
     def __init__(self, config: PolicyConfig, trackers: Sequence[str] = (), project_dir: str | None = None,
-                 reference: str | None = None):
+                 reference: str | None = None, shard: bool = False):
         """``trackers`` (e.g. ``["tensorboard"]``) go to accelerate's ``log_with``, logging under ``project_dir``.
 
         ``reference``: a model folder (or ``smollm2-135m``) whose frozen logprobs the loss's KL term compares with
         (``loss.kl_beta > 0``; the training loop passes the initial weights). With LoRA the reference is the base
         model under the adapter, computed with the adapter switched off: no extra memory, and ``reference`` only
-        has to be given to turn it on."""
+        has to be given to turn it on.
+
+        ``shard``: with several processes, shard the decoder layers of the policy and of the reference across them
+        (learner/sharding.py); ``state_dict`` is then a collective. Not yet reachable from ``lit train``, whose
+        main process alone pushes, checks and checkpoints the weights; LoRA is not sharded yet."""
         from accelerate import Accelerator
         from accelerate.utils import InitProcessGroupKwargs
 
@@ -108,13 +112,23 @@ class Policy:
         model = _load(config.model, precision.weights_dtype(self.precision, frozen=bool(config.lora_rank)))
         model.config.use_cache = False  # no KV cache in training; gradient checkpointing refuses one
         self._recomputing = False
+        self.sharded = shard and self.accelerator.num_processes > 1
+        """Whether the decoder layers are sharded across the processes (``shard``)."""
+        if self.sharded and config.lora_rank:
+            raise NotImplementedError("sharding a LoRA policy is not supported yet: shard a full fine-tune, or run "
+                                      "LoRA with every process holding the whole model")
         if config.lora_rank:
             from peft import LoraConfig, get_peft_model
 
             lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha,
                               target_modules=list(config.lora_target_modules), task_type="CAUSAL_LM")
             model = get_peft_model(model, lora)
-        params = [p for p in model.parameters() if p.requires_grad]
+        if self.sharded:
+            sharding.shard(model.to(self.accelerator.device))
+        trained = [p for p in model.parameters() if p.requires_grad]
+        # one group of shards, one of whole tensors: a fused step takes a group's tensors in one kernel call
+        params = [{"params": group} for group in ([p for p in trained if sharding.is_sharded(p)],
+                                                  [p for p in trained if not sharding.is_sharded(p)]) if group]
         try:  # the fused kernel steps the weights several times faster on CPU than the default loop (bench/README.md)
             optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay, fused=True)
         except (RuntimeError, TypeError):  # a device or dtype without the fused kernel
@@ -127,6 +141,8 @@ class Policy:
         if reference is not None and not config.lora_rank:
             frozen = _load(reference, precision.weights_dtype(self.precision, frozen=True))
             self.reference = frozen.to(self.accelerator.device).eval().requires_grad_(False)
+            if self.sharded:
+                sharding.shard(self.reference)
 
     @property
     def trainable(self) -> list[torch.nn.Parameter]:
@@ -171,7 +187,7 @@ class Policy:
         gap_sum, gap_tokens = 0.0, 0
         kept: dict[int, list[float]] = {}
         with precision.tf32_matmuls(self.device, self.precision):
-            for mb in self.my_share(micro_batches):
+            for mb, real in self.my_share(micro_batches):
                 mb = self.place(mb)
                 weight = mb.n_response_tokens / total_tokens
                 self._recompute(self.config.gradient_checkpointing or mb.over_budget)
@@ -179,6 +195,9 @@ class Policy:
                 loss, metrics = loss_fn(logp, mb, entropy, self.reference_logprobs(mb) if self.has_reference else None)
                 if not torch.isfinite(loss):
                     raise FloatingPointError(f"the loss is {loss.item()} on micro-batch rows {mb.index}")
+                if not real:  # a sharded process's padding: the same collectives, no gradient
+                    self.accelerator.backward(loss * 0.0)
+                    continue
                 self.accelerator.backward(loss)
                 mask = mb.response_mask
                 if keep_logprobs is not None:
@@ -188,7 +207,7 @@ class Policy:
                 gap_tokens += int(mask.sum().item())
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + float(value) * weight
-        distributed.sum_gradients(self.trainable)
+        distributed.sum_gradients([p for p in self.trainable if not sharding.is_sharded(p)])  # shards: summed
         sums, gap_sum, gap_tokens = _add_up(distributed.gather((sums, gap_sum, gap_tokens, kept)), keep_logprobs)
         grad_norm = self._clip()
         self.optimizer.step()
@@ -196,14 +215,18 @@ class Policy:
         return {**sums, "policy/grad_norm": grad_norm, "policy/vllm_logprob_gap": gap_sum / max(gap_tokens, 1),
                 "policy/response_tokens": float(total_tokens)}
 
-    def my_share(self, micro_batches: Sequence[MicroBatch]) -> list[MicroBatch]:
-        """The micro-batches this process computes: all of them in one process, else its ``distributed.assign``
-        share by the tokens each computes."""
+    def my_share(self, micro_batches: Sequence[MicroBatch]) -> list[tuple[MicroBatch, bool]]:
+        """The micro-batches this process computes, as (micro-batch, real): all of them in one process, else its
+        ``distributed.assign`` share by the tokens each computes. Sharded, every process runs as many as the
+        largest share (``sharding.padded_share``): the padding is not real, its loss is to be zeroed."""
         rank, processes = distributed.world(self.accelerator)
         if processes == 1:
-            return list(micro_batches)
+            return [(mb, True) for mb in micro_batches]
         shares = distributed.assign([mb.input_ids.numel() for mb in micro_batches], processes)
-        return [micro_batches[i] for i in shares[rank]]
+        if not self.sharded:
+            return [(micro_batches[i], True) for i in shares[rank]]
+        longest = max(len(share) for share in shares)
+        return [(micro_batches[i], real) for i, real in sharding.padded_share(shares[rank], longest)]
 
     @torch.no_grad()
     def reference_logprobs(self, batch: MicroBatch) -> torch.Tensor:
@@ -230,6 +253,8 @@ class Policy:
         self._recomputing = on
 
     def _clip(self) -> float:
+        if self.sharded:
+            return sharding.clip(self.trainable, self.config.max_grad_norm)
         if self.config.max_grad_norm > 0:
             return float(self.accelerator.clip_grad_norm_(self.trainable, self.config.max_grad_norm))
         norms = [p.grad.norm() for p in self.trainable if p.grad is not None]
@@ -245,6 +270,8 @@ class Policy:
         twice as fast as its LoRA mode)."""
         if self.config.lora_rank:
             return lora.merged_state_dict(self.unwrapped())
+        if self.sharded:  # a collective: every process calls it
+            return sharding.full_state_dict(self.unwrapped())
         return self.unwrapped().state_dict()
 
 

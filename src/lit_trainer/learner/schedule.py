@@ -154,9 +154,11 @@ def _old_logprobs(policy: Any, pairs: Sequence[tuple[Transition, float]], batchi
     out: list[list[float]] = [[] for _ in pairs]
     batches = make_micro_batches([t for t, _ in pairs], [a for _, a in pairs], batching, pad_id)
     mine: dict[int, list[float]] = {}
-    for mb in policy.my_share(batches):
+    for mb, real in policy.my_share(batches):
         mb = policy.place(mb)
         logp, _ = policy.token_logprobs(mb)
+        if not real:  # a sharded process's padding: it ran for the collectives only
+            continue
         for b, i in enumerate(mb.index):
             mine[i] = logp[b][mb.response_mask[b].bool()].tolist()
     for share in distributed.gather(mine):

@@ -34,10 +34,11 @@ def test_in_one_process_the_collectives_are_the_identity():
     assert gather({"a": 1}) == [{"a": 1}] and broadcast([1, 2]) == [1, 2]
 
 
-def _run(command: list[str], out: Path, tiny_model: Path) -> dict:
+def _run(command: list[str], out: Path, tiny_model: Path, script: bool = True) -> dict:
+    """``command`` on update_across_processes.py (``script=False``: ``command`` names it, with its own options)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run([*command, str(SCRIPT), "--model", str(tiny_model), "--out", str(out)], env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run([*command, *([str(SCRIPT)] if script else []), "--model", str(tiny_model), "--out",
+                           str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return torch.load(out, weights_only=False)
 
@@ -83,3 +84,51 @@ def test_a_policy_under_accelerate_mixed_precision_says_how_to_launch(tiny_model
     assert done.returncode != 0
     assert "ValueError: accelerate is set up for mixed precision 'bf16'" in done.stderr, done.stderr[-3000:]
     assert "--mixed_precision no" in done.stderr and 'Set policy.precision = "bf16"' in done.stderr
+
+
+def test_two_sharded_processes_take_the_same_update_as_one_holding_half_each(tmp_path: Path):
+    """The decoder layers sharded across 2 processes on gloo (learner/sharding.py, FSDP2): the same gradients,
+    metrics and weights as 1 process through the whole schedule, with the reference sharded too; each process holds
+    about half the parameter and AdamW bytes (what stays whole, the embeddings and head, is small here: a model
+    whose layers dominate, as a real one's do)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = tmp_path / "layered"
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+                     ).save_pretrained(model)
+    one = _run([sys.executable], tmp_path / "one.pt", model)
+    two = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(SCRIPT), "--shard"],
+               tmp_path / "two.pt", model, script=False)
+    assert (one["processes"], two["processes"]) == (1, 2) and len(one["grads"]) == len(two["grads"]) == 4
+    for g1, g2 in zip(one["grads"], two["grads"], strict=True):
+        assert g1.abs().max() > 0
+        assert_close(g2, g1, rtol=1e-5, atol=1e-7)
+    for i, values in one["logprobs"].items():
+        assert_close(torch.tensor(two["logprobs"][i]), torch.tensor(values), rtol=1e-5, atol=1e-6)
+    for name, w1 in one["weights"].items():  # as in the test above: Adam's sign flips on ~0 gradients aside
+        w2 = two["weights"][name]
+        assert (w2 - w1).abs().max() <= 4 * 1e-3 * 1.01, name
+        assert ((w2 - w1).abs() > 1e-6).float().mean() < 1e-3, name
+    ratio = two["bytes"] / one["bytes"]
+    assert 0.5 <= ratio < 0.56, (one["bytes"], two["bytes"])  # half the layers' bytes, the embeddings whole
+
+
+def test_a_sharded_process_pads_its_share_with_zero_loss_repeats():
+    from lit_trainer.learner.sharding import padded_share
+
+    assert padded_share([3, 5], 3) == [(3, True), (5, True), (3, False)]
+    assert padded_share([], 2) == [(0, False), (0, False)]  # no micro-batch of its own: it still enters every one
+    assert padded_share([1], 1) == [(1, True)]
+
+
+def test_the_gradient_norm_and_clip_in_one_process_are_torchs():
+    from lit_trainer.learner.sharding import clip
+
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
+    params[0].grad, params[1].grad = torch.tensor([3.0, 0.0, 0.0]), torch.tensor([0.0, 4.0])
+    assert clip(params, 1.0) == 5.0
+    assert_close(params[0].grad, torch.tensor([0.6, 0.0, 0.0]), rtol=1e-5, atol=1e-6)
+    assert_close(torch.linalg.vector_norm(torch.cat([p.grad for p in params])), torch.tensor(1.0), rtol=1e-5,
+                 atol=1e-6)

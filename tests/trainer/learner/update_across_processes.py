@@ -1,6 +1,7 @@
 """One training step's update on a fixed batch, run as one process (``python THIS``) or several (``torchrun
---nproc_per_node 2 THIS``): the main process saves every optimizer step's gradient, the metrics, the
-trainer's logprobs and the final weights to ``--out`` (torch.save), for test_distributed.py to compare."""
+--nproc_per_node 2 THIS``), each holding the whole model or (``--shard``) its shard of the decoder layers: the main
+process saves every optimizer step's gradient, the metrics, the trainer's logprobs, the final weights and the bytes
+of parameters and optimizer state it held to ``--out`` (torch.save), for test_distributed.py to compare."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from lit_trainer.algorithm.loss import LossConfig
 from lit_trainer.intake.episodes import Transition
+from lit_trainer.learner import sharding
 from lit_trainer.learner.batching import BatchingConfig
 from lit_trainer.learner.policy import Policy, PolicyConfig
 from lit_trainer.learner.schedule import UpdateConfig, run_update
@@ -35,14 +37,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--shard", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
-    policy = Policy(PolicyConfig(model=args.model, learning_rate=1e-3), reference=args.model)
+    policy = Policy(PolicyConfig(model=args.model, learning_rate=1e-3), reference=args.model, shard=args.shard)
     grads: list[torch.Tensor] = []
     step = policy.optimizer.step
 
-    def capture(*a, **kw):
-        grads.append(torch.cat([p.grad.flatten() for p in policy.trainable]).clone())
+    def capture(*a, **kw):  # every process: gathering the sharded gradients is a collective
+        whole = [p.grad.full_tensor() if sharding.is_sharded(p.grad) else p.grad for p in policy.trainable]
+        grads.append(torch.cat([g.flatten() for g in whole]).clone())
         return step(*a, **kw)
 
     policy.optimizer.step = capture
@@ -51,10 +55,11 @@ def main() -> None:
                          UpdateConfig(ppo_epochs=2, mini_batches=2, recompute_old_logprobs=True),
                          LossConfig(kl_beta=0.05, is_correction="truncate"),
                          BatchingConfig(max_tokens_per_micro_batch=48), pad_id=0, seed=3, trainer_logprobs=logprobs)
+    weights = {k: v.clone() for k, v in policy.state_dict().items()}  # sharded: a collective
     if policy.accelerator.is_main_process:
         torch.save({"grads": grads, "metrics": metrics, "logprobs": logprobs,
-                    "processes": policy.accelerator.num_processes,
-                    "weights": {k: v.clone() for k, v in policy.state_dict().items()}}, args.out)
+                    "processes": policy.accelerator.num_processes, "weights": weights,
+                    "bytes": sharding.local_bytes(policy.model, policy.optimizer)}, args.out)
 
 
 if __name__ == "__main__":
