@@ -220,7 +220,29 @@ def _config_show(args: argparse.Namespace) -> int:
             print(f"\n[{name}]")
             for key, item in value.items():
                 print(f"{key} = {_toml_value(item)}")
+    print(f"\n# {_memory_of(lit_trainer.load_config(args.config, args.overrides))}")
     return 0
+
+
+def _memory_of(cfg) -> str:
+    """What one trainer process of this config would hold for the policy (learner/memory.py), in words."""
+    import torch
+    from transformers import AutoConfig
+
+    from lit_trainer.learner import memory, precision
+    from lit_trainer.models import resolve_model
+
+    try:
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        policy = cfg.policy
+        used = precision.resolve(policy.precision, device)
+        counts = memory.count(AutoConfig.from_pretrained(resolve_model(policy.model)), policy.lora_rank,
+                              policy.lora_target_modules)
+        plan = memory.plan(*counts, precision=used, lora=bool(policy.lora_rank),
+                           reference=cfg.loss.kl_beta > 0 and not policy.lora_rank)
+    except (ModelError, ValueError, OSError) as exc:
+        return f"the policy's memory is not known here: {str(exc).splitlines()[0]}"
+    return f"{plan.describe()}: one process on {device}, {used}"
 
 
 def _toml_value(value: object) -> str:

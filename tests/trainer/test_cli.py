@@ -111,6 +111,17 @@ def test_config_show_prints_the_config_with_overrides_as_toml(tmp_path):
     assert from_dict(table).train.steps == 3  # what it prints is a config lit reads back
 
 
+def test_config_show_ends_with_what_the_policy_needs_in_memory(tmp_path, tiny_model):
+    config = tmp_path / "c.toml"
+    config.write_text(f'model = "{tiny_model}"\n[agent]\nfunction = "m:f"\n')
+    out = _cli("config", "show", str(config), "loss.kl_beta=0.1")
+    last = out.stdout.strip().splitlines()[-1]
+    assert out.returncode == 0 and last.startswith("# the policy (0.0M parameters") and "KL reference" in last, last
+    assert "one process on cpu, fp32" in last
+    missing = _cli("config", "show", str(config), f"model='{tmp_path / 'nowhere'}'")
+    assert "# the policy's memory is not known here: no model at" in missing.stdout
+
+
 def test_help_says_where_the_config_keys_are():
     for args in (["--help"], ["train", "--help"], ["eval", "--help"]):
         out = _cli(*args)

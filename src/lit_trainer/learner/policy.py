@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from lit_trainer.learner import distributed, logprobs, lora, precision, sharding
+from lit_trainer.learner import distributed, logprobs, lora, memory, precision, sharding
 from lit_trainer.learner.batching import MicroBatch
 from lit_trainer.models import resolve_model
 
@@ -108,15 +110,26 @@ class Policy:
         slow = precision.slow_on(self.precision, self.accelerator.device)
         if slow and self.accelerator.is_main_process:
             log.warning("lit: %s", slow)
-        # trained weights are float32 masters; a LoRA policy's frozen base may live in bfloat16
-        model = _load(config.model, precision.weights_dtype(self.precision, frozen=bool(config.lora_rank)))
-        model.config.use_cache = False  # no KV cache in training; gradient checkpointing refuses one
-        self._recomputing = False
         self.sharded = shard and self.accelerator.num_processes > 1
         """Whether the decoder layers are sharded across the processes (``shard``)."""
         if self.sharded and config.lora_rank:
             raise NotImplementedError("sharding a LoRA policy is not supported yet: shard a full fine-tune, or run "
                                       "LoRA with every process holding the whole model")
+        folder, model_config = _model_config(config.model)
+        self.memory = memory.plan(*memory.count(model_config, config.lora_rank, config.lora_target_modules),
+                                  precision=self.precision, lora=bool(config.lora_rank),
+                                  reference=reference is not None and not config.lora_rank,
+                                  processes=self.accelerator.num_processes, sharded=self.sharded)
+        """What this process holds for the policy before activations (learner/memory.py)."""
+        free = memory.available(self.accelerator.device)
+        memory.check_fits(self.memory, free, self.accelerator.device)  # before any weight is read
+        if self.accelerator.is_main_process:
+            room = f"; {free / memory.GB:.1f} GB free on {self.accelerator.device}" if free is not None else ""
+            print(f"lit: {self.memory.describe()}{room}", file=sys.stderr)
+        # trained weights are float32 masters; a LoRA policy's frozen base may live in bfloat16
+        model = _load(folder, precision.weights_dtype(self.precision, frozen=bool(config.lora_rank)))
+        model.config.use_cache = False  # no KV cache in training; gradient checkpointing refuses one
+        self._recomputing = False
         if config.lora_rank:
             from peft import LoraConfig, get_peft_model
 
@@ -139,7 +152,7 @@ class Policy:
         self.reference: torch.nn.Module | None = None
         self.has_reference = reference is not None
         if reference is not None and not config.lora_rank:
-            frozen = _load(reference, precision.weights_dtype(self.precision, frozen=True))
+            frozen = _load(_model_config(reference)[0], precision.weights_dtype(self.precision, frozen=True))
             self.reference = frozen.to(self.accelerator.device).eval().requires_grad_(False)
             if self.sharded:
                 sharding.shard(self.reference)
@@ -303,13 +316,21 @@ def _cast_hook(params: list[torch.nn.Parameter], dtype: torch.dtype) -> Callable
     return hook
 
 
-def _load(model: str, dtype: torch.dtype) -> torch.nn.Module:
-    """The causal LM ``model`` (a folder or ``smollm2-135m``) with its weights in ``dtype``; PrecisionError for a
-    quantized one."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _model_config(model: str) -> tuple[Path, object]:
+    """The folder of ``model`` (a folder or ``smollm2-135m``) and its transformers config; PrecisionError for a
+    quantized model."""
+    from transformers import AutoConfig
 
-    folder = resolve_model(model)
-    precision.check_model_dtype(AutoConfig.from_pretrained(folder), str(folder))
+    folder = Path(resolve_model(model))
+    config = AutoConfig.from_pretrained(folder)
+    precision.check_model_dtype(config, str(folder))
+    return folder, config
+
+
+def _load(folder: Path, dtype: torch.dtype) -> torch.nn.Module:
+    """The causal LM in ``folder`` with its weights in ``dtype``."""
+    from transformers import AutoModelForCausalLM
+
     return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
 
 

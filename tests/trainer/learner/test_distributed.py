@@ -113,6 +113,8 @@ def test_two_sharded_processes_take_the_same_update_as_one_holding_half_each(tmp
         assert ((w2 - w1).abs() > 1e-6).float().mean() < 1e-3, name
     ratio = two["bytes"] / one["bytes"]
     assert 0.5 <= ratio < 0.56, (one["bytes"], two["bytes"])  # half the layers' bytes, the embeddings whole
+    # what learner/memory.py planned before loading anything: exact whole, within the shards' rounding sharded
+    assert one["planned"] == one["bytes"] and abs(two["planned"] - two["bytes"]) <= 0.01 * two["bytes"], (one, two)
 
 
 def test_a_sharded_process_pads_its_share_with_zero_loss_repeats():

@@ -59,7 +59,8 @@ def main() -> None:
     if policy.accelerator.is_main_process:
         torch.save({"grads": grads, "metrics": metrics, "logprobs": logprobs,
                     "processes": policy.accelerator.num_processes, "weights": weights,
-                    "bytes": sharding.local_bytes(policy.model, policy.optimizer)}, args.out)
+                    "bytes": sharding.local_bytes(policy.model, policy.optimizer),
+                    "planned": policy.memory.weights + policy.memory.optimizer}, args.out)
 
 
 if __name__ == "__main__":
