@@ -5,7 +5,7 @@
 #   bash bench/gpu/run_on_device.sh     # into $OUT (default /tmp/lit_gpu_out): gpu_update.json and .md, the logs
 #
 # lit_sdk's light dependencies that such a machine lacks travel as wheels in a git-ignored folder ($LIT_WHEELS,
-# default .whl; ignore it with `echo /.whl/ >> .git/info/exclude`). Fill it on a machine with the network, from the
+# default .whl, which .gitignore leaves out of git). Fill it on a machine with the network, from the
 # checkout root, with the versions constraints.txt pins:
 #
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -45,7 +45,7 @@ else
     tests=${PIPESTATUS[0]}
     summary=$(grep -v '^$' "$OUT/pytest_cuda.log" | tail -n 1)
     case $tests in
-        0) echo "run_on_device: cuda tests passed: $summary" ;;
+        0) echo "run_on_device: cuda tests (exit status 0): $summary" ;;
         124) echo "run_on_device: the cuda tests were stopped after ${left} s" ;;
         *) echo "run_on_device: cuda tests exit status $tests (failures or collection errors): $summary" ;;
     esac
