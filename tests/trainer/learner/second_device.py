@@ -8,8 +8,8 @@ devices, cuda:0 and cpu!`` would on a GPU. Moving a tensor (``.to``, ``.cpu()``,
 GPU; so are autograd, gradient checkpointing and the fused AdamW step. It has no autocast (bf16 runs on the CPU's).
 
 Registering the backend changes torch for the whole process (``torch.accelerator`` then names it), so it is only
-imported by the scenarios run in their own interpreter: ``python second_device.py <scenario> <model folder>``,
-which prints the scenario's result as one JSON line (test_device_placement.py).
+imported in an interpreter of its own: ``python second_device.py <model folder> <scenario>...`` runs each scenario
+on the CPU and on ``simgpu`` and prints their results as one JSON line (test_device_placement.py).
 """
 
 from __future__ import annotations
@@ -125,13 +125,18 @@ def to_device(module: torch.nn.Module) -> None:
         torch.__future__.set_swap_module_params_on_conversion(swap)
 
 
-if __name__ == "__main__":
+def main(folder: Path, scenarios: list[str]) -> dict:
+    """Each scenario on the CPU, then on ``simgpu``, in this one interpreter: the CPU runs come first and their
+    device is the CPU whatever is registered (accelerate picks the CPU here either way)."""
     import placement_scenarios
 
-    scenario, folder, where = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
-    if where == NAME:
+    out = {}
+    for name in scenarios:
+        cpu = placement_scenarios.SCENARIOS[name](folder, None)
         with SecondDevice():
-            result = placement_scenarios.SCENARIOS[scenario](folder, to_device)
-    else:
-        result = placement_scenarios.SCENARIOS[scenario](folder, None)
-    print(json.dumps(result))
+            out[name] = {"cpu": cpu, NAME: placement_scenarios.SCENARIOS[name](folder, to_device)}
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(Path(sys.argv[1]), sys.argv[2:])))

@@ -1,9 +1,9 @@
 """The learner on a second device, without a GPU: every tensor a training step touches must be on the device the
 learner computes on. ``second_device.py`` makes one (``simgpu:0``, computing with the CPU's kernels) that refuses an
 operation mixing its tensors with CPU tensors, as CUDA does; each scenario (``placement_scenarios.py``) runs once on
-the CPU and once with the policy's models on that device, in an interpreter of its own, and must give the same
-numbers. Before the placement was done in one place (``Policy.place``), the update failed here as it did on an H200:
-``Expected all tensors to be on the same device``."""
+the CPU and once with the policy's models on that device, all in one interpreter of their own, and must give the
+same numbers. Before the placement was done in one place (``Policy.place``), the update failed here as it did on an
+H200: ``Expected all tensors to be on the same device``."""
 
 from __future__ import annotations
 
@@ -19,14 +19,19 @@ HERE = Path(__file__).parent
 SRC = HERE.parents[2] / "src"
 
 
-def run(scenario: str, model: Path, where: str) -> dict:
-    """The scenario's result in an interpreter of its own: on the CPU (``cpu``, no GPU visible) or on ``simgpu``."""
+def run(model: Path, *scenarios: str) -> dict:
+    """Each scenario's results on the CPU and on ``simgpu``, in an interpreter of its own (no GPU visible)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(SRC), os.environ.get("PYTHONPATH", "")]),
            "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, str(HERE / "second_device.py"), scenario, str(model), where], env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, str(HERE / "second_device.py"), str(model), *scenarios], env=env,
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def results(tiny_model: Path) -> dict:
+    return run(tiny_model, *SCENARIOS)
 
 
 def assert_same(cpu: object, device: object, where: str = "", rel: float = 1e-5) -> None:
@@ -45,10 +50,12 @@ def assert_same(cpu: object, device: object, where: str = "", rel: float = 1e-5)
         assert cpu == device, where
 
 
-@pytest.mark.parametrize("scenario", ["full_fine_tune", "lora", "sync"])
-def test_the_learner_runs_on_a_second_device_as_on_the_cpu(scenario: str, tiny_model: Path):
-    cpu = run(scenario, tiny_model, "cpu")
-    device = run(scenario, tiny_model, "simgpu")
+SCENARIOS = ("full_fine_tune", "lora", "sync")
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_the_learner_runs_on_a_second_device_as_on_the_cpu(scenario: str, results: dict):
+    cpu, device = results[scenario]["cpu"], results[scenario]["simgpu"]
     assert cpu.pop("device") == "cpu" and device.pop("device") == "simgpu:0"
     assert_same(cpu, device)
     if scenario != "sync":
