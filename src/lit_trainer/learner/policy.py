@@ -136,8 +136,8 @@ class Policy:
             lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha,
                               target_modules=list(config.lora_target_modules), task_type="CAUSAL_LM")
             model = get_peft_model(model, lora)
-        if self.sharded:
-            sharding.shard(model.to(self.accelerator.device))
+        if self.sharded:  # each layer goes to the device as it is sharded: the whole model never is there at once
+            sharding.shard(model)
         trained = [p for p in model.parameters() if p.requires_grad]
         # one group of shards, one of whole tensors: a fused step takes a group's tensors in one kernel call
         params = [{"params": group} for group in ([p for p in trained if sharding.is_sharded(p)],
@@ -153,9 +153,9 @@ class Policy:
         self.has_reference = reference is not None
         if reference is not None and not config.lora_rank:
             frozen = _load(_model_config(reference)[0], precision.weights_dtype(self.precision, frozen=True))
-            self.reference = frozen.to(self.accelerator.device).eval().requires_grad_(False)
             if self.sharded:
-                sharding.shard(self.reference)
+                sharding.shard(frozen)
+            self.reference = frozen.to(self.accelerator.device).eval().requires_grad_(False)
 
     @property
     def trainable(self) -> list[torch.nn.Parameter]:

@@ -38,7 +38,8 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def shard(model: torch.nn.Module) -> int:
     """``fully_shard`` every decoder layer of ``model`` in place over the default process group, with summed
-    gradient reductions; how many layers."""
+    gradient reductions; how many layers. FSDP2 moves each layer to the mesh's device (the GPU of this rank) as it
+    shards it, so call it on the model still on the CPU: the whole model is never on the device at once."""
     from torch.distributed.fsdp import fully_shard
 
     layers = decoder_layers(model)
