@@ -40,7 +40,7 @@ def test_the_contracts_hold():
         ("lit_trainer/intake/store.py", "import torch", "Intake turns bytes into episodes"),
         # boxes side by side in the layers, and the independence contracts beside them
         ("lit_trainer/runs.py", "import lit_trainer.engine.fleet", "lit_trainer is layered"),
-        ("lit_trainer/evaluate.py", "import lit_trainer.pipeline", "lit_trainer is layered"),
+        ("lit_trainer/evaluation.py", "import lit_trainer.pipeline", "lit_trainer is layered"),
         ("lit_trainer/engine/server.py", "import lit_trainer.intake.store", "vLLM and the spans"),
         ("lit_trainer/intake/collector.py", "import lit_trainer.engine.server", "vLLM and the spans"),
         ("lit_trainer/learner/policy.py", "import lit_trainer.engine.logprob_check", "The engine and the learner"),

@@ -60,7 +60,7 @@ def evaluate(config: TrainConfig | str | Path, checkpoint: str | Path | None = N
              output: str | Path | None = None) -> dict[str, Any]:
     """One greedy rollout per held-out task of ``checkpoint`` (a ``checkpoints/step-N`` folder, or a run folder
     for its latest) or of the base model when None: accuracy and what was evaluated (as ``lit eval``)."""
-    from lit_trainer.evaluate import evaluate as run_evaluation
+    from lit_trainer.evaluation import evaluate as run_evaluation
 
     cfg = load_config(config) if isinstance(config, (str, Path)) else config
     return run_evaluation(cfg, checkpoint, Path(output) if output else None)

@@ -174,7 +174,7 @@ def _model_check(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     import lit_trainer
-    from lit_trainer.evaluate import accuracy_line
+    from lit_trainer.evaluation import accuracy_line
 
     run = lit_trainer.train(lit_trainer.load_config(args.config, args.overrides), resume=args.resume)
     validations = run.validations()

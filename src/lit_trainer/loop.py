@@ -26,7 +26,7 @@ import torch
 
 from lit_trainer import pipeline
 from lit_trainer.config import ConfigError, TrainConfig
-from lit_trainer.evaluate import validate
+from lit_trainer.evaluation import validate
 from lit_trainer.learner import checkpoint as ckpt
 from lit_trainer.learner import distributed
 from lit_trainer.metrics import MetricsLog, memory_gb, plot_curve, step_line

@@ -20,6 +20,19 @@ def test_importing_the_package_loads_neither_torch_nor_vllm():
     assert out.stdout.strip() == "[]"
 
 
+def test_the_api_names_stay_functions_once_the_trainer_has_loaded():
+    """``lt.train`` loads every submodule of the trainer; a submodule named like a function of the API would then
+    replace it (``lt.evaluate`` was the module ``lit_trainer.evaluate`` after one ``lt.train``)."""
+    code = ("import importlib, pkgutil, lit_trainer as lt\n"
+            "for m in pkgutil.walk_packages(lt.__path__, 'lit_trainer.'):\n"
+            "    importlib.import_module(m.name)\n"
+            "print(sorted(n for n in lt.__all__ if type(getattr(lt, n)).__name__ == 'module'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert all(callable(getattr(lt, name)) for name in lt.__all__)
+
+
 def test_make_config_checks_sections_like_a_file(tmp_path):
     cfg = lt.make_config(model="smollm2-135m", agent={"function": "m:f", "agents": ["a"]}, train={"steps": 2})
     assert cfg.agent.function == "m:f" and cfg.agent.agents == ("a",) and cfg.train.steps == 2

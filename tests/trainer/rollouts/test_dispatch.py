@@ -11,7 +11,7 @@ from lit_sdk import semconv as sc
 from lit_sdk.protocol import STATUS_ERROR, STATUS_OK, SpanRecord
 from lit_sdk.resources import LLM
 from lit_sdk.worker import spawn
-from lit_trainer.evaluate import accuracy_line
+from lit_trainer.evaluation import accuracy_line
 from lit_trainer.intake.collector import Collector
 from lit_trainer.intake.store import RolloutStatus, SqliteStore
 from lit_trainer.rollouts.dispatcher import DispatchConfig, Dispatcher, DispatchError, Outcome, RolloutRequest
