@@ -214,12 +214,12 @@ def _config_show(args: argparse.Namespace) -> int:
     table.pop("source", None)
     for name, value in table.items():
         if not isinstance(value, dict):
-            print(f"{name} = {_toml_value(value)}")
+            print(_toml_line(name, value))
     for name, value in table.items():
         if isinstance(value, dict):
             print(f"\n[{name}]")
             for key, item in value.items():
-                print(f"{key} = {_toml_value(item)}")
+                print(_toml_line(key, item))
     print(f"\n# {_memory_of(lit_trainer.load_config(args.config, args.overrides))}")
     return 0
 
@@ -243,6 +243,12 @@ def _memory_of(cfg) -> str:
     except (ModelError, ValueError, OSError) as exc:
         return f"the policy's memory is not known here: {str(exc).splitlines()[0]}"
     return f"{plan.describe()}: one process on {device}, {used}"
+
+
+def _toml_line(key: str, value: object) -> str:
+    """``key = value``; a key that is not set (None: TOML has no null) as a comment, so that the printed config
+    reads back with it unset, not set to the text "None"."""
+    return f"# {key} is not set" if value is None else f"{key} = {_toml_value(value)}"
 
 
 def _toml_value(value: object) -> str:

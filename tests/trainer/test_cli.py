@@ -109,6 +109,8 @@ def test_config_show_prints_the_config_with_overrides_as_toml(tmp_path):
     assert table["agent"]["function"] == "m:f" and table["agent"]["agents"] == ["a", "b"]
     from lit_trainer.config import from_dict
     assert from_dict(table).train.steps == 3  # what it prints is a config lit reads back
+    assert "# api_key is not set" in out.stdout and "api_key" not in table["inference"]  # not the key "None"
+    assert from_dict(table).inference.api_key is None
 
 
 def test_config_show_ends_with_what_the_policy_needs_in_memory(tmp_path, tiny_model):
