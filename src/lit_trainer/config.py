@@ -16,6 +16,7 @@ type is an error that names the key, the file and the expected type, before anyt
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,6 +88,18 @@ class TrainLoopConfig:
 
     def __post_init__(self) -> None:
         check_trackers(self.trackers)
+        at_least = {"steps": 1, "tasks_per_step": 1, "group_size": 2, "min_group_size": 1, "val_every": 0,
+                    "checkpoint_every": 0, "keep_checkpoints": 0, "check_sync_every": 0}
+        for name, least in at_least.items():
+            if getattr(self, name) < least:
+                why = " (GRPO compares the rollouts of a group: one alone has no advantage)" if name == "group_size" \
+                    else ""
+                raise ValueError(f"train.{name} must be >= {least}{why}, got {getattr(self, name)}")
+        if self.min_group_size > self.group_size:
+            raise ValueError(f"train.min_group_size = {self.min_group_size} is more than train.group_size = "
+                             f"{self.group_size}: no group could ever be trained on")
+        if not (math.isfinite(self.max_minutes) and self.max_minutes >= 0):
+            raise ValueError(f"train.max_minutes must be >= 0 (0: no limit), got {self.max_minutes}")
         if self.max_staleness < 0:
             raise ValueError(f"train.max_staleness must be >= 0 (0: synchronous), got {self.max_staleness}")
         if not 0 <= self.min_step_groups <= self.tasks_per_step:

@@ -57,6 +57,18 @@ def test_overrides_take_toml_values_or_bare_words(tmp_path):
     ("[train]\nmin_step_groups = 1\n", [], r"only asynchronous rollouts do: set train.max_staleness >= 1"),
     ("[train]\ntasks_per_step = 2\nmin_step_groups = 3\n", [], r"between 0 .* train.tasks_per_step = 2, got 3"),
     ("[weight_sync]\nmode = 'lora'\n", [], r"pushed as merged full weights"),
+    # values in range, each checked by the section that owns it
+    ("", ["agent.temperature=-1"], r"\[agent\]: agent.temperature must be >= 0 \(0: greedy\), got -1.0"),
+    ("", ["agent.concurrency=0"], r"agent.concurrency must be >= 1"),
+    ("", ["agent.max_tokens=0"], r"agent.max_tokens must be >= 1"),
+    ("", ["agent.local_workers=-1"], r"agent.local_workers must be >= 0"),
+    ("", ["train.group_size=1"], r"train.group_size must be >= 2 \(GRPO compares the rollouts of a group"),
+    ("", ["train.tasks_per_step=0"], r"train.tasks_per_step must be >= 1, got 0"),
+    ("", ["train.steps=-5"], r"train.steps must be >= 1, got -5"),
+    ("", ["train.group_size=4", "train.min_group_size=5"], r"min_group_size = 5 is more than train.group_size = 4"),
+    ("", ["train.max_minutes=-1"], r"train.max_minutes must be >= 0"),
+    ("", ["policy.precision='fp16'"], r"precision must be one of \('auto', 'fp32', 'bf16'\)"),
+    ("", ["batching.max_tokens_per_micro_batch=1"], r"at least 2, or 0 \(chosen for the device\)"),
 ])
 def test_mistakes_name_the_key(tmp_path, text, overrides, message):
     with pytest.raises(ConfigError, match=message):

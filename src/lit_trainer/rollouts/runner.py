@@ -13,6 +13,7 @@ of it is trained on), up to ``restarts`` times.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -43,6 +44,19 @@ class AgentConfig:
     """Sampling temperature of validation (0: greedy)."""
     max_tokens: int = 128
     """Most tokens per LLM call."""
+
+    def __post_init__(self) -> None:
+        if self.local_workers < 0:
+            raise ValueError(f"agent.local_workers must be >= 0 (0: only workers started with `lit worker`), got "
+                             f"{self.local_workers}")
+        if self.concurrency < 1:
+            raise ValueError(f"agent.concurrency must be >= 1 (rollouts at once per worker), got {self.concurrency}")
+        for name in ("temperature", "val_temperature"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"agent.{name} must be >= 0 (0: greedy), got {value}")
+        if self.max_tokens < 1:
+            raise ValueError(f"agent.max_tokens must be >= 1, got {self.max_tokens}")
 
 
 @dataclass(frozen=True)
