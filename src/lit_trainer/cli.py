@@ -98,13 +98,15 @@ def _build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train", help="train an agent from a config file", epilog=CONFIG_HELP)
     train.add_argument("config", type=Path, help="a TOML config (see examples/calc/config.toml)")
-    train.add_argument("overrides", nargs="*", metavar="section.key=value", help="change config values")
+    train.add_argument("overrides", nargs="*", default=[], metavar="section.key=value",
+                       help="change config values")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
     train.set_defaults(run=_train)
     evaluate = commands.add_parser("eval", help="run validation of a checkpoint (or of the base model)",
                                    epilog=CONFIG_HELP)
     evaluate.add_argument("config", type=Path)
-    evaluate.add_argument("overrides", nargs="*", metavar="section.key=value", help="change config values")
+    evaluate.add_argument("overrides", nargs="*", default=[], metavar="section.key=value",
+                          help="change config values")
     evaluate.add_argument("--checkpoint", help="a checkpoints/step-N folder or a run's output_dir; "
                           "default: the config's base model")
     evaluate.add_argument("--output", type=Path, help="also write the result as JSON here")
@@ -116,7 +118,7 @@ def _build_parser() -> argparse.ArgumentParser:
     keys_list.set_defaults(run=_config_keys)
     show_config = config_commands.add_parser("show", help="the full config a train or eval command would use")
     show_config.add_argument("config", type=Path)
-    show_config.add_argument("overrides", nargs="*", metavar="section.key=value")
+    show_config.add_argument("overrides", nargs="*", default=[], metavar="section.key=value")
     show_config.set_defaults(run=_config_show)
     config.set_defaults(run=lambda _args: (config.print_help(), 2)[1])
     keys = commands.add_parser("keys", help="make the keys that let workers on other hosts in")

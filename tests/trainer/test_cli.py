@@ -29,6 +29,13 @@ def test_train_with_a_missing_config_fails_in_one_line(tmp_path):
     assert out.stderr.strip() == f"lit: error: no config file at {tmp_path / 'nope.toml'}"
 
 
+def test_a_command_without_its_config_asks_for_the_config_only():
+    for command in (["train"], ["eval"], ["config", "show"]):
+        out = subprocess.run([sys.executable, "-m", "lit_trainer.cli", *command], capture_output=True, text=True)
+        assert out.returncode == 2 and out.stderr.strip().endswith("error: the following arguments are required: "
+                                                                   "config"), out.stderr
+
+
 def test_train_with_a_bad_override_names_the_key(tmp_path):
     config = tmp_path / "c.toml"
     config.write_text('[agent]\nfunction = "m:f"\n')
