@@ -129,7 +129,6 @@ class Policy:
         # trained weights are float32 masters; a LoRA policy's frozen base may live in bfloat16
         model = _load(folder, precision.weights_dtype(self.precision, frozen=bool(config.lora_rank)))
         model.config.use_cache = False  # no KV cache in training; gradient checkpointing refuses one
-        self._recomputing = False
         if config.lora_rank:
             from peft import LoraConfig, get_peft_model
 
@@ -256,14 +255,13 @@ class Policy:
     def _recompute(self, on: bool) -> None:
         """Gradient checkpointing on or off for the next forward pass (``gradient_checkpointing``, or a micro-batch
         over the token budget)."""
-        if on == self._recomputing:
-            return
         model = self.unwrapped()
+        if on == model.is_gradient_checkpointing:
+            return
         if on:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_disable()
-        self._recomputing = on
 
     def _clip(self) -> float:
         if self.sharded:

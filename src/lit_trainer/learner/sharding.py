@@ -70,13 +70,14 @@ def grad_norm(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
     sharded = [p.grad.to_local() for p in params if p.grad is not None and is_sharded(p.grad)]
     whole = [p.grad for p in params if p.grad is not None and not is_sharded(p.grad)]
     device = (sharded or whole)[0].device if (sharded or whole) else torch.device("cpu")
-    local = torch.stack([g.float().pow(2).sum() for g in sharded]).sum() if sharded else torch.zeros((),
-                                                                                                      device=device)
+
+    def squares(grads: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=device)
+
+    local = squares(sharded)
     if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(local)
-    replicated = torch.stack([g.float().pow(2).sum() for g in whole]).sum() if whole else torch.zeros((),
-                                                                                                       device=device)
-    return (local + replicated).sqrt()
+        torch.distributed.all_reduce(local)  # the shards' squares, added up over the processes
+    return (local + squares(whole)).sqrt()
 
 
 def clip(params: Sequence[torch.nn.Parameter], max_norm: float) -> float:

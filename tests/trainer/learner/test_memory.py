@@ -4,20 +4,17 @@ against what the loaded policy then holds; and a policy too large for its device
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from test_precision import batches
+from test_precision import batches, train_errors
 
 from lit_trainer.algorithm.loss import LossConfig, step_loss
 from lit_trainer.learner import memory
 from lit_trainer.learner.policy import Policy, PolicyConfig
 from lit_trainer.learner.sharding import local_bytes
 
-TESTS = Path(__file__).parents[2]
 
 
 def held(policy: Policy) -> dict[str, int]:
@@ -77,13 +74,6 @@ def test_lit_train_stops_before_reading_a_weight_when_the_policy_cannot_fit(tmp_
     (folder / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 8192,
         "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8}))
-    config = tmp_path / "config.toml"
-    config.write_text(f'model = "{folder}"\n[agent]\nfunction = "rollout_agents:reply_length_parity"\n[data]\n'
-                      'tasks = "rollout_agents:parity_tasks"\ntrain_size = 8\nval_size = 2\n[train]\n'
-                      f'output_dir = "{tmp_path / "run"}"\n')
-    done = subprocess.run([sys.executable, "-m", "lit_trainer.cli", "train", str(config)], capture_output=True,
-                          text=True, timeout=300, env={"PYTHONPATH": str(TESTS), "PATH": "/usr/bin:/bin"})
-    errors = [line for line in done.stderr.splitlines() if line.startswith("lit: error:")]
-    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    errors = train_errors(folder, tmp_path)
     assert len(errors) == 1 and "needs about 1" in errors[0] and "it cannot fit" in errors[0], errors
     assert "policy.lora_rank" in errors[0]

@@ -159,15 +159,21 @@ def quantized(tiny_model: Path, tmp_path: Path) -> Path:
     return folder
 
 
-def test_a_quantized_model_stops_lit_train_at_start_in_one_line(tiny_model: Path, tmp_path: Path):
+def train_errors(model: Path, tmp_path: Path) -> list[str]:
+    """The ``lit: error:`` lines of ``lit train`` on the parity agent with ``model``, which must fail at start (exit
+    status 1, no traceback)."""
     config = tmp_path / "config.toml"
-    config.write_text(f'model = "{quantized(tiny_model, tmp_path)}"\n[agent]\nfunction = '
-                      '"rollout_agents:reply_length_parity"\n[data]\ntasks = "rollout_agents:parity_tasks"\n'
-                      f'train_size = 8\nval_size = 2\n[train]\noutput_dir = "{tmp_path / "run"}"\n')
+    config.write_text(f'model = "{model}"\n[agent]\nfunction = "rollout_agents:reply_length_parity"\n[data]\n'
+                      'tasks = "rollout_agents:parity_tasks"\ntrain_size = 8\nval_size = 2\n[train]\n'
+                      f'output_dir = "{tmp_path / "run"}"\n')
     done = subprocess.run([sys.executable, "-m", "lit_trainer.cli", "train", str(config)], capture_output=True,
                           text=True, timeout=300, env={"PYTHONPATH": str(TESTS), "PATH": "/usr/bin:/bin"})
-    lines = [line for line in done.stderr.splitlines() if line.startswith("lit: error:")]
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    return [line for line in done.stderr.splitlines() if line.startswith("lit: error:")]
+
+
+def test_a_quantized_model_stops_lit_train_at_start_in_one_line(tiny_model: Path, tmp_path: Path):
+    lines = train_errors(quantized(tiny_model, tmp_path), tmp_path)
     assert len(lines) == 1 and "is quantized (bitsandbytes)" in lines[0] and "unquantized checkpoint" in lines[0]
     assert not (tmp_path / "run" / "lit.sqlite").exists()  # stopped before the store or vLLM started
 
