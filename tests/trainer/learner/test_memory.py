@@ -16,7 +16,6 @@ from lit_trainer.learner.policy import Policy, PolicyConfig
 from lit_trainer.learner.sharding import local_bytes
 
 
-
 def held(policy: Policy) -> dict[str, int]:
     """Bytes the policy holds after one optimizer step, by the plan's parts."""
     mbs = batches()
