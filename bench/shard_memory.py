@@ -38,7 +38,7 @@ def measure(shard: bool, out: Path) -> None:
     from lit_trainer.learner.schedule import UpdateConfig, run_update
 
     torch.manual_seed(0)
-    policy = Policy(PolicyConfig(precision="fp32", learning_rate=1e-6), shard=shard)
+    policy = Policy(PolicyConfig(precision="fp32", learning_rate=1e-6, shard=shard))
     rng = random.Random(0)
     pairs = []
     for group in range(4):

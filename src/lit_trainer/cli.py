@@ -242,9 +242,16 @@ def _memory_of(cfg) -> str:
                               policy.lora_target_modules)
         plan = memory.plan(*counts, precision=used, lora=bool(policy.lora_rank),
                            reference=cfg.loss.kl_beta > 0 and not policy.lora_rank)
+        processes = max(2, torch.cuda.device_count())  # what a sharded launch would likely use here
+        sharded = memory.plan(*counts, precision=used, lora=False, reference=cfg.loss.kl_beta > 0,
+                              processes=processes, sharded=True) if policy.shard else None
     except (ModelError, ValueError, OSError) as exc:
         return f"the policy's memory is not known here: {str(exc).splitlines()[0]}"
-    return f"{plan.describe()}: one process on {device}, {used}"
+    line = f"{plan.describe()}: one process on {device}, {used}"
+    if sharded is not None:
+        line += (f"\n# sharded (policy.shard) over {processes} processes: about {sharded.total / memory.GB:.2f} GB "
+                 f"each, and {sharded.gathered / memory.GB:.2f} GB more in the main process")
+    return line
 
 
 def _toml_line(key: str, value: object) -> str:

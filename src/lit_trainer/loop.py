@@ -8,7 +8,8 @@ checkpoint when due. Generation and training alternate: vLLM idles during the up
 the rollouts, so on a 2-core machine neither slows the other. With ``train.max_staleness`` > 0 they overlap instead
 (``rollouts/feed.py``: the next step's rollouts run during this step's update), for machines where vLLM and the
 trainer have hardware of their own. Under ``torchrun --nproc_per_node N`` the main process runs all this and the
-others take their share of each update (``follow``).
+others take their share of each update (``follow``); with ``policy.shard`` they also join every other use of the
+weights (gathering them for a push, scoring the sync check, writing a checkpoint: ``together``).
 
 Rollouts that fail after every retry give no episode, never a reward of 0; a task left with fewer than
 ``min_group_size`` episodes is skipped.
@@ -16,16 +17,20 @@ Rollouts that fail after every retry give no episode, never a reward of 0; a tas
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
 from lit_trainer import pipeline
 from lit_trainer.config import ConfigError, TrainConfig
+from lit_trainer.engine.fleet import SERVING_DTYPES
 from lit_trainer.evaluation import validate
 from lit_trainer.learner import checkpoint as ckpt
 from lit_trainer.learner import distributed
@@ -36,6 +41,8 @@ from lit_trainer.rollouts.feed import StepFeed, StepPlan
 from lit_trainer.rollouts.tasks import load_tasks
 from lit_trainer.runs import RunFolder
 from lit_trainer.services import services
+
+T = TypeVar("T")
 
 
 def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
@@ -62,12 +69,15 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
                     reference=str(base_dir) if cfg.loss.kl_beta > 0 else None)  # KL to the initial weights
     state = ckpt.restore(start, policy) if start else {"step": 0, "minutes": 0.0}
     if not policy.accelerator.is_main_process:
-        return follow(policy, cfg)
+        return follow(policy)
     out.config.write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
-    with services(cfg, out.store, out.spool, weights=policy.state_dict) as svc:
+    # shm pushes from host memory: the gathered copy need not take room on the GPU
+    weights = Weights(policy, SERVING_DTYPES.get(cfg.inference.dtype),
+                      "cpu" if cfg.weight_sync.transport == "shm" else None)
+    with services(cfg, out.store, out.spool, weights=weights.latest) as svc:
         fleet, store = svc.fleet, svc.store
         if start:
-            fleet.push_weights(policy.state_dict(), version=str(start.step))
+            fleet.push_weights(weights.latest(), version=str(start.step))
             print(f"lit: resumed from {start.path} (step {start.step})", file=sys.stderr)
         log = MetricsLog(out.metrics, policy.accelerator, cfg.train.trackers, cfg.to_dict())
         step, minutes, last_val = state["step"], state["minutes"], {}
@@ -87,9 +97,10 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
             if work.trains:
                 with fleet.hold():  # no server is started again with weights half updated (asynchronous rollouts)
                     job = pipeline.UpdateJob(work.pairs, pad_id, seed=cfg.train.seed * 100_003 + step)
-                    metrics.update(pipeline.update(policy, distributed.broadcast(job), cfg, store))
-                    metrics.update(pipeline.push(fleet, policy, step))
-                metrics.update(pipeline.check(fleet, policy, work.pairs, cfg, step))
+                    metrics.update(together(policy, pipeline.update, job, cfg, main_only={"store": store}))
+                    metrics.update(pipeline.push(fleet, weights.gather(), step))
+                scorer = functools.partial(together, policy, pipeline.score)
+                metrics.update(pipeline.check(fleet, policy, work.pairs, cfg, step, scorer))
             metrics["engine/restarts"] = float(fleet.restarts - restarts)
             minutes += (time.perf_counter() - t0) / 60
             metrics["minutes"] = minutes
@@ -101,8 +112,8 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
                 feed.finish_ahead()  # validation needs the workers to itself
                 last_val = validate(svc.runner, val_tasks, log, step, minutes)
             if last_step or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0):
-                ckpt.save(out.dir, step, policy, base_dir, {"minutes": minutes, "data_position": step,
-                                                            "weight_version": str(step)}, cfg.train.keep_checkpoints)
+                together(policy, save_checkpoint, out.dir, step, base_dir, {
+                    "minutes": minutes, "data_position": step, "weight_version": str(step)}, cfg.train.keep_checkpoints)
         feed.close()
         log.close()
     distributed.broadcast(None)  # the other processes' follow() ends
@@ -112,17 +123,56 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
     return last_val
 
 
-def follow(policy: Any, cfg: TrainConfig) -> dict[str, Any]:
-    """A process other than the main one (``torchrun --nproc_per_node N``): it takes its share of every update the
-    main process broadcasts (``pipeline.UpdateJob``), until the main process broadcasts None at the end of the run.
-    The main process alone runs the services, pushes the weights and writes checkpoints; every process holds the
-    same weights (learner/distributed.py)."""
-    while (job := distributed.broadcast()) is not None:
-        pipeline.update(policy, job, cfg)
+def together(policy: Any, fn: Callable[..., T], *args: Any, main_only: dict[str, Any] | None = None) -> T:
+    """``fn(policy, *args)`` in the main process and, where the other processes must join, in each of them too
+    (they wait in ``follow``): always for the update (each takes its share), and for every use of the weights when
+    they are sharded (each holds a part of them). ``main_only``: keyword arguments for the main process's call
+    alone (the store)."""
+    if policy.accelerator.num_processes > 1 and (policy.sharded or fn is pipeline.update):
+        distributed.broadcast((fn, args))
+    return fn(policy, *args, **(main_only or {}))
+
+
+def follow(policy: Any) -> dict[str, Any]:
+    """A process other than the main one (``torchrun --nproc_per_node N``): it runs what the main process asks of
+    every process (``together``: its share of each update; with the policy sharded, also the weights' gathering,
+    the sync check's scoring and the checkpoint), until the main process broadcasts None at the end of the run.
+    The main process alone runs the services and pushes the weights."""
+    while (call := distributed.broadcast()) is not None:
+        fn, args = call
+        fn(policy, *args)
     return {}
+
+
+def save_checkpoint(policy: Any, output_dir: Path, step: int, base_dir: Path, extra: dict[str, Any],
+                    keep: int) -> None:
+    """``learner/checkpoint.save`` with the policy first, as ``together`` calls it."""
+    ckpt.save(output_dir, step, policy, base_dir, extra, keep)
 
 
 def _pad_id(policy: Any) -> int:
     config = policy.unwrapped().config
     pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
     return int(pad[0] if isinstance(pad, list) else pad or 0)
+
+
+class Weights:
+    """The policy's whole weights, for the main process to push into vLLM. Unsharded they are the policy's own
+    tensors. Sharded, every process takes part in gathering them (``gather``: at the start and for each push),
+    cast to vLLM's serving ``dtype`` and moved to ``device`` (the CPU for the ``shm`` transport) as they come, and
+    the main process keeps the last gathered: a vLLM started again between two pushes gets them (``latest``, from
+    whatever thread notices the death) without the other processes, which may be anywhere in their loop then.
+    That copy costs the main process one whole model in the serving dtype (learner/memory.py, ``gathered``)."""
+
+    def __init__(self, policy: Any, dtype: torch.dtype | None, device: str | None) -> None:
+        self.policy, self.dtype, self.device = policy, dtype, device
+        self._last = self.gather() if policy.sharded else None
+
+    def gather(self) -> dict[str, Any]:
+        if not self.policy.sharded:
+            return self.policy.state_dict()
+        self._last = together(self.policy, pipeline.weights, self.dtype, self.device)
+        return self._last
+
+    def latest(self) -> dict[str, Any]:
+        return self._last if self._last is not None else self.policy.state_dict()

@@ -10,20 +10,25 @@
   ``torchrun --nproc_per_node N`` the main process broadcasts the ``UpdateJob`` and every process runs this stage.
 - ``push``: the new weights into every vLLM server (weight version = the step).
 - ``check``: after the push of step 1 and every ``check_sync_every`` steps, vLLM's logprobs against the trainer's on
-  two of the step's prompts: a sync that did not land stops the run.
+  two of the step's prompts (``score``): a sync that did not land stops the run.
+
+With the policy sharded (``policy.shard``) every use of its weights is a collective: the loop runs ``update``,
+``weights``, ``score`` and the checkpoint in every process (loop.py, ``together``).
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from lit_trainer.algorithm.advantages import episode_advantages
 from lit_trainer.config import ConfigError, TrainConfig
-from lit_trainer.engine.fleet import Fleet
+from lit_trainer.engine import logprob_check
+from lit_trainer.engine.fleet import Fleet, Score
 from lit_trainer.engine.weight_sync import WeightSyncError
 from lit_trainer.intake.episodes import Episode, Transition, unsupported_sampling
 from lit_trainer.intake.store import AdvantageRow, Store
@@ -109,23 +114,38 @@ def update(policy: Any, job: UpdateJob, cfg: TrainConfig, store: Store | None = 
     return metrics
 
 
-def push(fleet: Fleet, policy: Any, step: int) -> dict[str, float]:
-    """The policy's weights into every vLLM server as weight version ``step``."""
+def weights(policy: Any, dtype: Any = None, device: Any = None) -> dict[str, Any]:
+    """The policy's whole weights, as vLLM gets them (sharded: gathered into the main process, {} elsewhere, cast
+    to vLLM's serving ``dtype`` and moved to ``device`` as they are gathered)."""
+    return policy.state_dict(dtype, device)
+
+
+def push(fleet: Fleet, state: Mapping[str, Any], step: int) -> dict[str, float]:
+    """The policy's weights ``state`` (``weights``) into every vLLM server as weight version ``step``."""
     t0 = time.perf_counter()
-    report = fleet.push_weights(policy.state_dict(), version=str(step))
+    report = fleet.push_weights(state, version=str(step))
     # None: a vLLM had died and was started again with these weights (Fleet); that took the time
     return {"time/sync": report.total_s if report is not None else time.perf_counter() - t0}
 
 
-def check(fleet: Fleet, policy: Any, pairs: Pairs, cfg: TrainConfig, step: int) -> dict[str, float]:
+def score(policy: Any, samples: Sequence[logprob_check.Sample]) -> list[Any]:
+    """The trainer's logprobs of vLLM's ``samples``, computed in float32 whatever the policy's precision: the
+    weights vLLM was given."""
+    with policy.in_float32() as model:
+        return logprob_check.score(model, samples)
+
+
+def check(fleet: Fleet, policy: Any, pairs: Pairs, cfg: TrainConfig, step: int,
+          scorer: Score | None = None) -> dict[str, float]:
     """After the push of step 1 and of every ``train.check_sync_every`` steps, every server's logprobs of two of
     the step's prompts against the trainer's (each server got its own push); WeightSyncError when one is off by
-    more than ``weight_sync.logprob_tolerance``."""
+    more than ``weight_sync.logprob_tolerance``. ``scorer``: how the trainer's logprobs are computed (default
+    ``score`` on ``policy`` in this process)."""
     every = cfg.train.check_sync_every
     if not every or not (step == 1 or step % every == 0):
         return {}
-    with policy.in_float32() as model:  # the weights vLLM was given, computed in float32 whatever the precision
-        gaps = fleet.logprob_gaps(model, [t.prompt_ids for t, _ in pairs[:2]], cfg.weight_sync.logprob_tolerance)
+    prompts = [t.prompt_ids for t, _ in pairs[:2]]
+    gaps = fleet.logprob_gaps(scorer or functools.partial(score, policy), prompts, cfg.weight_sync.logprob_tolerance)
     worst = max(gaps, key=lambda url: gaps[url].max_abs)
     if not gaps[worst].ok:
         raise WeightSyncError(f"after the weight sync of step {step}, the logprobs of vLLM at {worst} differ "

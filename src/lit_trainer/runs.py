@@ -63,8 +63,15 @@ class Checkpoint:
 
     @property
     def state_file(self) -> Path:
-        """The optimizer, step, RNG states, data position and weight version."""
+        """The step, RNG states, data position and weight version (and, in checkpoints written before the optimizer
+        had a folder of its own, the optimizer state)."""
         return self.path / "trainer_state.pt"
+
+    @property
+    def optimizer_dir(self) -> Path:
+        """The optimizer state, in ``torch.distributed.checkpoint``'s format: one file per process that held a part
+        of it, keyed by parameter name, so that any number of processes, sharded or not, can load it."""
+        return self.path / "optimizer"
 
     @property
     def done_file(self) -> Path:

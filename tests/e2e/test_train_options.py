@@ -11,7 +11,9 @@ checkpoint is written, ``--resume`` continues to step 4, and ``lit eval --checkp
   (``two_servers_served``).
 - Full fine-tune with every schedule option: KL to a frozen copy, 2 PPO epochs x 2 mini-batches, recomputed old
   logprobs with truncated importance sampling, overlong responses masked, the ``kept`` normaliser; trained by two
-  processes (``torchrun --nproc_per_node 2``, gloo), the resumed step too; with asynchronous rollouts
+  processes (``torchrun --nproc_per_node 2``, gloo) with the model sharded across them (``policy.shard``: the
+  decoder layers and the KL reference's, FSDP2; the weights gathered for each push, the sync check scored and the
+  checkpoint written by both), and resumed by one process from their checkpoint; with asynchronous rollouts
   (``train.max_staleness = 1``: each step's rollouts run during the update before it; ``train.min_step_groups = 1``:
   a group not ended when its step wants it carries over to the next).
 
@@ -64,12 +66,13 @@ OPTIONS = {
                 "inference.extra_args=['--enable-log-requests']"],  # each request's id in its server's log
     "ppo_schedule": ["loss.kl_beta=0.05", "update.ppo_epochs=2", "update.mini_batches=2",
                      "update.recompute_old_logprobs=true", "loss.is_correction='truncate'", "update.overlong='mask'",
-                     "loss.normalizer='kept'", "train.max_staleness=1", "train.min_step_groups=1"],
+                     "loss.normalizer='kept'", "train.max_staleness=1", "train.min_step_groups=1",
+                     "policy.shard=true"],
 }
 
 
-PROCESSES = {"lora_kl": 1, "ppo_schedule": 2}
-"""Trainer processes of each option's ``lit train`` (learner/distributed.py)."""
+PROCESSES = {"lora_kl": (1, 1), "ppo_schedule": (2, 1)}
+"""Trainer processes of each option's ``lit train``, then of its ``--resume`` (learner/distributed.py)."""
 
 
 def _lit(*args: str, processes: int = 1) -> subprocess.CompletedProcess:
@@ -87,9 +90,12 @@ def test_option_trains_syncs_checkpoints_resumes_and_evaluates(name: str, prepar
     config.write_text(CONFIG.format(model=prepared_model, out=out, logs=tmp_path / "vllm-logs"))
     options = OPTIONS[name]
 
-    first = _lit("train", str(config), *options, processes=PROCESSES[name])
+    processes, resumed_by = PROCESSES[name]
+    first = _lit("train", str(config), *options, processes=processes)
     assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
-    resumed = _lit("train", str(config), *options, "train.steps=4", "--resume", processes=PROCESSES[name])
+    if "policy.shard=true" in options:  # learner/memory.py's plan, printed at start
+        assert f"sharded over {processes} processes" in first.stderr, first.stderr[-3000:]
+    resumed = _lit("train", str(config), *options, "train.steps=4", "--resume", processes=resumed_by)
     log = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, log[-3000:]
     assert "resumed from" in log and "step 4/4" in log and "step 3/4" not in log
@@ -107,7 +113,7 @@ def test_option_trains_syncs_checkpoints_resumes_and_evaluates(name: str, prepar
             assert "loss/kl" in r and r["policy/grad_norm"] > 0, r
     trained = [r for r in train if r.get("update/transitions")]
     assert trained, "no step had a group with differing rewards"
-    assert all(r["update/processes"] == PROCESSES[name] for r in trained), trained
+    assert all(r["update/processes"] == (processes if r["step"] < 4 else resumed_by) for r in trained), trained
     if name == "lora_kl":
         # One optimizer step per training step on the weights that sampled: the tempered logprobs agree, to what
         # the trainer's bf16 decoder costs: 0.026-0.062 nats on average here on 2026-11-26 (float32 on both sides:

@@ -18,6 +18,7 @@ from lit_sdk import semconv as sc
 from lit_sdk.protocol import STATUS_OK, SpanRecord
 from lit_trainer import pipeline
 from lit_trainer.config import ConfigError, TrainConfig, from_dict
+from lit_trainer.engine.logprob_check import Sample, trainer_logprobs
 from lit_trainer.engine.weight_sync import WeightSyncError
 from lit_trainer.intake.episodes import Episode, build_episode
 from lit_trainer.intake.store import SqliteStore
@@ -96,8 +97,10 @@ class Fleet:
         self.pushed.append((version, sorted(state)))
         return SimpleNamespace(total_s=0.25)
 
-    def logprob_gaps(self, model, prompts, tolerance):
+    def logprob_gaps(self, score, prompts, tolerance):
+        """vLLM's greedy continuation stood in by two fixed tokens; the trainer's side (``score``) really runs."""
         self.asked.append(prompts)
+        self.scored = score([Sample(list(p), [4, 5], [-1.0, -1.0]) for p in prompts])
         return {"http://127.0.0.1:8000": SimpleNamespace(max_abs=self.gap, tolerance=tolerance,
                                                          ok=self.gap <= tolerance)}
 
@@ -143,11 +146,13 @@ def test_update_push_and_check_on_a_tiny_model(tiny_model: Path, tmp_path: Path)
     assert all(not torch.equal(before[name], after[name]) for name in before)  # every trainable parameter moved
 
     fleet = Fleet()
-    assert pipeline.push(fleet, policy, step=1) == {"time/sync": 0.25}
+    assert pipeline.push(fleet, pipeline.weights(policy), step=1) == {"time/sync": 0.25}
     assert fleet.pushed == [("1", sorted(policy.state_dict()))]
     checked = pipeline.check(fleet, policy, work.pairs, cfg, step=1)  # step 1 is always checked
     assert checked == {"sync/logprob_gap_max": 0.001, "sync/servers_checked": 1.0}
     assert fleet.asked == [[[1, 2, 3], [1, 2, 3]]]  # two of the step's prompts
+    expected = trainer_logprobs(policy.unwrapped(), [1, 2, 3], [4, 5])  # the trained weights score the samples
+    assert len(fleet.scored) == 2 and all(torch.equal(scored, expected) for scored in fleet.scored)
     assert pipeline.check(fleet, policy, work.pairs, cfg, step=3) == {} and len(fleet.asked) == 1  # not due
     with pytest.raises(WeightSyncError, match=r"sync of step 2, the logprobs of vLLM at http://127.0.0.1:8000 "
                                               r"differ .* by up to 0.5000 nats"):
@@ -157,18 +162,17 @@ def test_update_push_and_check_on_a_tiny_model(tiny_model: Path, tmp_path: Path)
 def test_the_sync_check_scores_a_bf16_lora_policy_in_float32(tiny_model: Path):
     """vLLM got float32 merged weights; the trainer's side of the check must compute in float32 too, not on the
     bfloat16 base it trains with (``Policy.in_float32``)."""
-    from lit_trainer.engine.logprob_check import trainer_logprobs
     from lit_trainer.learner.policy import Policy
 
     class Scoring(Fleet):
-        def logprob_gaps(self, model, prompts, tolerance):
+        def logprob_gaps(self, score, prompts, tolerance):
             dtypes = []
-            head = model.get_output_embeddings()
+            head = policy.unwrapped().get_output_embeddings()
             handle = head.register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
-            trainer_logprobs(model, prompts[0], [4, 5])
+            gaps = super().logprob_gaps(score, prompts[:1], tolerance)
             handle.remove()
             self.asked.append(dtypes)
-            return super().logprob_gaps(model, prompts, tolerance)
+            return gaps
 
     cfg = from_dict({"policy": {"model": str(tiny_model), "precision": "bf16", "lora_rank": 4}})
     policy = Policy(cfg.policy)
@@ -177,5 +181,5 @@ def test_the_sync_check_scores_a_bf16_lora_policy_in_float32(tiny_model: Path):
                             cfg, step=1)
     fleet = Scoring()
     assert pipeline.check(fleet, policy, work.pairs, cfg, step=1)["sync/servers_checked"] == 1.0
-    assert fleet.asked[0] == [torch.float32]
+    assert fleet.asked[1] == [torch.float32]
     assert policy.unwrapped().get_output_embeddings().weight.dtype == torch.bfloat16  # and back after

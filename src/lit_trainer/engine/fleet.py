@@ -25,7 +25,7 @@ import torch
 
 from lit_trainer.engine.config import InferenceConfig, WeightSyncConfig
 from lit_trainer.engine.launch import server_ports
-from lit_trainer.engine.logprob_check import LogprobGap, check_logprobs
+from lit_trainer.engine.logprob_check import LogprobGap, Sample, logprob_gap, sample_from_vllm
 from lit_trainer.engine.server import InferenceServer, ServerDiedError
 from lit_trainer.engine.weight_sync import SyncReport, WeightSync, WeightSyncError
 
@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 
 Weights = Callable[[], Mapping[str, Any]]
 """What gives the policy's current weights (its ``state_dict``), for a server started again."""
+
+Score = Callable[[Sequence[Sample]], Sequence[torch.Tensor]]
+"""The trainer's logprobs of a server's samples' response tokens (``logprob_check.score`` on its model)."""
 
 SERVING_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
                   "float16": torch.float16, "half": torch.float16}
@@ -197,12 +200,15 @@ class Fleet:
                 self.syncs[index] = self._open_sync(index)
                 self.syncs[index].push_weights(for_serving(self.weights(), self.inference.dtype), version=version)
 
-    def logprob_gaps(self, model: Any, prompts: Sequence[Sequence[int]], tolerance: float,
+    def logprob_gaps(self, score: Score, prompts: Sequence[Sequence[int]], tolerance: float,
                      max_tokens: int = 8) -> dict[str, LogprobGap]:
-        """Each server's logprobs of greedy continuations of ``prompts`` against ``model``'s (``check_logprobs``),
-        by base URL: whether the weights pushed last reached every server."""
-        return {s.base_url: check_logprobs(s.base_url, s.model_name, model, prompts, tolerance,
-                                           max_tokens=max_tokens, api_key=s.api_key) for s in self.servers}
+        """Each server's logprobs of greedy continuations of ``prompts`` against the trainer's (``score``: its
+        logprobs of a server's samples), by base URL: whether the weights pushed last reached every server."""
+        gaps = {}
+        for s in self.servers:
+            samples = sample_from_vllm(s.base_url, s.model_name, prompts, max_tokens=max_tokens, api_key=s.api_key)
+            gaps[s.base_url] = logprob_gap(samples, score(samples), tolerance)
+        return gaps
 
     def _open_sync(self, index: int) -> WeightSync:
         assert self.weight_sync is not None

@@ -106,6 +106,16 @@ def logprob_gap(samples: Sequence[Sample], trainer: Sequence[torch.Tensor], tole
     return LogprobGap(flat.max().item(), flat.mean().item(), flat.numel(), tolerance)
 
 
+def score(model: torch.nn.Module, samples: Sequence[Sample]) -> list[torch.Tensor]:
+    """``model``'s logprob of each sample's response tokens (``trainer_logprobs``), in eval mode."""
+    was_training = model.training
+    model.eval()
+    try:
+        return [trainer_logprobs(model, s.prompt_ids, s.response_ids) for s in samples]
+    finally:
+        model.train(was_training)
+
+
 def check_logprobs(
     base_url: str,
     model_name: str,
@@ -117,10 +127,4 @@ def check_logprobs(
 ) -> LogprobGap:
     """Sample ``prompts`` greedily on vLLM, score the same tokens with ``model``, and compare."""
     samples = sample_from_vllm(base_url, model_name, prompts, max_tokens=max_tokens, api_key=api_key)
-    was_training = model.training
-    model.eval()
-    try:
-        trainer = [trainer_logprobs(model, s.prompt_ids, s.response_ids) for s in samples]
-    finally:
-        model.train(was_training)
-    return logprob_gap(samples, trainer, tolerance)
+    return logprob_gap(samples, score(model, samples), tolerance)

@@ -4,12 +4,20 @@ needs to continue exactly: the optimizer state, the step, the RNG states and the
     <output_dir>/checkpoints/step-000012/
         model/               config.json, model.safetensors, tokenizer files
         adapter/             LoRA only: adapter_config.json, adapter_model.safetensors (peft's format)
-        trainer_state.pt     optimizer, step, rng, data position, weight version
+        optimizer/           the AdamW moments and step counts by parameter name (torch.distributed.checkpoint:
+                             .metadata, *.distcp); the learning rate and the like come from the config
+        trainer_state.pt     step, rng, data position, weight version
         DONE                 written last: a folder without it is an interrupted save and is ignored
 
 With LoRA (``policy.lora_rank > 0``) ``model/`` is the full model with the adapter merged in, so ``lit eval
 --checkpoint``, vLLM and transformers load it as a plain model, like a full fine-tune's; ``--resume`` instead
 rebuilds the policy from the base model and loads ``adapter/`` on top (the optimizer state is the adapter's).
+
+Sharded policies (``policy.shard``, learner/sharding.py): every process calls ``save`` and ``restore``. ``model/``
+is the whole model, gathered layer by layer into the main process, which alone writes it; each process writes its
+own shard of the optimizer state into ``optimizer/``. Because ``optimizer/`` names parameters, not positions, and
+records each tensor's full shape, a checkpoint resumes on any number of processes, sharded or not: 2 sharded
+processes can be continued by 1, and the reverse.
 
 A checkpoint is written into a temporary folder and renamed into place, so a kill mid-save leaves the previous
 checkpoint as the latest.
@@ -17,13 +25,18 @@ checkpoint as the latest.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import shutil
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from lit_trainer.learner import lora
 from lit_trainer.learner.policy import Policy
@@ -35,23 +48,35 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def save(output_dir: str | Path, step: int, policy: Policy, base_model_dir: Path, extra: dict[str, Any],
          keep: int = 2) -> Checkpoint:
-    """Write the checkpoint of ``step`` atomically and delete all but the newest ``keep``."""
+    """Write the checkpoint of ``step`` atomically and delete all but the newest ``keep``. Called by the main
+    process, or by every process when the policy is sharded (the weights and the optimizer state are gathered and
+    written collectively); only the main process writes the model and renames the folder into place."""
     run = RunFolder(output_dir)
     checkpoint = run.checkpoint(step)
     staging = Checkpoint(checkpoint.path.with_name(f".tmp-{checkpoint.path.name}"), step)
-    shutil.rmtree(staging.path, ignore_errors=True)
-    staging.model_dir.mkdir(parents=True)
+    main = policy.accelerator.is_main_process
+    if main:  # before the first collective below: the other processes write into it only after that
+        shutil.rmtree(staging.path, ignore_errors=True)
+        staging.model_dir.mkdir(parents=True)
     if policy.config.lora_rank:
         lora.save_merged(policy.unwrapped(), staging.model_dir)
         lora.save_adapter(policy.unwrapped(), staging.adapter_path)
     else:
-        policy.unwrapped().save_pretrained(staging.model_dir, safe_serialization=True)
+        weights = policy.state_dict()  # sharded: gathered into the main process (a collective), {} elsewhere
+        if main:
+            policy.unwrapped().save_pretrained(staging.model_dir, state_dict=weights, safe_serialization=True)
+    # Every process that holds a part of the optimizer state writes it; unsharded, the main process holds it whole.
+    # Its hyperparameters (param_groups) come from the config: sharded and whole tensors sit in groups of their own.
+    with _one_process_is_meant():
+        dcp.save({"optimizer": get_optimizer_state_dict(policy.model, policy.optimizer)["state"]},
+                 checkpoint_id=staging.optimizer_dir, no_dist=not policy.sharded)
+    if not main:
+        return checkpoint
     for name in TOKENIZER_FILES:
         if (base_model_dir / name).exists():
             shutil.copy2(base_model_dir / name, staging.model_dir / name)
     state = {
         "step": step,
-        "optimizer": policy.optimizer.state_dict(),
         "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
         **extra,
     }
@@ -72,18 +97,42 @@ def restore(checkpoint: Checkpoint, policy: Policy) -> dict[str, Any]:
     - full fine-tune: ``PolicyConfig.model = checkpoint.model_dir`` (the weights are loaded there);
     - LoRA (``lora_rank > 0``): ``PolicyConfig.model`` = the run's original base model, NOT ``checkpoint.model_dir``
       (which has the adapter merged in already); this loads the adapter from ``checkpoint.adapter_dir`` into it.
-    Then the optimizer state (the adapter's, with LoRA). A LoRA checkpoint into a full policy, or the reverse,
-    raises ValueError."""
+    Then the optimizer state (the adapter's, with LoRA), whatever the number of processes that wrote it and that
+    read it (every process calls this). A LoRA checkpoint into a full policy, or the reverse, raises ValueError."""
     _check_kind(checkpoint, policy)
     if checkpoint.adapter_dir is not None:
         lora.load_adapter(policy.unwrapped(), checkpoint.adapter_dir)
     # onto the CPU: under several GPU processes each would otherwise load it onto the device that saved it
     state = torch.load(checkpoint.state_file, weights_only=False, map_location="cpu")
-    policy.optimizer.load_state_dict(state["optimizer"])
+    if "optimizer" in state:  # written before optimizer/ existed: by position, for an unsharded policy
+        policy.optimizer.load_state_dict(state.pop("optimizer"))
+    else:
+        _load_optimizer(checkpoint.optimizer_dir, policy)
     random.setstate(state["rng"]["python"])
     np.random.set_state(state["rng"]["numpy"])
     torch.set_rng_state(state["rng"]["torch"])
     return state
+
+
+def _load_optimizer(folder: Path, policy: Policy) -> None:
+    """The optimizer state in ``folder`` into ``policy``'s optimizer: each process reads the part it holds (its
+    shard, or the whole of each tensor), matched by parameter name."""
+    # the optimizer's own state as the template of what to read (an empty one is first made by a zero step)
+    own = get_optimizer_state_dict(policy.model, policy.optimizer)
+    into = {"optimizer": own["state"]}
+    with _one_process_is_meant():
+        dcp.load(into, checkpoint_id=folder, no_dist=not policy.sharded)
+    set_optimizer_state_dict(policy.model, policy.optimizer, {"state": into["optimizer"],
+                                                              "param_groups": own["param_groups"]})
+
+
+@contextlib.contextmanager
+def _one_process_is_meant() -> Iterator[None]:
+    """Without torch.distributed, torch.distributed.checkpoint warns at every save and load that it assumes one
+    process: lit means it (``no_dist``), so the console stays quiet."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _check_kind(checkpoint: Checkpoint, policy: Policy) -> None:

@@ -9,7 +9,9 @@ process clips and steps the same gradient, and the weights stay identical everyw
 ``DistributedDataParallel`` does with gradient accumulation (``no_sync`` until the last micro-batch), done on the
 unwrapped model because lit's logprob path calls the model's submodules (learner/logprobs.py), which a DDP wrapper
 would bypass, forcing the full-vocabulary path. Only the main process runs the services (vLLM, the collector, the
-workers), syncs the weights into vLLM and writes checkpoints (loop.py).
+workers), syncs the weights into vLLM and writes checkpoints (loop.py). With ``policy.shard`` each process holds a
+part of the decoder layers instead (learner/sharding.py), and every process joins the gathering of the weights and
+the checkpoint.
 
 Launch: ``torchrun --nproc_per_node N -m lit_trainer.cli train ...`` (CPU or GPU), or ``accelerate launch
 --multi_gpu --num_processes N -m lit_trainer.cli train ...`` (GPUs; on CPU, accelerate's launcher starts one process
@@ -45,14 +47,15 @@ def on_cpu_processes() -> bool:
 
 def unsupported_launch(distributed_type: str, mixed_precision: str) -> str | None:
     """Why lit cannot train as accelerate was set up (``accelerate launch`` flags or its config file), or None.
-    Sharded engines (FSDP, DeepSpeed, Megatron-LM) would wrap the model so that every forward pass is collective,
-    while the main process alone runs some (the logprob check after a sync, validation's reference); accelerate's
-    mixed precision would wrap the model's forward, which lit's logprobs bypass (``policy.precision`` is lit's)."""
+    accelerate's sharded engines (FSDP, DeepSpeed, Megatron-LM) would wrap the model so that its forward is
+    theirs, while lit's logprobs call the decoder and the head as submodules (learner/logprobs.py): lit shards the
+    decoder layers itself (``policy.shard``, learner/sharding.py, FSDP2). accelerate's mixed precision would wrap
+    the model's forward too (``policy.precision`` is lit's)."""
     if distributed_type in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
-        return (f"accelerate is set up for {distributed_type}, and lit shards no model yet: every process holds the "
-                "whole model and the processes add up their gradients (docs/scaling.md, Limits). Launch with "
-                "`torchrun --nproc_per_node N -m lit_trainer.cli train ...` or `accelerate launch --multi_gpu "
-                "--num_processes N ...` without --use_fsdp / --use_deepspeed")
+        return (f"accelerate is set up for {distributed_type}: lit shards the model itself, with torch's FSDP2 on "
+                "the decoder layers (docs/scaling.md). Set policy.shard = true and launch with `torchrun "
+                "--nproc_per_node N -m lit_trainer.cli train ...` or `accelerate launch --multi_gpu "
+                "--num_processes N ...` without --use_fsdp / --use_deepspeed / --use_megatron_lm")
     if mixed_precision not in ("no", ""):
         return (f"accelerate is set up for mixed precision {mixed_precision!r}: lit sets its own precision "
                 "(float32 LM head and loss, so that its logprobs stay close to vLLM's). Set policy.precision = "

@@ -25,10 +25,12 @@ so): the layout built from it is made on the CPU and moved there once.
 
 ``token_logprobs`` calls the model's submodules (``get_decoder()``, ``get_output_embeddings()``) instead of its
 ``forward``: a wrapper that works through ``forward`` would be bypassed. So a torch DDP/FSDP/DataParallel wrapper
-(multi-process training is future work) or accelerate's mixed-precision autocast (which wraps ``forward``) makes
-``token_logprobs`` fall back to the plain path, as does a model whose head is more than a linear map (logit
-soft-capping or scaling). Attention kernels that cannot take a custom 4D mask (anything but ``sdpa`` and
-``eager``) and sliding-window layers keep the head-on-response-positions part and run every row whole. Works with
+or accelerate's mixed-precision autocast (which wraps ``forward``) makes ``token_logprobs`` fall back to the plain
+path. lit's own multi-process update wraps nothing (learner/distributed.py), and its sharding puts FSDP2's hooks on
+the decoder layers themselves (learner/sharding.py), which run however the layers are called: both keep this
+path. A model whose head is more than a linear map (logit soft-capping or scaling) falls back too. Attention
+kernels that cannot take a custom 4D mask (anything but ``sdpa`` and ``eager``) and sliding-window layers keep the
+head-on-response-positions part and run every row whole. Works with
 peft LoRA (the adapters sit inside the base model's modules), tied embeddings (lm_head is embed_tokens' weight: the
 gradients add up in one tensor) and gradient checkpointing (no KV cache is involved, which gradient checkpointing
 would turn off).

@@ -7,7 +7,10 @@ fits the device it will be loaded on.
     AdamW       8 bytes per trained parameter (two float32 moments)
     reference   the frozen KL reference (``loss.kl_beta > 0``, full fine-tune): P x 4, P x 2 under bf16
     sharded     the decoder layers' part of all four divided by the processes (learner/sharding.py); the
-                embeddings and the head stay whole in every process
+                embeddings and the head stay whole in every process. The main process also holds the whole
+                weights it gathers to push into vLLM (``gathered``: loop.py keeps the last push): P x 4 at most,
+                P x 2 when vLLM serves in bfloat16 (``inference.dtype``); in host memory with the ``shm``
+                transport (the default), on its GPU with ``nccl``/``ipc``
 
 Activations come on top: they depend on ``batching.max_tokens_per_micro_batch`` and gradient checkpointing (with a
 1.5B model in bf16, a 4096-token micro-batch's take about 16 GiB; docs/scaling.md). The parameter counts come from
@@ -44,14 +47,22 @@ class MemoryPlan:
     def total(self) -> int:
         return self.weights + self.gradients + self.optimizer + self.reference
 
+    @property
+    def gathered(self) -> int:
+        """Sharded: the whole weights the main process gathers for vLLM, on top of ``total`` (float32: at most)."""
+        return self.parameters * 4 if self.sharded and not self.lora else 0
+
     def describe(self) -> str:
         """One line: the total and its parts, in GB."""
         parts = f"weights {self.weights / GB:.2f}, gradients {self.gradients / GB:.2f}, AdamW {self.optimizer / GB:.2f}"
         if self.reference:
             parts += f", KL reference {self.reference / GB:.2f}"
         where = f", sharded over {self.processes} processes" if self.sharded else ""
+        main = f"; the main process also holds up to {self.gathered / GB:.2f} GB of whole weights for vLLM " \
+            "(in host memory with weight_sync.transport = \"shm\")" \
+            if self.gathered else ""
         return (f"the policy ({self.parameters / 1e6:.1f}M parameters, {self.trained / 1e6:.1f}M trained{where}) "
-                f"needs about {self.total / GB:.2f} GB per trainer process before activations ({parts})")
+                f"needs about {self.total / GB:.2f} GB per trainer process before activations ({parts}){main}")
 
 
 def count(config: object, lora_rank: int = 0, lora_targets: tuple[str, ...] = ()) -> tuple[int, int, int]:
@@ -114,6 +125,8 @@ def check_fits(memory: MemoryPlan, free: int | None, device: torch.device) -> No
     if free is None or memory.total <= free:
         return
     fixes = []
+    if not memory.lora and not memory.sharded:
+        fixes.append("shard it across N processes (policy.shard = true, launched with torchrun --nproc_per_node N)")
     if not memory.lora:
         fixes.append("train LoRA adapters (policy.lora_rank = 16)")
     if memory.reference:

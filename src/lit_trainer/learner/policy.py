@@ -64,6 +64,12 @@ class PolicyConfig:
     """LoRA scaling numerator (the update is scaled by alpha / rank)."""
     lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     """Which linear layers get adapters."""
+    shard: bool = False
+    """With several trainer processes (``torchrun --nproc_per_node N``), shard the decoder layers of the policy
+    and of its KL reference across them (FSDP2, learner/sharding.py): each process holds 1/N of the layers'
+    weights, gradients and AdamW state, so models too large for one device train. Every use of the weights is
+    then collective (the loop runs it in every process); checkpoints resume on any number of processes. With
+    one process there is nothing to shard and this changes nothing. Full fine-tune only: LoRA is not sharded."""
     compute_entropy: bool = False
     """Also give the loss each response token's entropy (the ``loss/entropy`` metric). It costs one more pass over
     the response positions' logits (bench/update_throughput.py measures how much), so it is off by default."""
@@ -77,11 +83,15 @@ class PolicyConfig:
             raise ValueError("PolicyConfig.lora_rank must be >= 0 (0 = full fine-tune)")
         if self.precision not in precision.PRECISIONS:
             raise ValueError(f"PolicyConfig.precision must be one of {precision.PRECISIONS}, got {self.precision!r}")
+        if self.shard and self.lora_rank:
+            raise ValueError("PolicyConfig.shard shards a full fine-tune; a LoRA policy (lora_rank > 0) is not "
+                             "sharded: its trained part is small, and every process holds the frozen base whole "
+                             "(in bf16 under policy.precision = \"bf16\"). Set shard = false, or lora_rank = 0")
 
 
 class Policy:
     def __init__(self, config: PolicyConfig, trackers: Sequence[str] = (), project_dir: str | None = None,
-                 reference: str | None = None, shard: bool = False):
+                 reference: str | None = None):
         """``trackers`` (e.g. ``["tensorboard"]``) go to accelerate's ``log_with``, logging under ``project_dir``.
 
         ``reference``: a model folder (or ``smollm2-135m``) whose frozen logprobs the loss's KL term compares with
@@ -89,9 +99,9 @@ class Policy:
         model under the adapter, computed with the adapter switched off: no extra memory, and ``reference`` only
         has to be given to turn it on.
 
-        ``shard``: with several processes, shard the decoder layers of the policy and of the reference across them
-        (learner/sharding.py); ``state_dict`` is then a collective. Not yet reachable from ``lit train``, whose
-        main process alone pushes, checks and checkpoints the weights; LoRA is not sharded yet."""
+        ``config.shard``: with several processes, shard the decoder layers of the policy and of the reference
+        across them (learner/sharding.py); ``state_dict``, ``token_logprobs`` and ``update`` are then collectives:
+        every process calls them, in the same order."""
         from accelerate import Accelerator
         from accelerate.utils import InitProcessGroupKwargs
 
@@ -110,11 +120,8 @@ class Policy:
         slow = precision.slow_on(self.precision, self.accelerator.device)
         if slow and self.accelerator.is_main_process:
             log.warning("lit: %s", slow)
-        self.sharded = shard and self.accelerator.num_processes > 1
-        """Whether the decoder layers are sharded across the processes (``shard``)."""
-        if self.sharded and config.lora_rank:
-            raise NotImplementedError("sharding a LoRA policy is not supported yet: shard a full fine-tune, or run "
-                                      "LoRA with every process holding the whole model")
+        self.sharded = config.shard and self.accelerator.num_processes > 1
+        """Whether the decoder layers are sharded across the processes (``config.shard``)."""
         folder, model_config = _model_config(config.model)
         self.memory = memory.plan(*memory.count(model_config, config.lora_rank, config.lora_target_modules),
                                   precision=self.precision, lora=bool(config.lora_rank),
@@ -275,16 +282,19 @@ class Policy:
         """The model without accelerate's wrapper: a transformers model, or a peft model when LoRA is on."""
         return self.accelerator.unwrap_model(self.model)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
+    def state_dict(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+                   ) -> dict[str, torch.Tensor]:
         """The full model's weights, as ``WeightSync.push_weights`` sends them to vLLM; with LoRA, the base weights
         with the adapter merged in (vLLM then serves a plain model through the same reload path, which on CPU is
-        twice as fast as its LoRA mode)."""
+        twice as fast as its LoRA mode). Sharded: gathered (a collective: every process calls it) into the main
+        process alone ({} elsewhere), cast to ``dtype`` and moved to ``device`` tensor by tensor when given;
+        unsharded both are left to the caller (the policy's own tensors are returned, no copy)."""
         if self.config.lora_rank:
             return lora.merged_state_dict(self.unwrapped())
-        if self.sharded:  # a collective: every process calls it
-            return sharding.full_state_dict(self.unwrapped())
+        if self.sharded:
+            return sharding.full_state_dict(self.unwrapped(), keep=self.accelerator.is_main_process, dtype=dtype,
+                                            device=device)
         return self.unwrapped().state_dict()
-
 
     @contextlib.contextmanager
     def in_float32(self) -> Iterator[torch.nn.Module]:

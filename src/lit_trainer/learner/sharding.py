@@ -91,9 +91,28 @@ def clip(params: Sequence[torch.nn.Parameter], max_norm: float) -> float:
     return float(norm)
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's weights in every process: the shards gathered (a collective: every process calls it)."""
-    return {name: (t.full_tensor() if is_sharded(t) else t) for name, t in model.state_dict().items()}
+def full_state_dict(model: torch.nn.Module, keep: bool = True, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+    """The whole model's weights, gathered one tensor at a time (a collective: every process calls it, in the same
+    order); ``keep``: whether this process keeps them (the main process, which pushes and saves them) or lets each
+    gathered tensor go at once ({} returned), so that the others never hold more than one whole tensor.
+    ``dtype``, ``device``: each kept tensor is cast and moved there as soon as it is gathered (vLLM's serving
+    dtype: a bfloat16 copy is half a float32 one; the CPU: the copy leaves the GPU one tensor at a time); tensors
+    that share storage (tied embeddings) share their copy."""
+    whole: dict[str, torch.Tensor] = {}
+    copies: dict[int, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        gathered = t.full_tensor() if is_sharded(t) else t
+        if not keep:
+            continue
+        if dtype is not None or device is not None:
+            key = id(t) if is_sharded(t) else t.untyped_storage().data_ptr()
+            if key not in copies:
+                cast = dtype if dtype is not None and gathered.is_floating_point() else gathered.dtype
+                copies[key] = gathered.detach().to(device=device or gathered.device, dtype=cast)
+            gathered = copies[key]
+        whole[name] = gathered
+    return whole
 
 
 def local_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:

@@ -11,10 +11,12 @@ import threading
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from lit_trainer.engine import fleet as fleet_module
 from lit_trainer.engine.config import InferenceConfig, WeightSyncConfig
 from lit_trainer.engine.fleet import Fleet
+from lit_trainer.engine.logprob_check import Sample
 from lit_trainer.engine.server import ServerDiedError
 from lit_trainer.engine.weight_sync import SyncReport, WeightSyncError
 
@@ -231,21 +233,26 @@ def test_a_death_seen_by_the_rollouts_waits_for_the_update_and_is_not_restarted_
 
 
 def test_logprob_gaps_asks_every_server_with_its_own_key(monkeypatch):
-    asked = []
+    asked, scored = [], []
 
-    def check_logprobs(base_url, model_name, model, prompts, tolerance, max_tokens, api_key):
+    def sample_from_vllm(base_url, model_name, prompts, max_tokens, api_key):
         asked.append((base_url, model_name, api_key, max_tokens))
-        return SimpleNamespace(max_abs=0.01, tolerance=tolerance, ok=True)
+        return [Sample(list(p), [7], [-0.5]) for p in prompts]
 
-    monkeypatch.setattr(fleet_module, "check_logprobs", check_logprobs)
-    gaps = started().logprob_gaps(model=None, prompts=[[1, 2]], tolerance=0.05)
+    def score(samples):  # the trainer's logprobs of each server's samples, 0.01 off vLLM's
+        scored.append(samples)
+        return [torch.tensor([-0.51]) for _ in samples]
+
+    monkeypatch.setattr(fleet_module, "sample_from_vllm", sample_from_vllm)
+    gaps = started().logprob_gaps(score, prompts=[[1, 2]], tolerance=0.05)
     assert list(gaps) == ["http://127.0.0.1:8000", "http://127.0.0.1:8001"]
+    assert all(gap.ok and abs(gap.max_abs - 0.01) < 1e-6 and gap.n_tokens == 1 for gap in gaps.values()), gaps
     assert asked == [("http://127.0.0.1:8000", "policy", "key-8000", 8), ("http://127.0.0.1:8001", "policy",
                                                                           "key-8001", 8)]
+    assert len(scored) == 2 and scored[0][0].prompt_ids == [1, 2]
 
 
 def test_weights_travel_in_the_servers_dtype():
-    import torch
 
     from lit_trainer.engine.fleet import for_serving
 

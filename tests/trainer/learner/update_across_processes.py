@@ -1,21 +1,27 @@
 """One training step's update on a fixed batch, run as one process (``python THIS``) or several (``torchrun
 --nproc_per_node 2 THIS``), each holding the whole model or (``--shard``) its shard of the decoder layers: the main
 process saves every optimizer step's gradient, the metrics, the trainer's logprobs, the final weights and the bytes
-of parameters and optimizer state it held to ``--out`` (torch.save), for test_distributed.py to compare."""
+of parameters and optimizer state it held to ``--out`` (torch.save), for test_distributed.py to compare.
+
+``--save DIR``: then write the checkpoint of step 1 into the run folder DIR (learner/checkpoint.py; every process
+when sharded). ``--resume DIR``: start from DIR's checkpoint instead (its weights and optimizer state, written by
+any number of processes), as ``lit train --resume`` does."""
 
 from __future__ import annotations
 
 import argparse
 import random
+from pathlib import Path
 
 import torch
 
 from lit_trainer.algorithm.loss import LossConfig
 from lit_trainer.intake.episodes import Transition
-from lit_trainer.learner import sharding
+from lit_trainer.learner import checkpoint, logprobs, sharding
 from lit_trainer.learner.batching import BatchingConfig
 from lit_trainer.learner.policy import Policy, PolicyConfig
 from lit_trainer.learner.schedule import UpdateConfig, run_update
+from lit_trainer.runs import RunFolder
 
 
 def batch(vocab: int, n: int = 12) -> list[tuple[Transition, float]]:
@@ -38,9 +44,15 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--shard", action="store_true")
+    parser.add_argument("--save")
+    parser.add_argument("--resume")
     args = parser.parse_args()
     torch.manual_seed(0)
-    policy = Policy(PolicyConfig(model=args.model, learning_rate=1e-3), reference=args.model, shard=args.shard)
+    start = RunFolder(args.resume).latest_checkpoint() if args.resume else None
+    policy = Policy(PolicyConfig(model=str(start.model_dir) if start else args.model, learning_rate=1e-3,
+                                 shard=args.shard), reference=args.model)
+    if start:
+        checkpoint.restore(start, policy)
     grads: list[torch.Tensor] = []
     step = policy.optimizer.step
 
@@ -50,15 +62,20 @@ def main() -> None:
         return step(*a, **kw)
 
     policy.optimizer.step = capture
-    logprobs: dict[int, list[float]] = {}
+    trained_logprobs: dict[int, list[float]] = {}
     metrics = run_update(policy, batch(policy.unwrapped().config.vocab_size),
                          UpdateConfig(ppo_epochs=2, mini_batches=2, recompute_old_logprobs=True),
                          LossConfig(kl_beta=0.05, is_correction="truncate"),
-                         BatchingConfig(max_tokens_per_micro_batch=48), pad_id=0, seed=3, trainer_logprobs=logprobs)
+                         BatchingConfig(max_tokens_per_micro_batch=48), pad_id=0, seed=3,
+                         trainer_logprobs=trained_logprobs)
     weights = {k: v.clone() for k, v in policy.state_dict().items()}  # sharded: a collective
+    served = policy.state_dict(torch.bfloat16)  # sharded: cast as gathered (vLLM's serving dtype)
+    if args.save and (policy.sharded or policy.accelerator.is_main_process):  # as lit train calls it (loop.py)
+        checkpoint.save(args.save, 1, policy, Path(args.model), {})
     if policy.accelerator.is_main_process:
-        torch.save({"grads": grads, "metrics": metrics, "logprobs": logprobs,
-                    "processes": policy.accelerator.num_processes, "weights": weights,
+        torch.save({"grads": grads, "metrics": metrics, "logprobs": trained_logprobs,
+                    "processes": policy.accelerator.num_processes, "weights": weights, "served": served,
+                    "packed": (logprobs._trunk_and_head(policy.unwrapped()) or (None, None, False))[2],
                     "bytes": sharding.local_bytes(policy.model, policy.optimizer),
                     "planned": policy.memory.weights + policy.memory.optimizer}, args.out)
 
