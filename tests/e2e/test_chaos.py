@@ -1,5 +1,6 @@
 """``lit train`` SIGKILLed at the worst moments, then ``--resume``d, with nothing stood in: real vLLM, real worker
-processes, real ZeroMQ, real SQLite.
+processes, real ZeroMQ, real SQLite, the real policy update and weight sync. The agent
+(rollout_agents.reply_length_parity) makes real LLM calls and gets a reward that varies within each group.
 
 One run of 4 steps is killed three times, each time at the second step (after the first checkpoint): during its
 rollouts, during its policy update, and during its weight sync (vLLM paused, new weights half way). Each kill is a
@@ -9,7 +10,9 @@ its vLLM killed during the third step's rollouts: the trainer starts it again wi
 step's rollouts again (or, when vLLM is found dead only after the step's update, pushes the new weights into the
 new server), and finishes. Then: no span lost (every rollout's root declares how many spans it emitted,
 and that many are stored; the workers' spools are empty), no step trained twice (each step's metrics come once,
-from the run that completed it), and the store passes SQLite's integrity check."""
+from the run that completed it), the store passes SQLite's integrity check, and the run is whole: every step's
+weights reached vLLM (the trainer checks vLLM's logprobs against its own after each sync), the held-out tasks were
+validated, the final checkpoint holds the trained weights and the optimizer state, and the curve was drawn."""
 
 from __future__ import annotations
 
@@ -22,7 +25,9 @@ import time
 from pathlib import Path
 
 import pytest
-from test_train import CONFIG
+import torch
+from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader
 
 from lit_sdk import semconv as sc
 from lit_sdk.protocol import codec
@@ -30,6 +35,33 @@ from lit_trainer.engine._shm import free_orphan_segments
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TESTS = Path(__file__).parents[1]
+
+CONFIG = """
+model = "{model}"
+[agent]
+function = "rollout_agents:reply_length_parity"
+local_workers = 1
+concurrency = 8
+max_tokens = 16
+[data]
+tasks = "rollout_agents:parity_tasks"
+train_size = 20
+val_size = 4
+[train]
+steps = 4
+tasks_per_step = 2
+group_size = 4
+val_every = 4
+checkpoint_every = 1
+check_sync_every = 1
+output_dir = "{out}"
+[inference]
+cpu_kv_cache_gb = 1
+[policy]
+learning_rate = 1e-5
+[loss]
+kl_beta = 0.001  # a KL term makes every step update and sync, even one whose groups all got equal rewards
+"""
 
 HARNESS = """
 import os, signal, sqlite3, sys, threading, time
@@ -107,10 +139,7 @@ def test_sigkill_in_rollouts_update_and_sync_then_resume_loses_and_repeats_nothi
     began = time.time()
     out = tmp_path / "run"
     config = tmp_path / "config.toml"
-    config.write_text(CONFIG.format(model=prepared_model, out=out).replace("steps = 2", "steps = 4")
-                      .replace("val_every = 2", "val_every = 0")
-                      # a KL term makes every step update and sync, even one whose groups all got equal rewards
-                      + "[loss]\nkl_beta = 0.001\n")
+    config.write_text(CONFIG.format(model=prepared_model, out=out))
     for i, point in enumerate(["rollouts", "update", "sync"]):
         result = run(point, config, out, resume=i > 0)
         log = result.stdout + result.stderr
@@ -120,12 +149,23 @@ def test_sigkill_in_rollouts_update_and_sync_then_resume_loses_and_repeats_nothi
     final = run("vllm", config, out, resume=True)
     log = final.stdout + final.stderr
     assert final.returncode == 0, log[-3000:]
-    assert (out / "checkpoints" / "step-000004" / "DONE").exists()
+    final_checkpoint = out / "checkpoints" / "step-000004"
+    assert (final_checkpoint / "DONE").exists() and (out / "curve.png").stat().st_size > 0
 
-    train = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in train if r["kind"] == "train"]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3, 4]  # each step trained once: killed steps never logged
     assert all(r["rollouts/failed"] == 0 and r["rollouts/unusable"] == 0 for r in train), train
+    # every step updated, and vLLM served exactly the weights the trainer had after each sync
+    assert all(r["sync/logprob_gap_max"] < 0.02 for r in train), train
+    assert [r["step"] for r in records if r["kind"] == "validation"][-1] == 4
+    state = torch.load(final_checkpoint / "trainer_state.pt", weights_only=False)
+    saved = FileSystemReader(final_checkpoint / "optimizer").read_metadata().state_dict_metadata  # by name
+    assert state["step"] == 4 and any(key.endswith(".exp_avg_sq") for key in saved), "optimizer state missing"
+    trained = load_file(final_checkpoint / "model" / "model.safetensors")
+    base = load_file(prepared_model / "model.safetensors")
+    changed = [k for k in base if k in trained and not torch.equal(base[k], trained[k])]
+    assert len(changed) > 0.9 * len(base), f"only {len(changed)} of {len(base)} tensors changed"
     # killed once two rollouts of step 3 ended: found dead in its rollouts, or (when the rest had ended meanwhile)
     # by the weight sync after its update; either way started again, once
     assert "chaos: SIGKILL to vLLM" in log and ("vLLM died during the rollouts of step 3" in log or

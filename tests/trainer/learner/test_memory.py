@@ -60,8 +60,14 @@ def test_the_plan_of_a_7b_model_matches_the_capacity_model():
 def test_a_policy_too_large_for_the_device_names_what_to_change():
     plan = memory.plan(7_000_000_000, 6_500_000_000, 0, precision="fp32", lora=False, reference=True)
     with pytest.raises(memory.PolicyTooLarge, match=r"needs about 140.00 GB .* cpu has 16.00 GB free: it cannot "
-                                                    r"fit. Options: train LoRA adapters .*kl_beta = 0.*bfloat16"):
+                                                    r"fit. Options: shard it across N processes \(policy.shard = "
+                                                    r"true.*train LoRA adapters .*kl_beta = 0.*bfloat16"):
         memory.check_fits(plan, 16 * 10**9, torch.device("cpu"))
+    sharded = memory.plan(7_000_000_000, 6_500_000_000, 0, precision="fp32", lora=False, reference=True,
+                          processes=2, sharded=True)
+    with pytest.raises(memory.PolicyTooLarge, match=r"sharded over 2 processes\) needs about 75.00 GB .*main "
+                                                    r"process also holds up to 28.00 GB .* Options: train LoRA"):
+        memory.check_fits(sharded, 16 * 10**9, torch.device("cpu"))  # sharded already: not offered again
     memory.check_fits(plan, 200 * 10**9, torch.device("cpu"))  # fits: nothing said
     memory.check_fits(plan, None, torch.device("meta"))  # unknown: nothing said
 
