@@ -49,6 +49,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from lit_sdk import _agents, _context, _state, config
 from lit_sdk._processor import LitSpanProcessor
 from lit_sdk._spans import quietly
+from lit_sdk.install import pip_install
 from lit_sdk.openai_instrumentor import LitOpenAIInstrumentor
 from lit_sdk.protocol import security
 from lit_sdk.sender import DeliveryCounts, SpanSender
@@ -193,7 +194,7 @@ def instrument(
     service_name: this process's OpenTelemetry service name (``LIT_SERVICE_NAME``).
     flush_timeout_s: how long exit waits for delivery before spooling the rest (``LIT_FLUSH_TIMEOUT``, 5 s).
     otlp_endpoint: an OTLP/HTTP traces URL (``http://host:4318/v1/traces``) that gets lit's spans as well
-        (``LIT_OTLP_ENDPOINT``; needs ``pip install 'lit-rl[otlp]'``); sent from a thread of its own, waited for
+        (``LIT_OTLP_ENDPOINT``; needs lit's ``otlp`` extra); sent from a thread of its own, waited for
         within ``flush()``'s timeout and, at exit, ``flush_timeout_s``.
     A framework the caller already instrumented for their own backend stays theirs: lit neither instruments it again
     nor turns it off, and takes from their tracer provider only the spans of its rollouts. Set up your own tracing
@@ -278,7 +279,7 @@ class _OtlpCopy(SpanProcessor):
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         except ImportError:
             raise ValueError(f"sending lit's spans to the OTLP endpoint {endpoint} needs OpenTelemetry's OTLP "
-                             "exporter: pip install 'lit-rl[otlp]'") from None
+                             f"exporter: {pip_install('otlp')}") from None
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
         self.batch = BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint))

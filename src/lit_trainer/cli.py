@@ -14,6 +14,7 @@ import textwrap
 import time
 from pathlib import Path
 
+from lit_sdk.install import pip_install
 from lit_trainer import __version__
 from lit_trainer.models import DEFAULT_MODEL, ModelError
 
@@ -56,10 +57,11 @@ def main(argv: list[str] | None = None) -> int:
 
 _TRAINER_MODULES = ("torch", "transformers", "accelerate", "peft", "safetensors", "gguf", "sentencepiece", "tqdm",
                     "numpy", "requests", "matplotlib", "msgspec", "psutil")
-_INSTALL_FOR = {name: "pip install 'lit-rl[trainer,vllm]'" for name in _TRAINER_MODULES} | {
-    "vllm": "pip install 'lit-rl[vllm]'   (on a machine with a CUDA GPU: 'lit-rl[vllm-gpu]')"}
-"""The install command for a top-level module of the trainer's extras, which ``pip install lit-rl`` (the SDK
-alone) lacks: ``lit train``, ``eval``, ``model`` and ``config`` say it instead of a traceback."""
+_INSTALL_FOR = {name: pip_install("trainer,vllm") for name in _TRAINER_MODULES} | {
+    "vllm": f"{pip_install('vllm')}   (on a machine with a CUDA GPU: {pip_install('vllm-gpu')})"}
+"""The install command for a top-level module of the trainer's extras, which lit without extras (the SDK alone)
+lacks: ``lit train``, ``eval``, ``model`` and ``config`` say it instead of a traceback (lit_sdk/install.py: from
+where this lit was installed)."""
 CONFIG_HELP = ("Every config key, with its default and meaning: `lit config keys` (the dataclasses in "
                "src/lit_trainer/config.py and the classes it names). Overrides are section.key=value in TOML syntax, "
                "before or after the options.")

@@ -70,7 +70,7 @@ class TrainLoopConfig:
     max_minutes: float = 0.0
     """Stop (with validation and a checkpoint) once a step ends past this many minutes of training; 0: no limit."""
     trackers: tuple[str, ...] = ()
-    """Also log to ``["tensorboard"]`` and/or ``["wandb"]`` (extras ``lit-rl[tensorboard]``, ``lit-rl[wandb]``),
+    """Also log to ``["tensorboard"]`` and/or ``["wandb"]`` (lit's extras of the same names),
     under ``output_dir``; a missing package is an error at start. W&B without an account: ``WANDB_MODE=offline``."""
 
     max_staleness: int = 0

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lit_sdk.install import pip_install
+
 
 def memory_gb(server_pids: Sequence[int] = ()) -> dict[str, float]:
     """``memory/trainer_peak_gb``: the peak resident set of this process so far; ``memory/vllm_gb``: over the vLLM
@@ -51,8 +53,8 @@ def _peak_rss() -> float:
 
 
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb"}
-"""The ``train.trackers`` lit offers, each with the package it needs; the extra of ``lit-rl`` that installs it has
-the tracker's name."""
+"""The ``train.trackers`` lit offers, each with the package it needs; lit's extra that installs it has the
+tracker's name."""
 
 
 def check_trackers(trackers: Sequence[str]) -> None:
@@ -63,7 +65,7 @@ def check_trackers(trackers: Sequence[str]) -> None:
         if name not in TRACKERS:
             raise ValueError(f"{setting}: unknown tracker {name!r}; lit supports {', '.join(TRACKERS)}")
         if importlib.util.find_spec(TRACKERS[name]) is None:
-            raise ValueError(f"{setting} needs the {TRACKERS[name]} package: pip install 'lit-rl[{name}]'")
+            raise ValueError(f"{setting} needs the {TRACKERS[name]} package: {pip_install(name)}")
 
 
 class MetricsLog:

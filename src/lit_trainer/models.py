@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lit_sdk.cache import cache_dir
+from lit_sdk.install import pip_install
 
 DEFAULT_MODEL = "smollm2-135m"
 """The name that stands for the embedded default model wherever a model is asked for."""
@@ -113,7 +114,7 @@ def greedy_reply(folder: Path, prompt: str, max_new_tokens: int = 32) -> str:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as exc:
-        raise ModelError(f"checking a model needs the trainer extra: pip install 'lit-rl[trainer]' ({exc})") from exc
+        raise ModelError(f"checking a model needs the trainer extra: {pip_install('trainer')} ({exc})") from exc
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     model.eval()
@@ -173,7 +174,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     except ImportError as exc:
-        raise ModelError(f"preparing the model needs the trainer extra: pip install 'lit-rl[trainer]' ({exc})") from exc
+        raise ModelError(f"preparing the model needs the trainer extra: {pip_install('trainer')} ({exc})") from exc
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # save_pretrained refuses a GGUF-loaded model: rebuild a plain fp32 model from a clean config instead.

@@ -4,6 +4,7 @@ endpoint that never answers holds up neither the agent nor ``flush()`` nor exit.
 
 from __future__ import annotations
 
+import re
 import socket
 import sys
 import threading
@@ -18,6 +19,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 import lit_sdk as lit
 from lit_sdk import semconv as sc
+from lit_sdk.install import pip_install
 
 
 class OtlpReceiver:
@@ -125,6 +127,6 @@ def test_a_wrong_otlp_endpoint_or_a_missing_exporter_says_what_to_do(tmp_path, m
     with pytest.raises(ValueError, match="must be an OTLP/HTTP URL"):
         lit.instrument(endpoint="tcp://127.0.0.1:1", otlp_endpoint="localhost:4317", spool_dir=tmp_path)
     monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.http.trace_exporter", None)
-    with pytest.raises(ValueError, match=r"pip install 'lit-rl\[otlp\]'"):
+    with pytest.raises(ValueError, match=re.escape(pip_install("otlp"))):
         lit.instrument(endpoint="tcp://127.0.0.1:1", otlp_endpoint="http://127.0.0.1:1/v1/traces", spool_dir=tmp_path)
     assert lit.flush() is None  # nothing was left half on

@@ -2,6 +2,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from lit_sdk.install import pip_install
+
 
 def test_help_lists_the_subcommands_without_importing_torch():
     code = (
@@ -143,4 +145,4 @@ def test_a_missing_extra_gives_the_install_command_not_a_traceback(tmp_path):
     for command in (["train", str(config)], ["eval", str(config)], ["config", "keys"]):
         out = _cli(*command, block="torch")
         assert out.returncode == 1, (command, out.stderr)
-        assert "Traceback" not in out.stderr and "pip install 'lit-rl[trainer,vllm]'" in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr and pip_install("trainer,vllm") in out.stderr, out.stderr

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from accelerate import Accelerator
 
+from lit_sdk.install import pip_install
 from lit_trainer.config import ConfigError, load
 from lit_trainer.metrics import MetricsLog
 
@@ -32,7 +33,7 @@ def test_a_tracker_without_its_package_stops_the_config_with_the_pip_command(tmp
     monkeypatch.setitem(sys.modules, name, None)  # what importlib sees when the package is not installed
     with pytest.raises(ConfigError) as caught:
         load(_config(tmp_path, [name]))
-    wanted = f"""train.trackers = ["{name}"] needs the {name} package: pip install 'lit-rl[{name}]'"""
+    wanted = f"""train.trackers = ["{name}"] needs the {name} package: {pip_install(name)}"""
     assert wanted in str(caught.value)
 
 

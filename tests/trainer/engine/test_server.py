@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from lit_sdk.install import pip_install
 from lit_sdk.processes import group_members
 from lit_trainer.engine._shm import free_orphan_segments
 from lit_trainer.engine.config import InferenceConfig, WeightSyncConfig
@@ -197,7 +199,7 @@ def test_missing_vllm_names_the_extra(tmp_path: Path):
     # The same interpreter without site-packages: it runs, but cannot import vllm.
     python = _script(tmp_path / "python-without-vllm", f'exec {sys.executable} -S "$@"')
     config = InferenceConfig(model=str(_fake_model(tmp_path / "m")), python=str(python), log_dir=str(tmp_path))
-    with pytest.raises(VLLMNotInstalledError, match=r"lit-rl\[vllm\]"):
+    with pytest.raises(VLLMNotInstalledError, match=re.escape(pip_install("vllm"))):
         InferenceServer(config).start()
 
 
