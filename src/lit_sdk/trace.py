@@ -54,6 +54,7 @@ def trace(fn: Callable[..., Any] | None = None, *, name: str | None = None, agen
                 scope.succeed(result)
                 return result
 
+            run_async.__lit_trace__ = span_name  # type: ignore[attr-defined]
             return run_async
 
         @functools.wraps(fn)
@@ -67,9 +68,20 @@ def trace(fn: Callable[..., Any] | None = None, *, name: str | None = None, agen
             scope.succeed(result)
             return result
 
+        run.__lit_trace__ = span_name  # type: ignore[attr-defined]
         return run
 
     return decorate(fn) if fn is not None else decorate
+
+
+def is_traced(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` is (or wraps, through ``functools.wraps``) a function marked by ``@lit.trace``."""
+    seen = 0
+    while fn is not None and seen < 100:
+        if getattr(fn, "__lit_trace__", None) is not None:
+            return True
+        fn, seen = getattr(fn, "__wrapped__", None), seen + 1
+    return False
 
 
 def reward(value: float, name: str | None = None) -> None:

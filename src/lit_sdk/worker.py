@@ -37,6 +37,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import traceback
 import uuid
 from collections.abc import Callable
@@ -69,6 +70,7 @@ from lit_sdk.protocol.dispatch import (
     encode_dispatch,
 )
 from lit_sdk.resources import LLM
+from lit_sdk.trace import is_traced
 
 log = logging.getLogger("lit.worker")
 DEFAULT_DISPATCH_ENDPOINT = "tcp://127.0.0.1:7374"
@@ -76,22 +78,62 @@ WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
-def load_target(target: str) -> Callable[..., Any]:
-    """``module:function`` → the function; the current directory is importable, as with ``python -m``."""
+NO_ANSWER_S = 10.0
+"""A worker that no trainer has answered for this long says so (and again after twice as long, and so on)."""
+
+
+def load_target(target: str, what: str = "agent") -> Callable[..., Any]:
+    """``module:function`` → the function; the current directory is importable, as with ``python -m``. ``what``
+    the function is for the messages (``agent``, ``tasks``)."""
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"the agent must be given as module:function (e.g. examples.calc.agent:calc_agent), "
-                         f"got {target!r}")
+        example = "examples.calc.agent:calc_agent" if what == "agent" else "examples.calc.tasks:make_tasks"
+        raise ValueError(f"the {what} function must be given as module:function (e.g. {example}), got {target!r}")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"cannot import the agent module {module_name!r}: {exc}") from exc
+        raise ValueError(f"cannot import the {what} module {module_name!r}: {exc}") from exc
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"{module_name!r} has no function {attr!r}")
+        raise ValueError(f"the {what} module {module_name!r} has no function {attr!r}")
     return fn
+
+
+def load_agent(target: str) -> Callable[..., Any]:
+    """``load_target`` for the agent function, which must be marked by ``@lit.trace`` (without it a rollout
+    records no root span, and every one fails) and take ``(task, llm)``: ValueError naming the fix otherwise."""
+    fn = load_target(target, "agent")
+    if not is_traced(fn):
+        raise ValueError(f"the agent function {target} is not decorated with @lit.trace: its rollouts would record "
+                         "nothing the trainer can use, and every one would fail. Put @lit.trace on the line above "
+                         f"`def {getattr(fn, '__name__', target)}`")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read (a builtin, a C callable): the rollout will tell
+        return fn
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        raise ValueError(f"the agent function {target} must take (task, llm), as lit calls it; its signature is "
+                         f"{signature}") from None
+    return fn
+
+
+def check_endpoint(endpoint: str) -> None:
+    """ValueError naming the fix unless ``endpoint`` is a ZeroMQ address a worker can connect to: ``tcp://HOST:PORT``
+    or ``ipc://PATH`` (what ``lit train`` prints as "workers connect to ...")."""
+    parts = urlsplit(endpoint)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if (parts.scheme == "tcp" and parts.hostname and port) or (parts.scheme == "ipc" and len(endpoint) > 6):
+        return
+    raise ValueError(f"--connect {endpoint!r} is not the trainer's dispatch endpoint: give it as tcp://HOST:PORT "
+                     "(lit train prints it at start: 'lit: workers connect to tcp://...'; the port is that of "
+                     "[dispatch_endpoint] endpoint), not an http:// URL")
 
 
 def reachable(address: str, trainer_host: str) -> str:
@@ -115,6 +157,8 @@ class Worker:
             raise ValueError(f"concurrency must be between 1 and {MAX_SLOTS}, got {concurrency}")
         self.fn = fn
         self.connect = connect
+        self.welcomed = False
+        """Whether a trainer answered (its ``Welcome``)."""
         self.concurrency = concurrency
         self.heartbeat_s = heartbeat_s
         self.flush_timeout_s = flush_timeout_s
@@ -140,9 +184,15 @@ class Worker:
         self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="lit-agent")
         await self._hello()
         beat = asyncio.create_task(self._heartbeat())
+        waiting_since, said = time.monotonic(), 0
         try:
             while not self._stop.is_set():
                 if not await self.sock.poll(200):
+                    if not self.welcomed and time.monotonic() - waiting_since >= NO_ANSWER_S * 2 ** said:
+                        said += 1
+                        log.warning("lit worker: no answer from a trainer at %s for %.0f s; is lit train running, "
+                                    "and is this its dispatch endpoint (it prints 'lit: workers connect to ...')? "
+                                    "Still trying", self.connect, time.monotonic() - waiting_since)
                     continue
                 try:
                     message = decode_dispatch(await self.sock.recv(), accept=TO_WORKER)
@@ -171,6 +221,7 @@ class Worker:
 
     async def _handle(self, message: ToWorker) -> None:
         if isinstance(message, Welcome):
+            self.welcomed = True
             spans = reachable(message.spans_endpoint, self.trainer_host)
             urls = [reachable(u, self.trainer_host) for u in message.llm_base_urls]
             instrument(endpoint=spans, llm_base_urls=urls)
@@ -263,7 +314,7 @@ class Worker:
 
 def serve(target: str, connect: str, concurrency: int) -> int:
     """Run one worker process until the trainer stops it."""
-    fn = load_target(target)
+    fn = load_agent(target)
     return asyncio.run(Worker(fn, connect, concurrency).run())
 
 
@@ -291,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.processes < 1 or not 1 <= args.concurrency <= MAX_SLOTS:
         parser.error(f"--processes must be at least 1 and --concurrency between 1 and {MAX_SLOTS}")
     try:
-        load_target(args.target)  # fail here, once, with a clear message
+        check_endpoint(args.connect)
+        load_agent(args.target)  # fail here, once, with a clear message
         security.check_connect(args.connect, security.client_keys(), "lit worker")
     except ValueError as exc:  # SecurityError included
         print(f"lit worker: error: {exc}", file=sys.stderr)

@@ -14,7 +14,7 @@ from lit_trainer.metrics import MetricsLog
 from lit_trainer.rollouts.runner import RolloutRunner
 from lit_trainer.rollouts.tasks import load_tasks
 from lit_trainer.runs import RunFolder, resolve_checkpoint
-from lit_trainer.services import services
+from lit_trainer.services import check_agent, services
 
 
 def validate(runner: RolloutRunner, tasks: list[dict], log: MetricsLog, step: int, minutes: float,
@@ -51,6 +51,7 @@ def evaluate(cfg: TrainConfig, checkpoint: str | Path | None = None, output: Pat
         model, step, what = str(found.model_dir), found.step, f"checkpoint {found.path} (step {found.step})"
         cfg = replace(cfg, model=model, inference=replace(cfg.inference, model=model))
     _, val_tasks = load_tasks(cfg.data)
+    check_agent(cfg)
     run = RunFolder(cfg.train.output_dir)
     run.dir.mkdir(parents=True, exist_ok=True)
     log = MetricsLog(run.eval_metrics)

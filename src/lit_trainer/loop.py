@@ -38,9 +38,10 @@ from lit_trainer.metrics import MetricsLog, memory_gb, plot_curve, step_line
 from lit_trainer.metrics import read as read_metrics
 from lit_trainer.models import resolve_model
 from lit_trainer.rollouts.feed import StepFeed, StepPlan
+from lit_trainer.rollouts.runner import RolloutsFailed
 from lit_trainer.rollouts.tasks import load_tasks
 from lit_trainer.runs import RunFolder
-from lit_trainer.services import services
+from lit_trainer.services import check_agent, services
 
 T = TypeVar("T")
 
@@ -61,6 +62,7 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
         done = [r for r in read_metrics(out.metrics) if r["kind"] == "validation"]
         return done[-1] if done else {}
     train_tasks, val_tasks = load_tasks(cfg.data)
+    check_agent(cfg)  # importable, @lit.trace, (task, llm): before the model and vLLM load
     torch.manual_seed(cfg.train.seed)
     base_dir = resolve_model(cfg.model)
     # A LoRA policy resumes as the base model plus the checkpoint's adapter (ckpt.restore loads it).
@@ -91,6 +93,11 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
             t0, restarts = time.perf_counter(), fleet.restarts
             batch = feed.take(step)
             step += 1
+            failed = batch.all_failed()
+            if failed:  # a broken agent (or tasks it cannot run): stop now, with the reason, not after N steps
+                raise RolloutsFailed(f"step {step}: {failed}. No step can train on that: fix the agent (run it on "
+                                     "one task with lit_trainer.Playground to see it fail), then start again; "
+                                     f"every attempt's error is in {out.store} (lit show --run {out.dir})")
             work = pipeline.prepare(batch.episodes, cfg, step, batch.dispatched_version)
             store.save_advantages(work.advantages)
             metrics = {**batch.metrics, **work.metrics}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from lit_sdk.processes import stop_children, wait_children
 from lit_sdk.protocol import security
-from lit_sdk.worker import load_target, spawn
+from lit_sdk.worker import load_agent, spawn
 from lit_trainer.config import ConfigError, TrainConfig
 from lit_trainer.engine.fleet import Fleet, Weights
 from lit_trainer.intake.collector import Collector
@@ -38,15 +38,22 @@ class Services:
     runner: RolloutRunner
 
 
+def check_agent(cfg: TrainConfig) -> None:
+    """ConfigError or ValueError, naming the fix, unless ``[agent] function`` names an importable ``@lit.trace``
+    function that takes ``(task, llm)`` (``lit_sdk.worker.load_agent``): checked before any model or server
+    starts."""
+    if not cfg.agent.function:
+        raise ConfigError(f"{cfg.source or 'config'}: [agent] function is not set (module:function)")
+    load_agent(cfg.agent.function)
+
+
 @contextlib.contextmanager
 def services(cfg: TrainConfig, store_path: Path, spool_dir: Path, weights: Weights | None = None
              ) -> Iterator[Services]:
     """Start everything rollouts need, and stop it all (workers, dispatcher, vLLM, collector, store) on the way
     out. ``weights``: what gives the policy's current weights when the fleet takes them (training); None:
     the fleet only serves (``lit eval``). Local workers spool undelivered spans into ``spool_dir``."""
-    if not cfg.agent.function:
-        raise ConfigError(f"{cfg.source or 'config'}: [agent] function is not set (module:function)")
-    load_target(cfg.agent.function)  # a typo fails here, not in a worker's log
+    check_agent(cfg)  # a typo fails here, not in a worker's log
     keys = security.load_server_keys(cfg.security.keys_dir) if cfg.security.keys_dir else None
     with contextlib.ExitStack() as stack:
         store = stack.enter_context(SqliteStore(store_path))

@@ -1,6 +1,9 @@
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from lit_sdk.install import pip_install
 
@@ -146,3 +149,25 @@ def test_a_missing_extra_gives_the_install_command_not_a_traceback(tmp_path):
         out = _cli(*command, block="torch")
         assert out.returncode == 1, (command, out.stderr)
         assert "Traceback" not in out.stderr and pip_install("trainer,vllm") in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(("agent", "words"), [
+    ("def solve(task, llm):\n    return 1.0\n", "my_agent:solve is not decorated with @lit.trace"),
+    ("import lit_sdk as lit\n\n@lit.trace\ndef solve(task):\n    return 1.0\n", "must take (task, llm)"),
+])
+def test_lit_train_names_a_broken_agent_before_the_model_or_vllm_start(tmp_path, agent, words):
+    """An agent without ``@lit.trace`` or with another signature used to start vLLM and fail every rollout of
+    every step; now ``lit train`` stops in one line, before it loads the model or opens the store."""
+    tasks = "\n\ndef tasks(split, n):\n    return [{'id': i} for i in range(n)]\n"
+    (tmp_path / "my_agent.py").write_text(agent + tasks)
+    config = tmp_path / "c.toml"
+    config.write_text('[agent]\nfunction = "my_agent:solve"\n[data]\ntasks = "my_agent:tasks"\ntrain_size = 4\n'
+                      f'val_size = 2\n[train]\noutput_dir = "{tmp_path / "run"}"\n')
+    code = "import sys\nfrom lit_trainer.cli import main\nsys.exit(main(sys.argv[1:]))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}  # this lit, from the agent's folder
+    out = subprocess.run([sys.executable, "-c", code, "train", str(config)], capture_output=True, text=True,
+                         cwd=tmp_path, env=env, timeout=120)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("lit: error:")]
+    assert out.returncode == 1 and "Traceback" not in out.stderr and len(errors) == 1, out.stderr[-3000:]
+    assert words in errors[0], errors
+    assert not (tmp_path / "run" / "lit.sqlite").exists()  # nothing started: no store, no vLLM

@@ -305,6 +305,9 @@ class SqliteStore:
         row = conn.execute("SELECT attributes FROM spans WHERE rollout_id = ? AND parent_id IS NULL AND name = ?",
                            (rollout_id, semconv.ROLLOUT_SPAN)).fetchone()
         if row is None:
+            if not stored:
+                return ("none of its spans was stored: is the agent function decorated with @lit.trace, and did "
+                        "lit.instrument() run in its process (lit worker does both checks)?")
             return f"its root span was not stored ({stored} other spans were)"
         declared = codec.unpackb(row[0], strict_map_key=False).get(semconv.ROLLOUT_SPANS)
         if type(declared) is int and stored < declared:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lit_sdk.resources import LLM
 from lit_trainer.engine.fleet import Fleet, first_line
@@ -59,6 +59,10 @@ class AgentConfig:
             raise ValueError(f"agent.max_tokens must be >= 1, got {self.max_tokens}")
 
 
+class RolloutsFailed(RuntimeError):
+    """Every rollout of a training step failed: nothing can train, and the next step would fail the same way."""
+
+
 @dataclass(frozen=True)
 class RolloutBatch:
     """What a run of rollouts gave."""
@@ -68,6 +72,16 @@ class RolloutBatch:
     dispatched_version: int
     """The weight version the engine held when the oldest of these rollouts was handed out: groups carried over
     from an earlier run are older than the run's own (``RolloutRequest.version``)."""
+    failures: list[str] = field(default_factory=list)
+    """Why each rollout that failed after every retry failed (its last attempt's error), in the order they ended."""
+
+    def all_failed(self) -> str | None:
+        """When every rollout failed: what to tell the user (how many, and the first one's error); else None."""
+        requested = int(self.metrics.get("rollouts/requested", 0))
+        if not requested or self.metrics.get("rollouts/succeeded", 0):
+            return None
+        first = self.failures[0] if self.failures else "no error was reported"
+        return f"all {requested} rollouts failed; the first: {first}"
 
 
 def server_of(k: int, tasks: int, step: int, servers: int) -> int:
@@ -141,4 +155,6 @@ class RolloutRunner:
             metrics["rollouts/carried_groups"] = float(len(earlier))
             metrics["rollouts/groups_in_flight"] = float(len(set(map(group_of, self.dispatcher.carried))))
         dispatched = min((o.request.version for o in outcomes), default=version)
-        return RolloutBatch(episodes, metrics, dispatched)
+        failures = [o.errors[-1] if o.errors else o.status.value for o in outcomes
+                    if o.status is not RolloutStatus.SUCCEEDED]
+        return RolloutBatch(episodes, metrics, dispatched, failures)

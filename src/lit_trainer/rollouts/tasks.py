@@ -3,8 +3,10 @@ A wrong ``[data]`` section raises ValueError naming the key and the fix."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,22 +30,61 @@ def sample_tasks(tasks: list[dict], seed: int, step: int, n: int) -> list[dict]:
 
 
 def load_tasks(data: DataConfig) -> tuple[list[dict], list[dict]]:
-    """The train and validation tasks, from ``module:function`` or a folder of JSONL files."""
+    """The train and validation tasks, from ``module:function`` or a folder of JSONL files; ValueError naming the
+    rule a split breaks (a list of dicts, not empty, each with an ``id``, no id twice)."""
     if not data.tasks:
         raise ValueError("[data] tasks is not set: give module:function or a folder with train.jsonl")
     if ":" in data.tasks:
-        make = load_target(data.tasks)
-        splits = make("train", data.train_size), make("validation", data.val_size)
+        make = load_target(data.tasks, "tasks")
+        try:
+            inspect.signature(make).bind("train", data.train_size)
+        except TypeError:
+            raise ValueError(f"[data] tasks = {data.tasks}: the tasks function must take (split, n), as lit calls "
+                             f"it (split: 'train' or 'validation'); its signature is {inspect.signature(make)}"
+                             ) from None
+        except ValueError:  # no signature to read: the call will tell
+            pass
+        splits = tuple(_as_list(make(name, size), data.tasks, name)
+                       for name, size in (("train", data.train_size), ("validation", data.val_size)))
     else:
         folder = Path(data.tasks)
         splits = tuple(_read_jsonl(folder / f"{name}.jsonl")[:size]
                        for name, size in (("train", data.train_size), ("validation", data.val_size)))
     for name, tasks in zip(("train", "validation"), splits, strict=True):
-        ids = [t.get("id") if isinstance(t, dict) else None for t in tasks]
-        if not tasks or None in ids or len(set(ids)) != len(ids):
-            raise ValueError(f"[data] {data.tasks}: the {name} split must be a non-empty list of dicts with "
-                              "unique 'id' values")
+        problem = _broken_rule(tasks)
+        if problem:
+            raise ValueError(f"[data] tasks = {data.tasks}: the {name} split {problem}. Each split must be a "
+                             "non-empty list of dicts, each with an 'id' that no other task of the split has")
     return list(splits[0]), list(splits[1])
+
+
+def _as_list(made: object, source: str, split: str) -> list:
+    """What the tasks function returned for ``split``, as a list: a generator or other iterable is read once."""
+    if isinstance(made, list):
+        return made
+    if isinstance(made, (str, bytes, dict)) or not isinstance(made, Iterable):
+        raise ValueError(f"[data] tasks = {source}: the tasks function returned a {type(made).__name__} for the "
+                         f"{split} split, not a list of task dicts")
+    return list(made)
+
+
+def _broken_rule(tasks: list) -> str | None:
+    """Which rule of a split ``tasks`` breaks, in words; None when it keeps them all."""
+    if not tasks:
+        return "is empty"
+    seen: dict[object, int] = {}
+    for i, task in enumerate(tasks):
+        if not isinstance(task, dict):
+            return f"has a {type(task).__name__} at position {i}, not a dict"
+        if task.get("id") is None:
+            return f"has a task without an 'id' at position {i} (keys: {sorted(task)[:6]})"
+        key = task["id"]
+        if not isinstance(key, (str, int)):
+            return f"has an id that is a {type(key).__name__} at position {i} (ids are strings or integers)"
+        if key in seen:
+            return f"has the id {key!r} twice (positions {seen[key]} and {i})"
+        seen[key] = i
+    return None
 
 
 def _read_jsonl(path: Path) -> list[dict]:

@@ -170,13 +170,27 @@ def test_a_busy_dispatch_port_is_a_clear_error(rig, tmp_path):
         Dispatcher(SqliteStore(tmp_path / "other.sqlite"), dispatcher.endpoint, "tcp://127.0.0.1:1", [])
 
 
-def test_a_bad_agent_target_is_named(tmp_path):
-    from lit_sdk.worker import load_target
+def test_a_bad_agent_target_is_named(tmp_path, monkeypatch):
+    from lit_sdk.worker import load_agent, load_target
 
     with pytest.raises(ValueError, match="module:function"):
         load_target("no_colon")
     with pytest.raises(ValueError, match="cannot import the agent module"):
         load_target("no_such_module_xyz:fn")
+    (tmp_path / "user_agents.py").write_text(
+        "import functools\nimport lit_sdk as lit\n\n"
+        "def plain(task, llm):\n    return 1.0\n\n"
+        "@lit.trace\ndef one_argument(task):\n    return 1.0\n\n"
+        "@lit.trace\nasync def good(task, llm):\n    return 1.0\n\n"
+        "@functools.wraps(good)\nasync def wrapped(*args):\n    return await good(*args)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"user_agents:plain is not decorated with @lit.trace: .*Put @lit.trace on "
+                                         r"the line above `def plain`"):
+        load_agent("user_agents:plain")
+    with pytest.raises(ValueError, match=r"must take \(task, llm\), as lit calls it; its signature is \(task\)"):
+        load_agent("user_agents:one_argument")
+    assert load_agent("user_agents:good").__name__ == "good"
+    assert load_agent("user_agents:wrapped") is not None  # a wrapper of a traced function is traced
 
 
 def rollout_spans(rollout_id: str, reward: float) -> list[SpanRecord]:

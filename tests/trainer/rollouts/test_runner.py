@@ -117,3 +117,13 @@ def test_groups_carried_over_make_the_batch_as_old_as_their_dispatch():
     batch = run.run([{"id": 0}], group=2, temperature=1.0, step=2, label="s2", version=1, enough=lambda n: False)
     assert batch.metrics["rollouts/requested"] == 4 and batch.dispatched_version == 0
     assert batch.metrics["rollouts/carried_groups"] == 1 and batch.metrics["rollouts/groups_in_flight"] == 0
+
+
+def test_a_batch_whose_rollouts_all_failed_says_so_with_the_first_error():
+    from lit_trainer.rollouts.runner import RolloutBatch
+
+    failed = RolloutBatch([], {"rollouts/requested": 4.0, "rollouts/succeeded": 0.0}, 0,
+                          ["RuntimeError: agent bug", "timed_out"])
+    assert failed.all_failed() == "all 4 rollouts failed; the first: RuntimeError: agent bug"
+    assert RolloutBatch([], {"rollouts/requested": 4.0, "rollouts/succeeded": 1.0}, 0, ["x"]).all_failed() is None
+    assert RolloutBatch([], {"rollouts/requested": 0.0, "rollouts/succeeded": 0.0}, 0).all_failed() is None

@@ -46,9 +46,11 @@ def test_splits_load_from_a_function(tmp_path: Path, monkeypatch):
     ("train", "validation", "words"),
     [
         (None, [{"id": 1}], "no train.jsonl"),
-        ([{"id": 1}, {"id": 1}], [{"id": 2}], "the train split must be a non-empty list of dicts with unique 'id'"),
-        ([{"id": 1}], [{"q": "no id"}], "the validation split must be"),
-        ([{"id": 1}], [], "the validation split must be"),
+        ([{"id": 1}, {"id": 1}], [{"id": 2}], r"the train split has the id 1 twice \(positions 0 and 1\)"),
+        ([{"id": 1}], [{"id": 2}, {"q": "no id"}], r"the validation split has a task without an 'id' at position 1"),
+        ([{"id": 1}], [], "the validation split is empty. Each split must be a non-empty list of dicts"),
+        ([{"id": 1}, [1]], [{"id": 2}], "the train split has a list at position 1, not a dict"),
+        ([{"id": [1]}], [{"id": 2}], "has an id that is a list at position 0"),
     ],
 )
 def test_a_wrong_data_section_names_the_problem(tmp_path: Path, train, validation, words):
@@ -62,3 +64,33 @@ def test_a_wrong_data_section_names_the_problem(tmp_path: Path, train, validatio
 def test_no_tasks_configured_says_how_to_set_them():
     with pytest.raises(ValueError, match=r"\[data\] tasks is not set"):
         load_tasks(DataConfig())
+
+
+def _tasks_module(tmp_path: Path, monkeypatch, body: str) -> str:
+    """A tasks module of its own for each test (``user_tasks_<n>:make``): an imported module stays imported."""
+    name = f"user_tasks_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return f"{name}:make"
+
+
+def test_a_generator_tasks_function_gives_its_tasks(tmp_path: Path, monkeypatch):
+    """A generator was read empty before (its tasks went into the id check): it is read once, as a list."""
+    target = _tasks_module(tmp_path, monkeypatch,
+                           "def make(split, n):\n    for i in range(n):\n        yield {'id': f'{split}{i}'}\n")
+    train, val = load_tasks(DataConfig(tasks=target, train_size=3, val_size=2))
+    assert [t["id"] for t in train] == ["train0", "train1", "train2"] and len(val) == 2
+
+
+@pytest.mark.parametrize(("body", "words"), [
+    ("def make(split):\n    return []\n", r"the tasks function must take \(split, n\).*signature is \(split\)"),
+    ("def make(split, n):\n    return {'id': 1}\n", "returned a dict for the train split, not a list of task dicts"),
+    ("def make(split, n):\n    return None\n", "returned a NoneType for the train split"),
+    ("import no_such_module_xyz\ndef make(split, n):\n    return []\n",
+     "cannot import the tasks module 'user_tasks_.*': No module named 'no_such_module_xyz'"),
+    ("def other(split, n):\n    return []\n", "the tasks module 'user_tasks_.*' has no function 'make'"),
+])
+def test_a_wrong_tasks_function_names_the_rule_it_breaks(tmp_path: Path, monkeypatch, body: str, words: str):
+    target = _tasks_module(tmp_path, monkeypatch, body)
+    with pytest.raises(ValueError, match=words):
+        load_tasks(DataConfig(tasks=target, train_size=3, val_size=2))

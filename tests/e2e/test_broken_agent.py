@@ -1,0 +1,53 @@
+"""A run that cannot train stops at its first step with the reason on the console, with nothing stood in (real
+vLLM, worker, ZeroMQ, SQLite): an agent that raises in every rollout used to run every step of the run, each
+printing ``rollouts 0/N (failed N)``, with the reason only in the store."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+TESTS = Path(__file__).parents[1]
+
+CONFIG = """
+model = "{model}"
+[agent]
+function = "rollout_agents:raises"
+concurrency = 4
+max_tokens = 8
+[data]
+tasks = "rollout_agents:parity_tasks"
+train_size = 8
+val_size = 2
+[train]
+steps = 3
+tasks_per_step = 1
+group_size = 2
+val_every = 0
+output_dir = "{out}"
+[inference]
+cpu_kv_cache_gb = 1
+"""
+
+
+def test_a_run_whose_rollouts_all_fail_stops_at_its_first_step_with_the_agents_error(prepared_model: Path,
+                                                                                      tmp_path: Path):
+    config = tmp_path / "config.toml"
+    config.write_text(CONFIG.format(model=prepared_model, out=tmp_path / "run"))
+    env = {**os.environ, "PYTHONPATH": str(TESTS), "CI": "true"}
+    began = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "lit_trainer.cli", "train", str(config)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    seconds = time.monotonic() - began
+    errors = [line for line in done.stderr.splitlines() if line.startswith("lit: error:")]
+    assert done.returncode == 1 and "Traceback" not in done.stderr and len(errors) == 1, done.stderr[-3000:]
+    assert errors[0].startswith("lit: error: step 1: all 2 rollouts failed; the first: "), errors
+    assert "agent bug on purpose" in errors[0] and "lit_trainer.Playground" in errors[0], errors
+    assert "step 1/3" not in done.stdout and "step 2/3" not in done.stdout, done.stdout[-2000:]
+    print(f"stopped after {seconds:.0f} s (vLLM's start included): {errors[0]}")
