@@ -16,6 +16,7 @@ from pathlib import Path
 
 from lit_sdk.install import pip_install
 from lit_trainer import __version__
+from lit_trainer.metrics import STEP_LINE_LEGEND
 from lit_trainer.models import DEFAULT_MODEL, ModelError
 
 CHECK_PROMPT = "What is the capital of France? Answer in one sentence."
@@ -98,7 +99,8 @@ def _build_parser() -> argparse.ArgumentParser:
     path.set_defaults(run=_model_path)
     model.set_defaults(run=lambda _args: (model.print_help(), 2)[1])
 
-    train = commands.add_parser("train", help="train an agent from a config file", epilog=CONFIG_HELP)
+    train = commands.add_parser("train", help="train an agent from a config file",
+                                epilog=f"{CONFIG_HELP} The console: {STEP_LINE_LEGEND}.")
     train.add_argument("config", type=Path, help="a TOML config (see examples/calc/config.toml)")
     train.add_argument("overrides", nargs="*", default=[], metavar="section.key=value",
                        help="change config values")

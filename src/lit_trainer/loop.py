@@ -34,7 +34,7 @@ from lit_trainer.engine.fleet import SERVING_DTYPES
 from lit_trainer.evaluation import validate
 from lit_trainer.learner import checkpoint as ckpt
 from lit_trainer.learner import distributed
-from lit_trainer.metrics import MetricsLog, memory_gb, plot_curve, step_line
+from lit_trainer.metrics import STEP_LINE_LEGEND, MetricsLog, memory_gb, plot_curve, step_line
 from lit_trainer.metrics import read as read_metrics
 from lit_trainer.models import resolve_model
 from lit_trainer.rollouts.feed import StepFeed, StepPlan
@@ -89,6 +89,7 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
         feed = StepFeed(svc.runner, train_tasks, StepPlan(
             cfg.train.steps, cfg.train.tasks_per_step, cfg.train.group_size, cfg.train.seed, cfg.agent.temperature,
             cfg.train.max_staleness, cfg.train.min_step_groups))
+        print(f"lit: {STEP_LINE_LEGEND}", file=sys.stderr)
         while step < cfg.train.steps and not (cfg.train.max_minutes and minutes >= cfg.train.max_minutes):
             t0, restarts = time.perf_counter(), fleet.restarts
             batch = feed.take(step)
@@ -127,6 +128,12 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
     png = plot_curve(out.metrics, out.curve, title=f"{cfg.agent.function} on {cfg.model}")
     if png:
         print(f"lit: curve written to {png}", file=sys.stderr)
+    final = out.latest_checkpoint()
+    if final is not None:
+        config = cfg.source or "CONFIG"
+        print(f"lit: trained to step {final.step}: the model is {final.model_dir} (a Hugging Face folder). Next: "
+              f"`lit eval {config} --checkpoint {out.dir}` evaluates it, `lit show --run {out.dir}` shows its "
+              f"rollouts, `lit train {config} --resume train.steps={final.step * 2}` trains on", file=sys.stderr)
     return last_val
 
 

@@ -123,6 +123,16 @@ def read(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+STEP_LINE_LEGEND = (
+    "each step prints: reward (the mean return of its rollouts), acc (the share of them at or above "
+    "train.success_reward), rollouts succeeded/requested (failed: after every retry), kl (how far the update moved "
+    "the policy from the one that sampled, loss/approx_kl), clip (the share of tokens whose importance ratio was "
+    "clipped), gap (the mean |trainer - vLLM| logprob of the sampled tokens, in nats: near 0 when vLLM serves the "
+    "trainer's weights), and the seconds of the rollouts, the update and the weight sync; every metric of every step "
+    "is in metrics.jsonl")
+"""What ``step_line``'s fields mean: printed once before the first step, and in ``lit train --help``."""
+
+
 def step_line(step: int, steps: int, m: dict[str, float]) -> str:
     """The one line printed after each step."""
 
