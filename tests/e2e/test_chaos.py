@@ -171,8 +171,8 @@ def test_sigkill_in_rollouts_update_and_sync_then_resume_loses_and_repeats_nothi
     assert "chaos: SIGKILL to vLLM" in log and ("vLLM died during the rollouts of step 3" in log or
                                                 "vLLM died before the weights of step 3 reached it" in log), log[-3000:]
     assert [r["engine/restarts"] for r in train] == [0, 0, 1, 0]  # restarted once, and step 3 ran again
-    # the killed vLLM's shared memory was freed by the trainer (the others, stopped by SIGTERM, freed their own)
-    assert "shared memory that the dead vLLM left" in log, log[-3000:]
+    # no shared memory left behind: a CPU server is one process and makes none (launch.ONE_PROCESS); what a killed
+    # multi-process vLLM leaves, the trainer frees when it starts it again (test_server.py, free_orphan_segments)
     assert free_orphan_segments(began) == [], "vLLM's shared memory left in /dev/shm"
 
     with sqlite3.connect(out / "lit.sqlite") as conn:
