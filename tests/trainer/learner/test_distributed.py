@@ -90,7 +90,8 @@ def sharded_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     """A model whose decoder layers dominate its bytes (as a real one's do), updated by 1 process and by 2 sharded
     ones, each writing the checkpoint of that step (``one``, ``two``); then the second step from each checkpoint
     on the other count: 1 process from the sharded checkpoint (``one_from_two``), 2 sharded from the 1-process one
-    (``two_from_one``), and 1 from 1 (``one_from_one``, the reference)."""
+    (``two_from_one``); and on the same: 2 sharded from theirs (``two_from_two``), 1 from 1 (``one_from_one``, the
+    reference)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tmp = tmp_path_factory.mktemp("sharded")
@@ -103,9 +104,9 @@ def sharded_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     runs = {"one": _run([sys.executable, str(SCRIPT), "--save", str(tmp / "run-one")], tmp / "one.pt", model,
                         script=False),
             "two": _run([*sharded, "--save", str(tmp / "run-two")], tmp / "two.pt", model, script=False)}
-    for name, command, run in (("one_from_two", [sys.executable, str(SCRIPT)], "run-two"),
-                               ("two_from_one", sharded, "run-one"), ("one_from_one", [sys.executable, str(SCRIPT)],
-                                                                      "run-one")):
+    one_process = [sys.executable, str(SCRIPT)]
+    for name, command, run in (("one_from_two", one_process, "run-two"), ("two_from_one", sharded, "run-one"),
+                               ("two_from_two", sharded, "run-two"), ("one_from_one", one_process, "run-one")):
         runs[name] = _run([*command, "--resume", str(tmp / run)], tmp / f"{name}.pt", model, script=False)
     runs["folders"] = {"one": tmp / "run-one", "two": tmp / "run-two"}
     return runs
@@ -146,8 +147,8 @@ def test_two_sharded_processes_take_the_same_update_as_one_holding_half_each(sha
 def test_a_sharded_checkpoint_resumes_on_one_process_and_the_reverse(sharded_runs: dict[str, dict]):
     """The checkpoint of 2 sharded processes holds the whole model (gathered) and each process's shard of the
     AdamW state by parameter name (learner/checkpoint.py): 1 process continues it as it continues its own, and 2
-    sharded processes continue a 1-process checkpoint the same way (weights after the second step of 4 more
-    AdamW steps: within what Adam's order of sums explains)."""
+    sharded processes continue a 1-process checkpoint, and their own, the same way (weights after the second step of
+    4 more AdamW steps: within what Adam's order of sums explains)."""
     from safetensors.torch import load_file
 
     folders = sharded_runs["folders"]
@@ -159,6 +160,7 @@ def test_a_sharded_checkpoint_resumes_on_one_process_and_the_reverse(sharded_run
     assert any(not torch.equal(reference[k], sharded_runs["one"]["weights"][k]) for k in reference)  # it stepped
     _same_adam_steps(reference, sharded_runs["one_from_two"]["weights"], steps=8)
     _same_adam_steps(reference, sharded_runs["two_from_one"]["weights"], steps=8)
+    _same_adam_steps(reference, sharded_runs["two_from_two"]["weights"], steps=8)
 
 
 def test_a_sharded_process_pads_its_share_with_zero_loss_repeats():
