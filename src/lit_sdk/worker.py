@@ -109,16 +109,23 @@ def load_agent(target: str) -> Callable[..., Any]:
         raise ValueError(f"the agent function {target} is not decorated with @lit.trace: its rollouts would record "
                          "nothing the trainer can use, and every one would fail. Put @lit.trace on the line above "
                          f"`def {getattr(fn, '__name__', target)}`")
+    check_takes(fn, ("task", "llm"), f"the agent function {target}")
+    return fn
+
+
+def check_takes(fn: Callable[..., Any], params: tuple[str, ...], subject: str, note: str = "") -> None:
+    """ValueError ``<subject> must take (<params>), as lit calls it; its signature is ...<note>`` unless ``fn`` can
+    be called with ``len(params)`` positional arguments; nothing when it has no signature to read (a builtin, a C
+    callable: the call will tell)."""
     try:
         signature = inspect.signature(fn)
-    except (TypeError, ValueError):  # no signature to read (a builtin, a C callable): the rollout will tell
-        return fn
+    except (TypeError, ValueError):
+        return
     try:
-        signature.bind(None, None)
+        signature.bind(*params)
     except TypeError:
-        raise ValueError(f"the agent function {target} must take (task, llm), as lit calls it; its signature is "
-                         f"{signature}") from None
-    return fn
+        raise ValueError(f"{subject} must take ({', '.join(params)}), as lit calls it; its signature is "
+                         f"{signature}{note}") from None
 
 
 def check_endpoint(endpoint: str) -> None:

@@ -3,14 +3,13 @@ A wrong ``[data]`` section raises ValueError naming the key and the fix."""
 
 from __future__ import annotations
 
-import inspect
 import json
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from lit_sdk.worker import load_target
+from lit_sdk.worker import check_takes, load_target
 
 
 @dataclass(frozen=True)
@@ -36,14 +35,8 @@ def load_tasks(data: DataConfig) -> tuple[list[dict], list[dict]]:
         raise ValueError("[data] tasks is not set: give module:function or a folder with train.jsonl")
     if ":" in data.tasks:
         make = load_target(data.tasks, "tasks")
-        try:
-            inspect.signature(make).bind("train", data.train_size)
-        except TypeError:
-            raise ValueError(f"[data] tasks = {data.tasks}: the tasks function must take (split, n), as lit calls "
-                             f"it (split: 'train' or 'validation'); its signature is {inspect.signature(make)}"
-                             ) from None
-        except ValueError:  # no signature to read: the call will tell
-            pass
+        check_takes(make, ("split", "n"), f"[data] tasks = {data.tasks}: the tasks function",
+                    " (split: 'train' or 'validation')")
         splits = tuple(_as_list(make(name, size), data.tasks, name)
                        for name, size in (("train", data.train_size), ("validation", data.val_size)))
     else:
