@@ -40,3 +40,9 @@ def test_auto_precision_is_bf16_on_the_gpu_within_bf16s_gap(tiny_model: Path):
     assert metrics["policy/grad_norm"] > 0 and all(p.dtype == torch.float32 for p in auto.model.parameters())
     assert torch.backends.cuda.matmul.fp32_precision != "tf32" or not hasattr(torch.backends.cuda.matmul,
                                                                                "fp32_precision")
+
+
+def test_fsdp2_on_the_gpu_over_nccl_matches_the_whole_model(tiny_model: Path):
+    from one_rank_shard import check
+
+    check(tiny_model, "cuda:0", "nccl")  # one rank: NCCL refuses two processes on one GPU

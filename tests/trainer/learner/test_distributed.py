@@ -180,3 +180,9 @@ def test_the_gradient_norm_and_clip_in_one_process_are_torchs():
     assert_close(params[0].grad, torch.tensor([0.6, 0.0, 0.0]), rtol=1e-5, atol=1e-6)
     assert_close(torch.linalg.vector_norm(torch.cat([p.grad for p in params])), torch.tensor(1.0), rtol=1e-5,
                  atol=1e-6)
+
+
+def test_fsdp2_in_a_one_process_group_matches_the_whole_model(tiny_model: Path):
+    from one_rank_shard import check
+
+    check(tiny_model, "cpu", "gloo")  # test_cuda.py runs the same on a GPU over NCCL
