@@ -20,6 +20,8 @@ class Rollout:
     """The policy weight version the trainer served this rollout with, when it says so."""
     agent: str | None = None
     """The agent name for LLM calls that no framework names (``@lit.trace(agent=...)``)."""
+    secret: str | None = None
+    """The attempt's secret from the trainer (``Run.secret``), stamped on the root span."""
 
 
 _rollout: contextvars.ContextVar[Rollout | None] = contextvars.ContextVar("lit_rollout", default=None)
@@ -31,10 +33,12 @@ def current_rollout() -> Rollout | None:
 
 
 @contextlib.contextmanager
-def assign(rollout_id: str, task_id: str = "", attempt: int = 1, weight_version: str | None = None) -> Iterator[None]:
-    """Run the next ``@lit.trace`` function as this rollout, with this id (``lit.assign_rollout``; the trainer's
-    workers and ``lit_trainer.Playground`` use it; outside them a rollout gets a fresh id)."""
-    token = _assigned.set(Rollout(rollout_id, task_id, attempt, weight_version))
+def assign(rollout_id: str, task_id: str = "", attempt: int = 1, weight_version: str | None = None,
+           secret: str | None = None) -> Iterator[None]:
+    """Run the next ``@lit.trace`` function as this rollout, with this id and the trainer's ``secret`` for it
+    (``lit.assign_rollout``; the trainer's workers and ``lit_trainer.Playground`` use it; outside them a rollout
+    gets a fresh id and no secret)."""
+    token = _assigned.set(Rollout(rollout_id, task_id, attempt, weight_version, secret=secret))
     try:
         yield
     finally:

@@ -120,6 +120,8 @@ def to_wire(span: ReadableSpan, rollout: _context.Rollout | None) -> dict[str, A
         attrs[semconv.ROLLOUT_ID] = rollout.rollout_id
         attrs[semconv.TASK_ID] = rollout.task_id
         attrs[semconv.ATTEMPT] = rollout.attempt
+        if rollout.secret is not None and span.parent is None and span.name == semconv.ROLLOUT_SPAN:
+            attrs[semconv.ROLLOUT_SECRET] = rollout.secret
     status = span.status
     return SpanRecord(
         trace_id=format(ctx.trace_id, "032x"),

@@ -29,6 +29,10 @@ ROLLOUT_OUTPUT = "lit.rollout.output"
 """The traced function's return value as JSON (truncated to a bounded length)."""
 ROLLOUT_RETURN_REWARD = "lit.rollout.return_reward"
 """The traced function's numeric return value: the rollout's final reward. Absent when it returned no number."""
+ROLLOUT_SECRET = "lit.rollout.secret"
+"""The secret the trainer handed out with this attempt (``Run.secret``), on the root span only: the trainer stores a
+root only when it carries the secret of a rollout it dispatched, so a peer that learned a rollout id cannot add a
+root of its own (and with it a reward). Absent when run outside the trainer."""
 ROLLOUT_SPANS = "lit.rollout.spans"
 """How many spans of the rollout had ended when its root ended, the root included: the trainer builds an episode
 only when that many are stored (a span lost anywhere on the way makes the rollout incomplete, never quietly

@@ -257,7 +257,7 @@ class Worker:
         llm = LLM.from_dict(m.llm)
         llm = LLM.from_dict({**llm.to_dict(), "base_url": reachable(llm.base_url, self.trainer_host)})
         try:
-            with _context.assign(m.rollout_id, m.task_id, m.attempt, m.weight_version):
+            with _context.assign(m.rollout_id, m.task_id, m.attempt, m.weight_version, m.secret):
                 result = await self._call(m.rollout_id, m.task, llm, m.timeout_s)
         except TimeoutError:
             return "timed_out", None, f"the rollout ran past its timeout of {m.timeout_s:g} s"

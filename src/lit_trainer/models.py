@@ -77,6 +77,14 @@ def resolve_model(name_or_path: str | os.PathLike[str], cache: Path | None = Non
     return folder
 
 
+def vocab_size(name_or_path: str | os.PathLike[str]) -> int | None:
+    """The number of token ids the model embeds (``vocab_size`` of its config.json, also under ``text_config``);
+    None when the config does not say. Token ids at or above it cannot be trained on."""
+    config = json.loads((resolve_model(name_or_path) / "config.json").read_text())
+    size = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
+    return size if type(size) is int and size > 0 else None
+
+
 def prepare_default_model(
     cache: Path | None = None, force: bool = False, log: Callable[[str], None] | None = None
 ) -> PreparedModel:

@@ -32,7 +32,7 @@ from lit_trainer.engine.fleet import Fleet, Score
 from lit_trainer.engine.weight_sync import WeightSyncError
 from lit_trainer.intake.episodes import Episode, Transition, unsupported_sampling
 from lit_trainer.intake.store import AdvantageRow, Store
-from lit_trainer.learner.batching import keep_usable
+from lit_trainer.learner.batching import SAMPLING_FIX, keep_usable
 from lit_trainer.learner.schedule import drop_stale, mask_overlong, run_update
 
 Pairs = list[tuple[Transition, float]]
@@ -75,11 +75,11 @@ def prepare(episodes: Sequence[Episode], cfg: TrainConfig, step: int, dispatched
     if not kept:
         return Prepared([], [], metrics)
     bad = unsupported_sampling(kept)
-    if bad is not None:
-        raise ConfigError(f"transition {bad.rollout_id}#{bad.index} (agent {bad.agent!r}) was sampled with "
-                          f"{bad.sampling_unsupported}: lit computes the trainer's logprobs of softmax(logits / "
-                          "temperature) only, so it cannot train on calls with top-p, top-k, min-p, penalties or a "
-                          "logit bias. Remove them from the agent's LLM settings (temperature alone is supported)")
+    if bad is not None and all(t.sampling_unsupported for e in kept for t in e.transitions):
+        # every call: the agent's settings, not one odd span (which keep_usable skips: update/skipped_sampling)
+        raise ConfigError(f"every transition of step {step} was sampled with settings beyond temperature, e.g. "
+                          f"{bad.rollout_id}#{bad.index} (agent {bad.agent!r}) with {bad.sampling_unsupported}: "
+                          f"{SAMPLING_FIX}")
     advantages, adv_metrics = episode_advantages(kept, cfg.credit, cfg.advantages)
     metrics.update(adv_metrics)
     pairs = [(t, float(a)) for e, adv in zip(kept, advantages, strict=True)

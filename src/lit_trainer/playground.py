@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import inspect
 import json
+import secrets
 import sys
 import threading
 import time
@@ -33,7 +34,7 @@ from lit_trainer.config import TrainConfig
 from lit_trainer.engine.server import InferenceServer
 from lit_trainer.intake.collector import Collector
 from lit_trainer.intake.episodes import Episode, UnusableRollout, build_episode
-from lit_trainer.intake.store import SqliteStore
+from lit_trainer.intake.store import RolloutRow, SqliteStore
 from lit_trainer.runs import Run, RunFolder
 
 STORED_TIMEOUT_S = 30.0
@@ -100,11 +101,14 @@ class Playground:
         """One rollout of ``agent`` (an ``@lit.trace`` function ``fn(task, llm)``) on ``task``; raises nothing
         the agent raises (it is in ``Attempt.error``), only a failure of lit's (spans not stored in time)."""
         llm = self.llm(temperature)
-        rollout_id = f"playground-{uuid.uuid4().hex[:12]}"
+        rollout_id, secret = f"playground-{uuid.uuid4().hex[:12]}", secrets.token_hex(16)
+        assert self.store is not None
+        # handed out as the dispatcher hands out an attempt: the collector stores only the spans of those
+        self.store.add_rollouts([RolloutRow(rollout_id, str(task.get("id", "")), 0, secret=secret)])
         outcome: dict[str, Any] = {}
 
         def call() -> None:
-            with lit.assign_rollout(rollout_id, str(task.get("id", ""))):
+            with lit.assign_rollout(rollout_id, str(task.get("id", "")), secret=secret):
                 try:
                     value = agent(task, llm)
                     outcome["result"] = asyncio.run(value) if inspect.isawaitable(value) else value

@@ -19,6 +19,7 @@ from lit_trainer.config import ConfigError, TrainConfig
 from lit_trainer.engine.fleet import Fleet, Weights
 from lit_trainer.intake.collector import Collector
 from lit_trainer.intake.store import SqliteStore
+from lit_trainer.models import vocab_size
 from lit_trainer.rollouts.dispatcher import Dispatcher
 from lit_trainer.rollouts.runner import RolloutRunner
 
@@ -74,7 +75,7 @@ def services(cfg: TrainConfig, store_path: Path, spool_dir: Path, weights: Weigh
         print(f"lit: workers connect to {dispatcher.endpoint} ({len(workers)} local)", file=sys.stderr)
         dispatcher.wait_for_workers(cfg.agent.local_workers, WORKER_START_TIMEOUT_S)
         runner = RolloutRunner(store, collector, fleet, dispatcher, cfg.agent, cfg.train.success_reward,
-                               session=uuid.uuid4().hex[:8])
+                               session=uuid.uuid4().hex[:8], vocab_size=vocab_size(cfg.inference.model))
         yield Services(store, collector, fleet, dispatcher, runner)
 
 

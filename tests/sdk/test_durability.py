@@ -48,7 +48,8 @@ def agent(i):
     lit.reward(1.0, name="done")
 
 for i in range(int(sys.argv[3]) // 2):  # two spans each: the rollout and its reward
-    agent(i)
+    with lit.assign_rollout("r-agent-%d" % i):  # as the trainer's worker does (the trainer stores what it handed out)
+        agent(i)
 print("ended", flush=True)
 time.sleep(120)
 """
@@ -109,10 +110,13 @@ def move_owner(spool: Path, host: str, pid: int) -> None:
 @pytest.fixture
 def collector(tmp_path):
     """The trainer's real collector, storing into a real SQLite store."""
+    from handed_out import hand_out
+
     from lit_trainer.intake.collector import Collector
     from lit_trainer.intake.store import SqliteStore
 
     with SqliteStore(tmp_path / "lit.db") as store, Collector(store, "tcp://127.0.0.1:0") as running:
+        hand_out(store, "r1", *(f"r-agent-{i}" for i in range(100)))
         yield running
 
 

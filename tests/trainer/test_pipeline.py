@@ -71,9 +71,19 @@ def test_a_step_without_signal_trains_nothing_but_keeps_its_advantages():
     assert pipeline.prepare([episode("a1", "a", 1.0), episode("a2", "a", 1.0)], kl, step=1).trains
 
 
-def test_a_call_sampled_with_settings_lit_cannot_reproduce_stops_the_run():
+def test_a_call_sampled_with_settings_lit_cannot_reproduce_is_skipped_and_counted(caplog):
+    """#27's hole: one span claiming top-p (a forged attribute, or one odd call) raised ConfigError and stopped
+    the run; it now costs that transition (update/skipped_sampling)."""
     episodes = [episode("a1", "a", 1.0), episode("a2", "a", 0.0, **{sc.LLM_SAMPLING_UNSUPPORTED: "top_p=0.9"})]
-    with pytest.raises(ConfigError, match=r"transition a2#0 .* top_p=0.9: .*Remove them"):
+    work = pipeline.prepare(episodes, TrainConfig(), step=1)
+    assert work.metrics["update/skipped_sampling"] == 2.0  # episode() gives each rollout two calls
+    assert [t.rollout_id for t, _ in work.pairs] == ["a1", "a1"]
+    assert "transition a2#0 (agent" in caplog.text and "top_p=0.9: " in caplog.text and "Remove them" in caplog.text
+
+
+def test_an_agent_whose_every_call_samples_beyond_temperature_stops_the_run():
+    episodes = [episode(r, "a", v, **{sc.LLM_SAMPLING_UNSUPPORTED: "top_p=0.9"}) for r, v in (("a1", 1.0), ("a2", 0))]
+    with pytest.raises(ConfigError, match=r"every transition of step 1 .* a1#0 .* top_p=0.9: .*Remove them"):
         pipeline.prepare(episodes, TrainConfig(), step=1)
 
 

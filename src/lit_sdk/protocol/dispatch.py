@@ -113,6 +113,9 @@ class Run:
     """The worker cancels the attempt after this many seconds and reports it ``timed_out``."""
     weight_version: str | None = None
     """The policy weight version serving this rollout, when the trainer says; recorded on LLM spans."""
+    secret: str | None = None
+    """The attempt's secret: its root span carries it (``semconv.ROLLOUT_SECRET``), and the trainer stores a root
+    only with the secret it handed out with this ``Run``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +167,7 @@ _RULES: dict[tuple[type, str], Rule] = {
     (Run, "task_id"): _chars(0, MAX_ID_CHARS),
     (Run, "attempt"): _ATTEMPT,
     (Run, "timeout_s"): (lambda t: 0 < t < math.inf, "positive and finite"),
+    (Run, "secret"): _chars(1, MAX_ID_CHARS),
 }
 """What a field's type does not say: value checks (of a value that is not nil), with the words for a value that
 fails them."""

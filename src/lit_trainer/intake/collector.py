@@ -35,6 +35,7 @@ import zmq
 
 from lit_sdk import protocol
 from lit_sdk.protocol import security
+from lit_trainer.intake import admission
 from lit_trainer.intake.store import Store
 
 log = logging.getLogger("lit")
@@ -66,6 +67,9 @@ class CollectorCounts:
     """Store transactions; ``frames / commits`` is how many frames one transaction carried on average."""
     refused_peers: dict[str, int]
     """Peers refused at the CURVE handshake (with ``keys``), by kind (``security.HandshakeMonitor``)."""
+    refused_spans: dict[str, int]
+    """Spans of valid frames that the store refused (``intake/admission.py``: ``unknown_rollout``,
+    ``wrong_secret``, ``second_root``); their frames were acknowledged."""
 
 
 class Collector:
@@ -100,6 +104,7 @@ class Collector:
         self._lock = threading.Lock()
         self._tally = {"frames": 0, "spans_stored": 0, "duplicates": 0, "commits": 0}
         self._rejected: dict[str, int] = {}
+        self._refused: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -115,7 +120,8 @@ class Collector:
     def counts(self) -> CollectorCounts:
         refused = self._monitor.counts if self._monitor is not None else {}
         with self._lock:
-            return CollectorCounts(**self._tally, rejected=dict(self._rejected), refused_peers=refused)
+            return CollectorCounts(**self._tally, rejected=dict(self._rejected), refused_peers=refused,
+                                   refused_spans=dict(self._refused))
 
     def start(self) -> Collector:
         """Bind (in the caller's thread, so that a busy port raises here) and start the thread."""
@@ -202,13 +208,17 @@ class Collector:
                     break
         if not good:
             return
-        outcomes = self.store.add_packed_span_batches([frame.spans for _, frame in good])
+        outcomes = self.store.add_packed_span_batches([frame.spans for _, frame in good], admit=True)
         with self._lock:  # before the acks, so that whoever saw an ack finds it counted
             t = self._tally
             t["frames"] += len(good)
             t["commits"] += 1
             t["spans_stored"] += sum(o.stored for o in outcomes)
             t["duplicates"] += sum(o.duplicates for o in outcomes)
+            new_kinds = _add_counts(self._refused, [o.refused for o in outcomes])
+        for kind in new_kinds:
+            log.warning("lit: the collector refused a span (%s): %s. Later refusals of this kind are counted in "
+                        "Collector.counts.refused_spans, not logged", kind, admission.EXPLAINED[kind])
         for (envelope, frame), outcome in zip(good, outcomes, strict=True):
             sock.send_multipart([*envelope, protocol.encode_ack(frame.batch, outcome.stored, outcome.duplicates)])
         if self.on_root_span is not None:
@@ -238,6 +248,16 @@ class Collector:
         if n == 1:
             log.warning("lit: the collector rejected a frame (%s): %s. Later rejections of this kind are counted "
                         "in Collector.counts.rejected, not logged", exc.kind, exc)
+
+
+def _add_counts(totals: dict[str, int], counts: list[dict[str, int]]) -> list[str]:
+    """Add ``counts`` into ``totals``; the kinds counted for the first time."""
+    new = []
+    for kind, n in ((k, n) for c in counts for k, n in c.items()):
+        if not totals.get(kind):
+            new.append(kind)
+        totals[kind] = totals.get(kind, 0) + n
+    return new
 
 
 def _require_msgspec() -> None:

@@ -4,8 +4,9 @@ trained, with their rewards.
 Each LLM call that carries the engine's token ids is one action (Agent Lightning's unified data interface): its
 state is the prompt token ids, its action the response token ids, and the behaviour policy's logprobs come with it.
 Rules, in order:
-- The tree is rebuilt from spans in any arrival order; duplicates (same span id) count once; a span whose parent
-  never arrived is kept as a child of the rollout's root (an orphan), so its LLM calls are not lost.
+- The tree is rebuilt from spans in any arrival order; duplicates (same span id) count once; only the spans
+  reachable from the rollout's root through their parent ids belong to it: a span whose parent never arrived (an
+  orphan, or a span forged under a made-up parent) never becomes a transition.
 - LLM calls are ordered by start time (ties: end time, then span id). Calls that failed (error status) or carry no
   token ids are skipped and counted: a retried call therefore contributes only its successful attempt.
 - Only calls of the selected agents become transitions (all agents when none are selected).
@@ -15,6 +16,11 @@ Rules, in order:
   ``lit.reward`` values.
 - A rollout is unusable — reported, never turned into reward 0 — when its root span has not arrived, the rollout
   failed (root error status), no selected call has token ids, or it has no reward at all.
+- Values are checked, since they come from a peer (a buggy agent is one too): a reward that is not a finite number,
+  an attempt that is not a positive integer, a token id that is not an integer of the model's vocabulary
+  (``vocab_size``), a behaviour logprob that is not finite and <= 0, a temperature that is not a positive finite
+  number or sampling settings that are not text make the rollout unusable with that reason (``BAD_*``), counted
+  in ``rollouts/unusable_bad_*``: one bad value costs its rollout, never the run.
 Runtime signals for automatic intermediate rewards are counted per call: errored tool spans and other errored
 spans that started after the call and before the next selected call.
 
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+import math
 from collections.abc import Collection, Iterable
 from dataclasses import asdict, dataclass, field
 
@@ -97,6 +104,11 @@ class Unusable(enum.Enum):
     FAILED = "the rollout failed (its root span has error status)"
     NO_LLM_CALLS = "no LLM call of the selected agents carries token ids"
     NO_REWARD = "the rollout gave no reward (no numeric return value and no lit.reward)"
+    BAD_REWARD = "a reward is not a finite number"
+    BAD_ATTEMPT = "the root span's attempt is not a positive integer"
+    BAD_TOKEN_IDS = "a token id is not an integer of the model's vocabulary"
+    BAD_LOGPROBS = "a behaviour logprob is not a finite number <= 0"
+    BAD_SAMPLING = "a call's temperature is not a positive finite number, or its sampling settings are not text"
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +118,10 @@ class UnusableRollout:
     detail: str = ""
 
 
-def build_episode(spans: Iterable[SpanRecord], agents: Collection[str] | None = None) -> Episode | UnusableRollout:
-    """Rebuild one rollout's episode from its spans (any order, duplicates allowed)."""
+def build_episode(spans: Iterable[SpanRecord], agents: Collection[str] | None = None, vocab_size: int | None = None
+                  ) -> Episode | UnusableRollout:
+    """Rebuild one rollout's episode from its spans (any order, duplicates allowed). ``vocab_size``: the model's
+    (its embedding rows); token ids at or above it make the rollout unusable (None: any id >= 0)."""
     unique = _dedupe(spans)
     roots = [s for s in unique.values() if s.name == sc.ROLLOUT_SPAN and s.parent_id is None]
     rollout_id = roots[0].rollout_id if roots else next((s.rollout_id for s in unique.values()), None) or ""
@@ -121,14 +135,17 @@ def build_episode(spans: Iterable[SpanRecord], agents: Collection[str] | None = 
     calls, skipped = _select_calls(timeline, agents)
     if not calls:
         return UnusableRollout(rollout_id, Unusable.NO_LLM_CALLS, f"{skipped} calls skipped, agents={agents}")
+    bad = _bad_value(root, timeline, calls, vocab_size)
+    if bad is not None:
+        return UnusableRollout(rollout_id, bad[0], bad[1])
     rewards = _rewards(timeline, calls)
     final = root.attributes.get(sc.ROLLOUT_RETURN_REWARD)
-    final = float(final) if isinstance(final, (int, float)) and not isinstance(final, bool) else None
+    final = float(final) if final is not None else None
     if final is None and not rewards:
         return UnusableRollout(rollout_id, Unusable.NO_REWARD)
     episode_return = final if final is not None else sum(value for _, value, _ in rewards)
     task_id = str(root.attributes.get(sc.TASK_ID, ""))
-    attempt = int(root.attributes.get(sc.ATTEMPT, 1))
+    attempt = root.attributes.get(sc.ATTEMPT, 1)
     transitions = _transitions(calls, timeline, rewards, rollout_id, task_id)
     return Episode(rollout_id, task_id, attempt, transitions, final, episode_return, rewards, skipped)
 
@@ -141,17 +158,60 @@ def _dedupe(spans: Iterable[SpanRecord]) -> dict[str, SpanRecord]:
 
 
 def _descendants(root: SpanRecord, unique: dict[str, SpanRecord]) -> list[SpanRecord]:
-    """The root's subtree, with orphans (parent never arrived) of the same rollout or trace hung under the root."""
+    """The root's subtree: the spans reachable from it through their parent ids (orphans left out)."""
     children: dict[str | None, list[SpanRecord]] = {}
     for span in unique.values():
-        parent = span.parent_id if span.parent_id in unique else (root.span_id if span is not root else None)
-        children.setdefault(parent, []).append(span)
-    members, stack = [], [root]
+        if span is not root:
+            children.setdefault(span.parent_id, []).append(span)
+    members, stack, seen = [], [root], {root.span_id}
     while stack:
         span = stack.pop()
         members.append(span)
-        stack.extend(children.get(span.span_id, ()))
-    return [s for s in members if s.rollout_id in (root.rollout_id, None) or s.trace_id == root.trace_id]
+        for child in children.get(span.span_id, ()):
+            if child.span_id not in seen:
+                seen.add(child.span_id)
+                stack.append(child)
+    return members
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_finite(value: object) -> bool:
+    return _is_number(value) and math.isfinite(value)  # type: ignore[arg-type]
+
+
+def _bad_value(root: SpanRecord, timeline: list[SpanRecord], calls: list[SpanRecord], vocab_size: int | None
+               ) -> tuple[Unusable, str] | None:
+    """The first value of the rollout that lit cannot train on, as (reason, what), or None."""
+    final = root.attributes.get(sc.ROLLOUT_RETURN_REWARD)
+    if final is not None and not _is_finite(final):
+        return Unusable.BAD_REWARD, f"the return value {final!r}"
+    for span in timeline:
+        value = span.attributes.get(sc.REWARD_VALUE) if span.name == sc.REWARD_SPAN else None
+        if value is not None and _is_number(value) and not math.isfinite(value):
+            return Unusable.BAD_REWARD, f"lit.reward({value!r}) in span {span.span_id}"
+    attempt = root.attributes.get(sc.ATTEMPT, 1)
+    if not (type(attempt) is int and attempt >= 1):
+        return Unusable.BAD_ATTEMPT, f"attempt {attempt!r}"
+    high = vocab_size if vocab_size is not None else float("inf")
+    for call in calls:
+        attrs, where = call.attributes, f"LLM call {call.span_id}"
+        for key in (sc.LLM_PROMPT_TOKEN_IDS, sc.LLM_RESPONSE_TOKEN_IDS):
+            wrong = [i for i in attrs[key] if not (type(i) is int and 0 <= i < high)][:1]
+            if wrong:
+                return Unusable.BAD_TOKEN_IDS, f"{where}: token id {wrong[0]!r} (vocabulary size {vocab_size})"
+        logprobs = attrs.get(sc.LLM_RESPONSE_LOGPROBS)
+        if isinstance(logprobs, list) and not all(_is_finite(x) and x <= 0 for x in logprobs):
+            wrong = next(x for x in logprobs if not (_is_finite(x) and x <= 0))
+            return Unusable.BAD_LOGPROBS, f"{where}: logprob {wrong!r}"
+        temperature = attrs.get(sc.LLM_TEMPERATURE)
+        unsupported = attrs.get(sc.LLM_SAMPLING_UNSUPPORTED, "")
+        if (temperature is not None and not (_is_finite(temperature) and temperature > 0)) or \
+                not isinstance(unsupported, str):
+            return Unusable.BAD_SAMPLING, f"{where}: temperature {temperature!r}, other settings {unsupported!r}"
+    return None
 
 
 def _is_llm_call(span: SpanRecord) -> bool:
@@ -184,7 +244,7 @@ def _rewards(timeline: list[SpanRecord], calls: list[SpanRecord]) -> list[tuple[
     starts = [c.start_ns for c in calls]
     rewards = []
     for span in timeline:
-        if span.name == sc.REWARD_SPAN and isinstance(span.attributes.get(sc.REWARD_VALUE), (int, float)):
+        if span.name == sc.REWARD_SPAN and _is_number(span.attributes.get(sc.REWARD_VALUE)):
             value = float(span.attributes[sc.REWARD_VALUE])
             name = str(span.attributes.get(sc.REWARD_NAME, ""))
             rewards.append((name, value, _preceding_call(span.start_ns, starts)))
@@ -242,8 +302,8 @@ def _transitions(
 
 
 def _temperature(value: object) -> float:
-    """A call's recorded temperature; 1.0 (the engine's default) when it set none."""
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 1.0
+    """A call's recorded temperature (checked by ``_bad_value``); 1.0 (the engine's default) when it set none."""
+    return float(value) if _is_number(value) else 1.0
 
 
 def _weight_version(value: object) -> int | None:

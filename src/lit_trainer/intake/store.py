@@ -45,6 +45,7 @@ from typing import Any, Protocol
 
 from lit_sdk import semconv
 from lit_sdk.protocol import SPAN_FIELDS, PackedSpan, SpanRecord, codec, pack_span
+from lit_trainer.intake.admission import Admission, is_root
 
 SCHEMA_VERSION = 2
 """1: spans in a rowid table with span-id and rollout indexes. 2: ``WITHOUT ROWID``, keyed by (rollout, span).
@@ -90,6 +91,8 @@ class RolloutRow:
     started_at: float | None = None
     ended_at: float | None = None
     error: str | None = None
+    secret: str | None = None
+    """What the attempt's root span must carry to be stored (intake/admission.py); None: a root without one."""
 
 
 @dataclass(slots=True)
@@ -128,6 +131,8 @@ class BatchOutcome:
     duplicates: int
     new_roots: list[str] = field(default_factory=list)
     """Rollout ids of the rollout root spans this batch stored for the first time."""
+    refused: dict[str, int] = field(default_factory=dict)
+    """Spans not stored, by ``admission.EXPLAINED`` kind (not counted in ``duplicates``)."""
 
 
 class Store(Protocol):
@@ -135,7 +140,8 @@ class Store(Protocol):
 
     def add_spans(self, records: Sequence[SpanRecord]) -> tuple[int, int]: ...
     def add_span_batches(self, batches: Sequence[Sequence[SpanRecord]]) -> list[BatchOutcome]: ...
-    def add_packed_span_batches(self, batches: Sequence[Sequence[PackedSpan]]) -> list[BatchOutcome]: ...
+    def add_packed_span_batches(self, batches: Sequence[Sequence[PackedSpan]], admit: bool = False
+                                ) -> list[BatchOutcome]: ...
     def spans_of_rollout(self, rollout_id: str) -> list[SpanRecord]: ...
     def missing_spans(self, rollout_id: str) -> str | None: ...
     def add_rollouts(self, rows: Iterable[RolloutRow]) -> None: ...
@@ -183,11 +189,7 @@ _SPAN_COLUMNS = ", ".join(SPAN_FIELDS)
 _INSERT_SPAN = (f"INSERT OR IGNORE INTO spans ({_SPAN_COLUMNS}) VALUES "
                 f"({', '.join(_ROLLOUT_KEY_IN if f == 'rollout_id' else '?' for f in SPAN_FIELDS)})")
 _SELECT_SPANS = f"SELECT {', '.join(_ROLLOUT_KEY_OUT if f == 'rollout_id' else f for f in SPAN_FIELDS)} FROM spans"
-_ROLLOUT_COLUMNS = "rollout_id, task_id, step, attempt, status, created_at, started_at, ended_at, error"
-
-
-def _is_root(span: PackedSpan) -> bool:
-    return span.parent_id is None and span.name == semconv.ROLLOUT_SPAN and span.rollout_id is not None
+_ROLLOUT_COLUMNS = "rollout_id, task_id, step, attempt, status, created_at, started_at, ended_at, error, secret"
 
 
 class SqliteStore:
@@ -242,6 +244,7 @@ class SqliteStore:
             for statement in filter(str.strip, (_SCHEMA + _ADDED).split(";")):
                 conn.execute(statement)
             conn.execute("INSERT INTO lit_schema VALUES (?, ?)", (_APP, SCHEMA_VERSION))
+            self._add_columns(conn)
             return
         if "lit_schema" not in tables:
             raise StoreError(f"{self.path} is an SQLite database but not a lit store (no lit_schema table; "
@@ -254,6 +257,14 @@ class SqliteStore:
                              f"{SCHEMA_VERSION} only (use a new store file, or the lit version that wrote it)")
         for statement in filter(str.strip, _ADDED.split(";")):
             conn.execute(statement)
+        self._add_columns(conn)
+
+    @staticmethod
+    def _add_columns(conn: sqlite3.Connection) -> None:
+        """Columns added to schema version 2 since (an earlier lit reads the store without them)."""
+        columns = {row[1] for row in conn.execute("PRAGMA table_info(rollouts)")}
+        if "secret" not in columns:
+            conn.execute("ALTER TABLE rollouts ADD COLUMN secret TEXT")
 
     def close(self) -> None:
         """Close every thread's connection. Idempotent; later calls of any method raise StoreError."""
@@ -275,20 +286,35 @@ class SqliteStore:
         pack = codec.packer()
         return self.add_packed_span_batches([[pack_span(r, pack) for r in records] for records in batches])
 
-    def add_packed_span_batches(self, batches: Sequence[Sequence[PackedSpan]]) -> list[BatchOutcome]:
-        """``add_span_batches`` for spans whose attributes and events are already MessagePack (the collector's)."""
+    def add_packed_span_batches(self, batches: Sequence[Sequence[PackedSpan]], admit: bool = False
+                                ) -> list[BatchOutcome]:
+        """``add_span_batches`` for spans whose attributes and events are already MessagePack (the collector's).
+        ``admit``: the spans come from peers (the collector): only spans of rollouts this store holds are stored,
+        and one root per rollout, carrying its secret (intake/admission.py); the others are counted in
+        ``BatchOutcome.refused``. Without it the caller is trusted (the trainer's own code, tools, tests)."""
         conn = self._conn()
         outcomes = []
         with self._write(conn):
+            admission = Admission(lambda rollout_id: self._admission_of(conn, rollout_id))
             for spans in batches:
                 before = conn.total_changes
+                admitted, refused = admission.admit(spans) if admit else (spans, {})
                 # Roots one by one, to learn which were new; the rest (nine in ten spans) in one call.
-                roots = [s for s in spans if _is_root(s)]
-                conn.executemany(_INSERT_SPAN, [s for s in spans if not _is_root(s)] if roots else spans)
+                roots = [s for s in admitted if is_root(s)]
+                conn.executemany(_INSERT_SPAN, [s for s in admitted if not is_root(s)] if roots else admitted)
                 new_roots = [s.rollout_id for s in roots if conn.execute(_INSERT_SPAN, s).rowcount]
                 stored = conn.total_changes - before
-                outcomes.append(BatchOutcome(stored, len(spans) - stored, new_roots))  # type: ignore[arg-type]
+                outcomes.append(BatchOutcome(stored, len(admitted) - stored, new_roots, refused))  # type: ignore[arg-type]
         return outcomes
+
+    @staticmethod
+    def _admission_of(conn: sqlite3.Connection, rollout_id: str) -> tuple[str | None, str | None] | None:
+        row = conn.execute("SELECT secret FROM rollouts WHERE rollout_id = ?", (rollout_id,)).fetchone()
+        if row is None:
+            return None
+        root = conn.execute("SELECT span_id FROM spans WHERE rollout_id = ? AND parent_id IS NULL AND name = ?",
+                            (rollout_id, semconv.ROLLOUT_SPAN)).fetchone()
+        return row[0], None if root is None else root[0]
 
     def spans_of_rollout(self, rollout_id: str) -> list[SpanRecord]:
         """Every stored span of the rollout, ordered by start time (then span id)."""
@@ -320,11 +346,12 @@ class SqliteStore:
         """Insert new rollouts in one transaction; a rollout id already stored is an error (nothing is written)."""
         now = time.time()
         values = [(r.rollout_id, r.task_id, r.step, r.attempt, RolloutStatus(r.status).value,
-                   now if r.created_at is None else r.created_at, r.started_at, r.ended_at, r.error) for r in rows]
+                   now if r.created_at is None else r.created_at, r.started_at, r.ended_at, r.error, r.secret)
+                  for r in rows]
         conn = self._conn()
         try:
             with self._write(conn):
-                conn.executemany(f"INSERT INTO rollouts ({_ROLLOUT_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?)", values)
+                conn.executemany(f"INSERT INTO rollouts ({_ROLLOUT_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?)", values)
         except sqlite3.IntegrityError as exc:
             raise StoreError(f"add_rollouts: a rollout id is already stored ({exc})") from None
 
@@ -466,4 +493,4 @@ class _WriteTransaction:
 
 def _rollout_row(row: tuple) -> RolloutRow:
     return RolloutRow(rollout_id=row[0], task_id=row[1], step=row[2], attempt=row[3], status=RolloutStatus(row[4]),
-                      created_at=row[5], started_at=row[6], ended_at=row[7], error=row[8])
+                      created_at=row[5], started_at=row[6], ended_at=row[7], error=row[8], secret=row[9])

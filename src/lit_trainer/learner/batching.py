@@ -183,12 +183,20 @@ def _cost(unit: list[int], rows: list) -> int:
     return start + sum(len(rows[i][0]) - rows[i][1] for i in unit)
 
 
+SAMPLING_FIX = ("lit computes the trainer's logprobs of softmax(logits / temperature) only, so it cannot train on "
+                "calls with top-p, top-k, min-p, penalties or a logit bias. Remove them from the agent's LLM settings "
+                "(temperature alone is supported)")
+
+
 def unusable(t: Transition, config: BatchingConfig) -> str | None:
     """Why ``t`` cannot be trained on, as a metric name, or None: ``empty`` (no prompt or no response tokens),
     ``no_logprobs`` (its engine returned no behaviour logprobs), ``logprobs_length`` (not one per response token),
-    ``prompt_too_long`` (over ``max_prompt_tokens`` without ``truncate_prompt_left``)."""
+    ``prompt_too_long`` (over ``max_prompt_tokens`` without ``truncate_prompt_left``), ``sampling`` (sampled with
+    settings beyond temperature, whose logprobs the trainer cannot compute)."""
     if not t.response_ids or not t.prompt_ids:
         return "empty"
+    if t.sampling_unsupported:
+        return "sampling"
     if t.logprobs is None:
         return "no_logprobs"
     if len(t.logprobs) != len(t.response_ids):
@@ -203,6 +211,7 @@ def explain(t: Transition, reason: str, config: BatchingConfig) -> str:
     where = f"transition {t.rollout_id}#{t.index}"
     return {
         "empty": f"{where} has an empty prompt or response",
+        "sampling": f"{where} (agent {t.agent!r}) was sampled with {t.sampling_unsupported}: {SAMPLING_FIX}",
         "no_logprobs": f"{where} has no behaviour logprobs: its engine did not return them (lit asks vLLM for them; "
                        "check that the agent's calls go to the lit-managed server)",
         "logprobs_length": f"{where} has {len(t.logprobs or [])} behaviour logprobs for {len(t.response_ids)} "

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -141,6 +142,8 @@ class _Attempt:
     """Whether a heartbeat of its worker listed it."""
     unlisted: int = 0
     """Heartbeats of its worker since its ``Run`` that did not list it."""
+    secret: str = field(default_factory=lambda: secrets.token_hex(16))
+    """Handed out with its ``Run`` and stored with the rollout: its root span must carry it (intake/admission.py)."""
 
     @property
     def rollout_id(self) -> str:
@@ -336,8 +339,8 @@ class Dispatcher:
         return [self._round.running[rid] for rid in sorted(worker.running)]
 
     def _enqueue(self, attempts: list[_Attempt]) -> None:
-        self.store.add_rollouts(RolloutRow(a.rollout_id, a.request.task_id, a.request.step, a.number)
-                                for a in attempts)
+        self.store.add_rollouts(RolloutRow(a.rollout_id, a.request.task_id, a.request.step, a.number,
+                                           secret=a.secret) for a in attempts)
         self._round.queue.extend(attempts)
 
     def _assign(self) -> None:
@@ -356,7 +359,7 @@ class Dispatcher:
             self.store.set_rollout_status(attempt.rollout_id, RolloutStatus.RUNNING)
             r = attempt.request
             self._send(worker.identity, Run(attempt.rollout_id, r.task_id, attempt.number, r.task, r.llm.to_dict(),
-                                            self.config.rollout_timeout_s))
+                                            self.config.rollout_timeout_s, secret=attempt.secret))
 
     def _drain(self, timeout_ms: int) -> None:
         """Read and handle every waiting message, in order (waiting up to ``timeout_ms`` for the first). A bad

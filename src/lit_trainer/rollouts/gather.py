@@ -4,18 +4,22 @@
 from __future__ import annotations
 
 import collections
+import logging
 
 from lit_trainer.intake.episodes import Episode, UnusableRollout, build_episode
 from lit_trainer.intake.store import RolloutStatus, Store
 from lit_trainer.rollouts.dispatcher import Outcome
 
+log = logging.getLogger("lit")
 
-def gather_episodes(store: Store, outcomes: list[Outcome], agents: tuple[str, ...], success: float
-                    ) -> tuple[list[Episode], dict[str, float]]:
+
+def gather_episodes(store: Store, outcomes: list[Outcome], agents: tuple[str, ...], success: float,
+                    vocab_size: int | None = None) -> tuple[list[Episode], dict[str, float]]:
     """Episodes of the succeeded rollouts (saved to the store), and counts; failures give no episode, and neither
     does a rollout whose spans are not all stored (``rollouts/unusable_incomplete``: the dispatcher retries those,
     this is the last guard). Tasks that carry a string ``"kind"`` also get ``accuracy/<kind>`` and
-    ``reward/<kind>`` (``per_kind``)."""
+    ``reward/<kind>`` (``per_kind``). ``vocab_size``: the policy's, which every token id must be below
+    (``build_episode``)."""
     episodes: list[Episode] = []
     returns_of: dict[str, float] = {}
     unusable: collections.Counter[str] = collections.Counter()
@@ -25,8 +29,12 @@ def gather_episodes(store: Store, outcomes: list[Outcome], agents: tuple[str, ..
         if store.missing_spans(outcome.rollout_id) is not None:
             unusable["incomplete"] += 1
             continue
-        result = build_episode(store.spans_of_rollout(outcome.rollout_id), agents or None)
+        result = build_episode(store.spans_of_rollout(outcome.rollout_id), agents or None, vocab_size)
         if isinstance(result, UnusableRollout):
+            if not any(k.startswith("bad_") for k in unusable) and result.reason.name.startswith("BAD_"):
+                log.warning("lit: rollout %s is not trained on (rollouts/unusable_%s): %s: %s. Later ones are "
+                            "counted in the metrics, not logged", result.rollout_id, result.reason.name.lower(),
+                            result.reason.value, result.detail)
             unusable[result.reason.name.lower()] += 1
             continue
         store.save_episode(outcome.rollout_id, result.to_dict(), result.episode_return)

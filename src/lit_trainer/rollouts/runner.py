@@ -96,9 +96,11 @@ class RolloutRunner:
     from ``store``; ``session`` makes the rollout ids of this run unique."""
 
     def __init__(self, store: Store, collector: Collector, fleet: Fleet, dispatcher: Dispatcher, agent: AgentConfig,
-                 success_reward: float, session: str) -> None:
+                 success_reward: float, session: str, vocab_size: int | None = None) -> None:
         self.store, self.collector, self.fleet, self.dispatcher = store, collector, fleet, dispatcher
         self.agent, self.success_reward, self.session = agent, success_reward, session
+        self.vocab_size = vocab_size
+        """The served model's, which every token id of an episode must be below (``build_episode``)."""
 
     def check(self) -> None:
         """Raise if a service the rollouts need has stopped: the collector (``CollectorError``: a full disk, say)
@@ -149,7 +151,8 @@ class RolloutRunner:
         with bar:
             outcomes = self.dispatcher.run(requests, progress, check=self.check, enough=enough)
         self.check()
-        episodes, metrics = gather_episodes(self.store, outcomes, self.agent.agents, self.success_reward)
+        episodes, metrics = gather_episodes(self.store, outcomes, self.agent.agents, self.success_reward,
+                                            self.vocab_size)
         if enough is not None:
             earlier = {group_of(o.request) for o in outcomes if o.request.step != step}
             metrics["rollouts/carried_groups"] = float(len(earlier))

@@ -14,6 +14,7 @@ import msgpack
 import pytest
 import zmq
 from fake_llm import FakeLLM
+from handed_out import hand_out
 from openai import OpenAI
 
 import lit_sdk as lit
@@ -62,9 +63,15 @@ class Client:
         self.sock.close()
 
 
+HANDED_OUT = ("r1", "r7", "rA", "rB", "rZ", *(f"r{i}" for i in range(10)))
+"""The rollouts these tests send spans of, registered as the dispatcher registers what it hands out."""
+
+
 @pytest.fixture
 def store(tmp_path):
     with SqliteStore(tmp_path / "lit.db") as s:
+        hand_out(s, *HANDED_OUT)
+        hand_out(s, "r-agent", secret="the-attempt-secret")
         yield s
 
 
@@ -315,7 +322,8 @@ def test_end_to_end_from_a_real_instrumented_agent(store, tmp_path):
                 lit.reward(0.5, name="halfway")
                 return 1.0
 
-            assert solve("2+3?") == 1.0
+            with lit.assign_rollout("r-agent", secret="the-attempt-secret"):  # as a lit worker does
+                assert solve("2+3?") == 1.0
             counts = lit.flush(timeout=WAIT_S)
             assert counts.pending == 0 and counts.rejected == 0 and counts.dropped == 0
             assert finished.wait(WAIT_S)

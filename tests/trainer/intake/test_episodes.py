@@ -6,6 +6,7 @@ The golden files in tests/trainer/intake/golden/ come from tests/sdk/test_framew
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -146,15 +147,74 @@ def test_retried_llm_call_keeps_only_the_successful_attempt():
     assert episode.skipped_calls == 1
 
 
-def test_missing_parent_keeps_the_orphan_under_the_root():
+def test_an_orphan_never_becomes_a_transition():
+    """#27's hole: an LLM span with a made-up parent (a forger's, who knows the rollout id but no span id of it)
+    became a trained transition of that rollout; so did a second parentless span."""
     t = Tree()
     root = t.root()
-    lost_parent = "f" * 16  # never arrives
+    made_up_parent = "f" * 16  # no span of the rollout has this id
     t.llm(root, 10)
-    t.add(sc.LLM_SPAN, lost_parent, 20, 25, **{sc.AGENT_NAME: "solver", sc.LLM_PROMPT_TOKEN_IDS: [20],
-                                                sc.LLM_RESPONSE_TOKEN_IDS: [3], sc.LLM_RESPONSE_LOGPROBS: [-1.0]})
+    forged = {sc.AGENT_NAME: "solver", sc.LLM_PROMPT_TOKEN_IDS: [20], sc.LLM_RESPONSE_TOKEN_IDS: [3],
+              sc.LLM_RESPONSE_LOGPROBS: [-1.0]}
+    t.add(sc.LLM_SPAN, made_up_parent, 20, 25, **forged)
+    t.add(sc.LLM_SPAN, None, 30, 35, **forged)
+    orphan_parent = t.add("tool", made_up_parent, 40, 50)
+    t.llm(orphan_parent, 41)  # a whole forged subtree
     episode = build_episode(t.spans)
-    assert [tr.prompt_ids for tr in episode.transitions] == [[10, 11], [20]]
+    assert [tr.prompt_ids for tr in episode.transitions] == [[10, 11]]
+
+
+BAD_VALUES = {  # #27's holes: each one raised in the trainer (assert, ValueError, IndexError) or went through
+    "nan_return": (Unusable.BAD_REWARD, lambda t, root, call: t.spans.__setitem__(0, _with(
+        t.spans[0], **{sc.ROLLOUT_RETURN_REWARD: float("nan")}))),
+    "inf_reward": (Unusable.BAD_REWARD, lambda t, root, call: t.reward(root, 20, float("inf"))),
+    "text_return": (Unusable.BAD_REWARD, lambda t, root, call: t.spans.__setitem__(0, _with(
+        t.spans[0], **{sc.ROLLOUT_RETURN_REWARD: "1.0"}))),
+    "text_attempt": (Unusable.BAD_ATTEMPT, lambda t, root, call: t.spans.__setitem__(0, _with(
+        t.spans[0], **{sc.ATTEMPT: "x"}))),
+    "huge_token_id": (Unusable.BAD_TOKEN_IDS, lambda t, root, call: t.llm(root, 30, ids=(1_000_000_000,))),
+    "negative_token_id": (Unusable.BAD_TOKEN_IDS, lambda t, root, call: t.llm(root, 30, ids=(-1,))),
+    "text_token_id": (Unusable.BAD_TOKEN_IDS, lambda t, root, call: t.llm(root, 30, ids=("7",))),
+    "positive_logprob": (Unusable.BAD_LOGPROBS, lambda t, root, call: _set(t, call, **{
+        sc.LLM_RESPONSE_LOGPROBS: [-0.5, 3.0]})),
+    "nan_logprob": (Unusable.BAD_LOGPROBS, lambda t, root, call: _set(t, call, **{
+        sc.LLM_RESPONSE_LOGPROBS: [float("nan"), -0.5]})),
+    "text_logprob": (Unusable.BAD_LOGPROBS, lambda t, root, call: _set(t, call, **{
+        sc.LLM_RESPONSE_LOGPROBS: ["-0.5", -0.5]})),
+    "text_temperature": (Unusable.BAD_SAMPLING, lambda t, root, call: _set(t, call, **{sc.LLM_TEMPERATURE: "hot"})),
+    "zero_temperature": (Unusable.BAD_SAMPLING, lambda t, root, call: _set(t, call, **{sc.LLM_TEMPERATURE: 0.0})),
+    "map_sampling": (Unusable.BAD_SAMPLING, lambda t, root, call: _set(t, call, **{
+        sc.LLM_SAMPLING_UNSUPPORTED: {"top_p": 0.9}})),
+}
+
+
+def _with(span: SpanRecord, **attrs) -> SpanRecord:
+    return dataclasses.replace(span, attributes={**span.attributes, **attrs})
+
+
+def _set(t: Tree, span_id: str, **attrs) -> None:
+    i = next(i for i, s in enumerate(t.spans) if s.span_id == span_id)
+    t.spans[i] = _with(t.spans[i], **attrs)
+
+
+@pytest.mark.parametrize("case", sorted(BAD_VALUES))
+def test_a_value_lit_cannot_train_on_makes_the_rollout_unusable_with_its_reason(case):
+    reason, spoil = BAD_VALUES[case]
+    t = Tree()
+    root = t.root()
+    call = t.llm(root, 10)
+    assert isinstance(build_episode(t.spans, vocab_size=64), Episode)  # the same tree before
+    spoil(t, root, call)
+    result = build_episode(t.spans, vocab_size=64)
+    assert isinstance(result, UnusableRollout) and result.reason is reason, result
+    assert result.detail  # which value, in words
+
+
+def test_token_ids_are_checked_against_the_vocabulary():
+    t = Tree()
+    t.llm(t.root(), 10, ids=(63,))
+    assert isinstance(build_episode(t.spans, vocab_size=64), Episode)
+    assert build_episode(t.spans, vocab_size=63).reason is Unusable.BAD_TOKEN_IDS
 
 
 def test_spans_arriving_after_the_root_give_the_same_episode():

@@ -15,9 +15,10 @@ import msgpack
 import psutil
 import pytest
 import zmq
+from handed_out import hand_out
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_collector import WAIT_S, Client, span, spans_frame
+from test_collector import HANDED_OUT, WAIT_S, Client, span, spans_frame
 from waiting import wait_until
 from zmq.utils.monitor import recv_monitor_message
 
@@ -27,10 +28,13 @@ from lit_sdk import semconv as sc
 from lit_trainer.intake.collector import Collector, CollectorError
 from lit_trainer.intake.store import SqliteStore
 
+HANDED_OUT = ("r", "r-complete", "r-lossy", "good", *HANDED_OUT)
+
 
 @pytest.fixture
 def store(tmp_path):
     with SqliteStore(tmp_path / "lit.db") as s:
+        hand_out(s, *HANDED_OUT)
         yield s
 
 
@@ -84,6 +88,7 @@ class FullStore(SqliteStore):
 def test_a_full_disk_stops_the_collector_loudly_and_loses_nothing(tmp_path):
     """Hole: the collector thread died silently on a full disk, and the trainer went on with empty rollouts."""
     store = FullStore(tmp_path / "lit.db")
+    hand_out(store, "r")
     store.pages = store._conn().execute("PRAGMA page_count").fetchone()[0] + 2  # room for a few small frames
     collector = Collector(store, "tcp://127.0.0.1:0").start()
     client = Client(collector.endpoint)
@@ -150,9 +155,9 @@ def test_a_turn_holds_a_bounded_number_of_bytes(store):
     seen: list[int] = []
     original = store.add_packed_span_batches
 
-    def record(batches):
+    def record(batches, admit=False):
         seen.append(len(batches))
-        return original(batches)
+        return original(batches, admit)
 
     store.add_packed_span_batches = record
     with Collector(store, "tcp://127.0.0.1:0", max_turn_bytes=50_000) as collector:
@@ -340,7 +345,8 @@ def test_a_collector_killed_between_commit_and_ack_stores_each_span_once(tmp_pat
         s.bind(("127.0.0.1", 0))
         endpoint = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     db = tmp_path / "lit.db"
-    SqliteStore(db).close()
+    with SqliteStore(db) as store:
+        hand_out(store, *HANDED_OUT)
     child = subprocess.Popen([sys.executable, "-c", _KILLED_COLLECTOR, str(db), endpoint], stdout=subprocess.PIPE,
                              text=True)
     assert child.stdout.readline().strip() == "ready"

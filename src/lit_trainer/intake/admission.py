@@ -1,0 +1,90 @@
+"""Which spans the store takes: only those of rollouts the trainer handed out, and only one root per attempt,
+carrying the secret handed out with it.
+
+The trainer hands each attempt out with a ``Run`` that carries a random secret (``Run.secret``, 128 bits), and
+stores the secret with the rollout. The agent's root span carries it back (``semconv.ROLLOUT_SECRET``). A root
+span decides a rollout's reward, so:
+
+    a span of a rollout the store does not know         refused: unknown_rollout
+    a root whose secret is not the attempt's            refused: wrong_secret
+    a second root of an attempt (another span id)       refused: second_root   (the first one stays)
+
+A peer that learned a rollout id (from a log, or by guessing) therefore cannot add a root of its own, nor a reward
+with it. Its other spans may be stored, but they hang under no root: an episode is built from the spans reachable
+from the root through their parent ids (intake/episodes.py drops orphans), and span ids are random 64-bit numbers
+that travel only from the agent to the collector. The refusals are counted by kind in the collector's counts;
+the frame that carried them is still acknowledged, so an honest sender does not send it again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from lit_sdk import semconv
+from lit_sdk.protocol import PackedSpan, codec
+
+EXPLAINED = {
+    "unknown_rollout": "a span of a rollout this trainer did not hand out (an agent of another run or trainer "
+                       "sends here, or a peer forges spans)",
+    "wrong_secret": "a rollout root span without the secret handed out with its attempt (a forged root, or an agent "
+                    "run with lit.assign_rollout outside the trainer's workers)",
+    "second_root": "a second root span for one rollout attempt (the first one stays)",
+}
+"""The kinds of refused span, in the collector's ``refused_spans`` counts, in words."""
+
+
+def is_root(span: PackedSpan) -> bool:
+    """A rollout's root span: ``lit.rollout`` without a parent, in a rollout."""
+    return span.parent_id is None and span.name == semconv.ROLLOUT_SPAN and span.rollout_id is not None
+
+
+def secret_of(span: PackedSpan) -> object:
+    """The secret a root span carries (None when it carries none, or its attributes do not decode as a map)."""
+    try:
+        attributes = codec.unpackb(span.attributes, strict_map_key=False)
+    except ValueError:
+        return None
+    return attributes.get(semconv.ROLLOUT_SECRET) if isinstance(attributes, dict) else None
+
+
+@dataclass
+class Admission:
+    """The admission of one store transaction's spans. ``lookup(rollout_id)``: the rollout's stored secret and
+    the span id of its stored root (None: none yet), or None when the store does not know the rollout; asked once
+    per rollout."""
+
+    lookup: Callable[[str], tuple[str | None, str | None] | None]
+    _known: dict[str, tuple[str | None, str | None] | None] = field(default_factory=dict)
+
+    def admit(self, spans: Iterable[PackedSpan]) -> tuple[list[PackedSpan], dict[str, int]]:
+        """The spans the store may take, in order, and how many were refused, by kind."""
+        admitted: list[PackedSpan] = []
+        refused: dict[str, int] = {}
+        for span in spans:
+            kind = self.refusal(span)
+            if kind is None:
+                admitted.append(span)
+            else:
+                refused[kind] = refused.get(kind, 0) + 1
+        return admitted, refused
+
+    def refusal(self, span: PackedSpan) -> str | None:
+        """Why ``span`` is refused (a kind of ``EXPLAINED``), or None when the store may take it. A root taken
+        here counts as stored for the rest of the transaction."""
+        if span.rollout_id is None:
+            return None  # a span outside any rollout: stored, never part of an episode
+        if span.rollout_id not in self._known:
+            self._known[span.rollout_id] = self.lookup(span.rollout_id)
+        known = self._known[span.rollout_id]
+        if known is None:
+            return "unknown_rollout"
+        if not is_root(span):
+            return None
+        secret, root = known
+        if secret_of(span) != secret:
+            return "wrong_secret"
+        if root is not None and root != span.span_id:  # the same root again is a duplicate, not a second one
+            return "second_root"
+        self._known[span.rollout_id] = (secret, span.span_id)
+        return None
