@@ -55,7 +55,7 @@ def evaluate(cfg: TrainConfig, checkpoint: str | Path | None = None, output: Pat
     run = RunFolder(cfg.train.output_dir)
     run.dir.mkdir(parents=True, exist_ok=True)
     log = MetricsLog(run.eval_metrics)
-    with services(cfg, run.eval_store, run.spool) as svc:
+    with services(cfg, run.eval_store, run.spool, run.keys) as svc:
         metrics = validate(svc.runner, val_tasks, log, step, 0.0, title=what)
     result = {"model": model, "evaluated": what, "step": step, "tasks": len(val_tasks), **metrics}
     if output:

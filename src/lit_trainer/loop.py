@@ -76,7 +76,7 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
     # shm pushes from host memory: the gathered copy need not take room on the GPU
     weights = Weights(policy, SERVING_DTYPES.get(cfg.inference.dtype),
                       "cpu" if cfg.weight_sync.transport == "shm" else None)
-    with services(cfg, out.store, out.spool, weights=weights.latest) as svc:
+    with services(cfg, out.store, out.spool, out.keys, weights=weights.latest) as svc:
         fleet, store = svc.fleet, svc.store
         if start:
             fleet.push_weights(weights.latest(), version=str(start.step))

@@ -108,6 +108,11 @@ class RunFolder:
         return self.dir / "spool"
 
     @property
+    def keys(self) -> Path:
+        """The run's own CURVE keys and vLLM API key (0700), when ``[security] keys_dir`` names none."""
+        return self.dir / "keys"
+
+    @property
     def eval_store(self) -> Path:
         return self.dir / "eval.sqlite"
 

@@ -9,7 +9,7 @@ import os
 import sys
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from lit_sdk.processes import stop_children, wait_children
@@ -48,14 +48,31 @@ def check_agent(cfg: TrainConfig) -> None:
     load_agent(cfg.agent.function)
 
 
+def with_keys(cfg: TrainConfig, run_keys: Path) -> tuple[Path, TrainConfig]:
+    """The keys folder a run's channels use, and ``cfg`` with vLLM's API key from it: ``[security] keys_dir``, or
+    else the run's own folder ``run_keys`` (made 0700 on first use, kept for a resumed run). So the span and
+    dispatch channels always take CURVE peers holding the client key only, and vLLM a bearer token: a user who
+    cannot read the run folder gets no task, no rollout id and no API key, on a shared host's loopback too. vLLM
+    keeps ``inference.api_key`` or ``api_key_file`` when one is set."""
+    if cfg.security.keys_dir:
+        return Path(cfg.security.keys_dir).expanduser(), cfg
+    if not (run_keys / security.SERVER_SECRET).exists():
+        security.generate_keys(run_keys)
+    if cfg.inference.api_key or cfg.inference.api_key_file:
+        return run_keys, cfg
+    return run_keys, replace(cfg, inference=replace(cfg.inference, api_key_file=str(run_keys / security.API_KEY)))
+
+
 @contextlib.contextmanager
-def services(cfg: TrainConfig, store_path: Path, spool_dir: Path, weights: Weights | None = None
+def services(cfg: TrainConfig, store_path: Path, spool_dir: Path, keys_dir: Path, weights: Weights | None = None
              ) -> Iterator[Services]:
     """Start everything rollouts need, and stop it all (workers, dispatcher, vLLM, collector, store) on the way
     out. ``weights``: what gives the policy's current weights when the fleet takes them (training); None:
-    the fleet only serves (``lit eval``). Local workers spool undelivered spans into ``spool_dir``."""
+    the fleet only serves (``lit eval``). Local workers spool undelivered spans into ``spool_dir``. The
+    channels' keys: ``[security] keys_dir``, or the run's own in ``keys_dir`` (``with_keys``)."""
     check_agent(cfg)  # a typo fails here, not in a worker's log
-    keys = security.load_server_keys(cfg.security.keys_dir) if cfg.security.keys_dir else None
+    folder, cfg = with_keys(cfg, keys_dir)
+    keys = security.load_server_keys(folder)
     with contextlib.ExitStack() as stack:
         store = stack.enter_context(SqliteStore(store_path))
         stale = store.end_unfinished("the trainer stopped before this attempt ended")
@@ -66,13 +83,12 @@ def services(cfg: TrainConfig, store_path: Path, spool_dir: Path, weights: Weigh
         fleet = stack.enter_context(Fleet(cfg.inference, cfg.weight_sync, weights))
         dispatcher = stack.enter_context(Dispatcher(store, cfg.dispatch_endpoint.endpoint, collector.endpoint,
                                                     [s.openai_url for s in fleet.servers], cfg.dispatch, keys=keys))
-        env = {**os.environ, "LIT_SPOOL_DIR": str(spool_dir)}
-        if cfg.security.keys_dir:
-            env["LIT_KEYS_DIR"] = str(Path(cfg.security.keys_dir).expanduser())
+        env = {**os.environ, "LIT_SPOOL_DIR": str(spool_dir), security.KEYS_ENV: str(folder)}
         workers = [spawn(cfg.agent.function, dispatcher.endpoint, cfg.agent.concurrency, env)
                    for _ in range(cfg.agent.local_workers)]
         stack.callback(stop_workers, dispatcher, workers)
-        print(f"lit: workers connect to {dispatcher.endpoint} ({len(workers)} local)", file=sys.stderr)
+        print(f"lit: workers connect to {dispatcher.endpoint} ({len(workers)} local) with the keys in {folder} "
+              f"({security.KEYS_ENV}={folder} lit worker ...)", file=sys.stderr)
         dispatcher.wait_for_workers(cfg.agent.local_workers, WORKER_START_TIMEOUT_S)
         runner = RolloutRunner(store, collector, fleet, dispatcher, cfg.agent, cfg.train.success_reward,
                                session=uuid.uuid4().hex[:8], vocab_size=vocab_size(cfg.inference.model))

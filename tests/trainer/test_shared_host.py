@@ -1,0 +1,85 @@
+"""#27: on a shared host, another local user gets nothing from a run: not its keys, not a task, not vLLM's API
+key. ``lit train`` always gives its channels CURVE keys (the run's own, 0700, when ``[security] keys_dir`` names
+none: ``services.with_keys``), so loopback is no longer the boundary. The other user is played by uid 65534
+(nobody) when the tests run as root, and the test is skipped otherwise."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import zmq
+
+from lit_sdk.protocol import security
+from lit_sdk.protocol.dispatch import Hello, encode_dispatch
+from lit_trainer.config import TrainConfig, from_dict
+from lit_trainer.intake.store import SqliteStore
+from lit_trainer.rollouts.dispatcher import Dispatcher
+from lit_trainer.services import with_keys
+
+NOBODY = 65534
+
+def other_user(keys: Path, endpoint: str) -> list[str]:
+    """What uid 65534 gets, in a forked child (the interpreter itself may sit in root's home, which that user
+    cannot open): whether it can read the client's secret key, and whether a hello without keys is answered."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            os.close(read)
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            seen = []
+            try:
+                (keys / security.CLIENT_SECRET).read_text()
+                seen.append("read the keys")
+            except PermissionError:
+                seen.append("keys: permission denied")
+            with zmq.Context() as context, context.socket(zmq.DEALER) as sock:
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(endpoint)  # no keys: the trainer's CURVE handshake refuses it
+                sock.send(encode_dispatch(Hello(slots=4, pid=1, host="elsewhere", worker_id="w-other")))
+                seen.append("answered" if sock.poll(3000) else "no answer")
+            os.write(write, "\n".join(seen).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        out = pipe.read()
+    os.waitpid(pid, 0)
+    return out.split("\n")
+
+
+def test_a_run_without_keys_dir_gets_keys_of_its_own(tmp_path):
+    cfg = TrainConfig()
+    folder, keyed = with_keys(cfg, tmp_path / "run" / "keys")
+    assert folder == tmp_path / "run" / "keys" and (folder.stat().st_mode & 0o777) == 0o700
+    assert keyed.inference.api_key_file == str(folder / security.API_KEY)
+    assert (folder / security.API_KEY).stat().st_mode & 0o777 == 0o600
+    again, _ = with_keys(cfg, folder)  # a resumed run keeps them
+    assert again == folder and security.load_server_keys(folder)
+    named = from_dict({"inference": {"api_key_file": str(tmp_path / "mine")}})
+    assert with_keys(named, tmp_path / "other" / "keys")[1].inference.api_key_file == str(tmp_path / "mine")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="plays another local user with setuid, which needs root")
+def test_another_local_user_gets_no_keys_and_no_work(tmp_path):
+    """#27's hole: on the default loopback setup any local user could say hello on the dispatch channel and
+    receive run messages: the task with its gold answer, the rollout id and vLLM's API key."""
+    shared = Path(tempfile.mkdtemp(prefix="lit-shared-"))  # a folder every user may enter, as a home often is
+    try:
+        os.chmod(shared, 0o755)
+        folder, _ = with_keys(TrainConfig(), shared / "run" / "keys")
+        os.chmod(shared / "run", 0o755)
+        with SqliteStore(tmp_path / "lit.db") as store, \
+                Dispatcher(store, "tcp://127.0.0.1:0", "tcp://127.0.0.1:7373", ["http://127.0.0.1:1/v1"],
+                           keys=security.load_server_keys(folder)) as dispatcher:
+            seen = other_user(folder, dispatcher.endpoint)
+            workers, refused = dict(dispatcher.workers), dispatcher.refused_peers
+        assert seen == ["keys: permission denied", "no answer"]
+        assert workers == {} and refused.get("no_key", 0) >= 1  # refused at the handshake: its hello never came
+    finally:
+        shutil.rmtree(shared)
