@@ -7,9 +7,9 @@ model behind two of them without changing this code.
                   └──(accepts, or no rounds left)──> end
 
 - ``writer`` drafts a query from the table's schema and the question (an LLM call).
-- ``checker`` runs the query on the database. A query that fails or returns no rows is an objection by itself (no
-  LLM call is needed to see that); one that returns rows is judged by an LLM call that sees the question, the
-  query and its rows.
+- ``checker`` runs the query on the database, in ``sandbox.py`` and off the event loop. A query that fails or
+  returns no rows is an objection by itself (no LLM call is needed to see that); one that returns rows is judged
+  by an LLM call that sees the question, the query and its rows.
 - ``rewriter`` writes a corrected query from the question, the query and the checker's objection (an LLM call).
   ``MAX_REWRITES`` bounds the rounds; the last rewrite goes to the end unchecked.
 
@@ -21,14 +21,16 @@ Design (``measure_baseline.py`` has the numbers): worked examples as earlier cha
 uses (``pets``), the query alone as the answer, and the table as ``name(col, col, ...)``.
 
 Reward: execution match, the rows of the final query against the gold query's, as multisets (row order ignored,
-numbers compared to 4 decimals). A query that fails, writes, or is empty earns 0. Errors of the infrastructure
-(connection refused, HTTP errors) propagate so the trainer retries the rollout.
+numbers compared to 4 decimals). A query that fails, tries to write, runs past a limit of the sandbox, or is empty
+earns 0: its error is a line the checker and rewriter show the model, never an exception. Errors of the
+infrastructure (connection refused, HTTP errors) and a failing gold query propagate so the trainer retries the
+rollout.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
-import sqlite3
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TypedDict
@@ -38,7 +40,8 @@ from langchain_openai import ChatOpenAI
 from langgraph.graph import END, StateGraph
 
 import lit_sdk as lit
-from examples.sql.databases import run_query, schema_text
+from examples.sql.databases import database, run_query, schema_text
+from examples.sql.sandbox import query_rows
 
 MAX_REWRITES = 1
 """Rounds of checking and rewriting after the first draft (each round costs a checker and a rewriter call)."""
@@ -97,23 +100,22 @@ def extract_sql(text: str) -> str:
     return " ".join(query.split())
 
 
-def execute(db: str, query: str) -> tuple[list[tuple] | None, str]:
-    """(rows, "") or (None, the error in a line)."""
+async def execute(db: str, query: str) -> tuple[list[tuple] | None, str]:
+    """(rows, "") or (None, the error in a line), the query run in the sandbox in a thread: a slow one never
+    holds the event loop, where the worker's heartbeats and the other rollouts run."""
     if not query:
         return None, "there is no SQL query in the reply"
-    try:
-        return run_query(db, query), ""
-    except (sqlite3.Error, sqlite3.Warning) as exc:
-        return None, f"{type(exc).__name__}: {exc}"
+    return await query_rows(database(db), query)
 
 
 def normalise(rows: list[tuple]) -> Counter:
     return Counter(tuple(round(v, 4) if isinstance(v, float) else v for v in row) for row in rows)
 
 
-def execution_match(db: str, query: str, gold: str) -> bool:
-    rows, error = execute(db, query)
-    return not error and normalise(rows) == normalise(run_query(db, gold))
+async def execution_match(db: str, query: str, gold: str) -> bool:
+    """Whether ``query`` returns ``gold``'s rows; a gold query that fails raises (the task is wrong, not the model)."""
+    rows, error = await execute(db, query)
+    return not error and normalise(rows) == normalise(await asyncio.to_thread(run_query, db, gold))
 
 
 def show_rows(rows: list[tuple]) -> str:
@@ -200,7 +202,7 @@ def build_graph(llm: lit.LLM, attempt: Attempt | None = None, shots: Shots = SHO
         return {"query": extract_sql(text), "rewrites": 0}
 
     async def checker(state: State) -> State:
-        rows, error = execute(state["db"], state["query"])
+        rows, error = await execute(state["db"], state["query"])
         if error:
             return {"objection": f"it fails with {error}"}
         if not rows:
@@ -240,9 +242,9 @@ async def solve(task: dict, llm: lit.LLM, shots: Shots = SHOTS_SHOWN) -> Attempt
     state = await build_graph(llm, attempt, shots).ainvoke({"db": task["db"], "question": task["question"]})
     attempt.query = state["query"]
     attempt.rewrites = state["rewrites"]
-    attempt.reward = float(execution_match(task["db"], state["query"], task["gold"]))
+    attempt.reward = float(await execution_match(task["db"], state["query"], task["gold"]))
     draft = extract_sql(attempt.replies[0]) if attempt.replies else ""
-    attempt.draft_correct = execution_match(task["db"], draft, task["gold"])
+    attempt.draft_correct = await execution_match(task["db"], draft, task["gold"])
     return attempt
 
 
@@ -250,4 +252,4 @@ async def solve(task: dict, llm: lit.LLM, shots: Shots = SHOTS_SHOWN) -> Attempt
 async def sql_agent(task: dict, llm: lit.LLM) -> float:
     """One rollout: 1.0 if the final query returns the gold query's rows, else 0.0."""
     state = await build_graph(llm).ainvoke({"db": task["db"], "question": task["question"]})
-    return float(execution_match(task["db"], state["query"], task["gold"]))
+    return float(await execution_match(task["db"], state["query"], task["gold"]))

@@ -9,8 +9,9 @@ values training never shows (Spider's split by database): the held-out metric me
 a schema. Deterministic: the same domain gives the same rows on every machine (a seeded ``random.Random`` per
 domain, no ``hash()``). Numeric columns hold distinct values, so "the highest" and "the lowest" have one answer.
 
-Queries run on a read-only connection (``mode=ro``): the model's SQL can read and nothing else, and one that runs
-longer than ``QUERY_STEPS`` SQLite steps (a runaway cross join) is interrupted.
+Queries run in ``sandbox.py``: the model's SQL can read and nothing else, briefly, with bounded memory and result.
+To use your own data, make ``database`` return the path of your SQLite file (a copy) and ``schema_text`` describe
+its tables; ``run_query`` and the agent stay as they are.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from examples.sql.sandbox import run_readonly
+
 ROWS = 16
 """Rows per table: enough for filters to matter, few enough that a result fits in a prompt."""
-QUERY_STEPS = 2_000_000
-"""SQLite virtual-machine steps a query may take before it is interrupted (about 0.015 s here)."""
 
 
 @dataclass(frozen=True)
@@ -176,19 +177,7 @@ def database(table: str) -> Path:
     return path
 
 
-def run_query(table: str, sql: str, max_rows: int = 100) -> list[tuple]:
-    """Rows of ``sql`` on ``table``'s database, read-only; raises ``sqlite3.Error`` for bad SQL, a write, or a
-    query over ``QUERY_STEPS``."""
-    db = sqlite3.connect(f"file:{database(table)}?mode=ro", uri=True)
-    try:
-        steps = 0
-
-        def budget() -> int:
-            nonlocal steps
-            steps += 1000
-            return int(steps > QUERY_STEPS)  # non-zero interrupts the query
-
-        db.set_progress_handler(budget, 1000)
-        return db.execute(sql).fetchmany(max_rows)
-    finally:
-        db.close()
+def run_query(table: str, sql: str) -> list[tuple]:
+    """Rows of ``sql`` on ``table``'s database, in the sandbox; raises ``sandbox.QueryError`` (a
+    ``sqlite3.Error``) for bad SQL, a refused statement or a query past a limit."""
+    return run_readonly(database(table), sql)

@@ -9,8 +9,12 @@ them) and the engine's: where vLLM and the trainer disagree on the same weights 
 ``policy/vllm_logprob_gap``).
 
 Everything is inline: CSS only (the colour switch is a pair of radio buttons), no script, no external link, so the
-page opens from a file and displays in a notebook (``RolloutView._repr_html_``). All text from the store (token text,
-span names, attributes) is HTML-escaped.
+page opens from a file and displays in a notebook (``RolloutView._repr_html_``).
+
+Every value from the store is an agent's data, so a hostile or broken one must neither run in the page nor stop it:
+all of it reaches the HTML through ``_esc`` (element text) or ``_attrs`` (attribute values), both
+``html.escape(quote=True)``, and a value that should be a number and is not (a string, None, a list, NaN, an
+integer too large for a float) is shown as text and left uncoloured (``_num``, ``_finite``).
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ from lit_sdk import semconv as sc
 from lit_sdk.protocol import STATUS_ERROR, SpanRecord
 from lit_trainer.intake.episodes import Episode, Transition, UnusableRollout, build_episode
 from lit_trainer.intake.store import RolloutRow, Store
+
+Decode = Callable[[object], str | None]
+"""A token id → its text, or None where it has none (the page shows the id)."""
 
 ADVANTAGE_FULL = 1.0
 """|advantage| at and above which a token has its full colour."""
@@ -91,26 +98,43 @@ def view_rollout(store: Store, rollout_id: str, tokenizer: Any = None) -> Rollou
     return _view(store, rollout_id, _decoder(tokenizer))
 
 
-def _view(store: Store, rollout_id: str, decode: Callable[[int], str] | None) -> RolloutView:
+def _view(store: Store, rollout_id: str, decode: Decode | None) -> RolloutView:
     spans = store.spans_of_rollout(rollout_id)
     rollout = store.get_rollout(rollout_id)
     if not spans and rollout is None:
         raise ValueError(f"no rollout {rollout_id!r} in the store (`lit show --run RUN_DIR` lists the last step's)")
     stored = store.get_episode(rollout_id)
-    episode = Episode.from_dict(stored.data) if stored is not None else build_episode(spans)
+    episode = Episode.from_dict(stored.data) if stored is not None else _rebuild_episode(spans)
     body = render_rollout(rollout_id, spans, rollout, episode, store.advantages_of_rollout(rollout_id), decode,
                           stored=stored is not None, trainer_logprobs=store.trainer_logprobs_of_rollout(rollout_id))
     return RolloutView(rollout_id, body)
 
 
-def _decoder(tokenizer: Any) -> Callable[[int], str] | None:
+def _rebuild_episode(spans: Sequence[SpanRecord]) -> Episode | UnusableRollout | str:
+    """The episode the spans make, or why they make none: spans the trainer never stored an episode of may hold
+    values it cannot read (a string where a logprob belongs), and the page shows them all the same."""
+    try:
+        return build_episode(spans)
+    except (TypeError, ValueError, OverflowError) as e:
+        return f"the spans make no episode: {type(e).__name__}: {e}"
+
+
+def _decoder(tokenizer: Any) -> Decode | None:
+    """Token id → its text; None for an id the tokenizer cannot decode (no integer, negative, beyond the
+    vocabulary), which the page then shows as the id it is."""
     if tokenizer is None:
         return None
-    cache: dict[int, str] = {}
+    vocabulary = len(tokenizer) if hasattr(tokenizer, "__len__") else None
+    cache: dict[int, str | None] = {}
 
-    def decode(token_id: int) -> str:
+    def decode(token_id: object) -> str | None:
+        if type(token_id) is not int or token_id < 0 or (vocabulary is not None and token_id >= vocabulary):
+            return None
         if token_id not in cache:
-            cache[token_id] = tokenizer.decode([token_id])
+            try:
+                cache[token_id] = tokenizer.decode([token_id])
+            except (OverflowError, IndexError, KeyError, TypeError, ValueError):  # what tokenizers raise for it
+                cache[token_id] = None
         return cache[token_id]
 
     return decode
@@ -120,11 +144,12 @@ def _decoder(tokenizer: Any) -> Callable[[int], str] | None:
 
 
 def render_rollout(rollout_id: str, spans: Sequence[SpanRecord], rollout: RolloutRow | None,
-                   episode: Episode | UnusableRollout, advantages: dict[int, float],
-                   decode: Callable[[int], str] | None, stored: bool = True,
+                   episode: Episode | UnusableRollout | str, advantages: dict[int, float],
+                   decode: Decode | None, stored: bool = True,
                    trainer_logprobs: dict[int, list[float]] | None = None) -> str:
     """The page's HTML fragment. ``advantages`` maps transition index → advantage; ``decode`` turns one token id
-    into text (None: show ids); ``stored`` says whether ``episode`` is the one the trainer kept;
+    into text (None: show ids); ``episode`` is a string where the spans make none (why); ``stored`` says
+    whether ``episode`` is the one the trainer kept;
     ``trainer_logprobs`` maps transition index → the trainer's token logprobs (for the gap)."""
     transitions = {t.span_id: t for t in episode.transitions} if isinstance(episode, Episode) else {}
     calls = [s for s in sorted(spans, key=lambda s: (s.start_ns, s.end_ns, s.span_id)) if s.name == sc.LLM_SPAN]
@@ -134,12 +159,7 @@ def render_rollout(rollout_id: str, spans: Sequence[SpanRecord], rollout: Rollou
     parts = [f'<div class="lit-view"><style>{_CSS}</style>',
              _header(rollout_id, spans, rollout, episode, stored, decode,
                      {t.index: numbers.get(t.span_id, 0) for t in transitions.values()}),
-             f'<input type="radio" class="lit-adv" name="{uid}" id="{uid}a" checked>'
-             f'<label for="{uid}a">colour by advantage</label> '
-             f'<input type="radio" class="lit-lp" name="{uid}" id="{uid}l">'
-             f'<label for="{uid}l">colour by engine logprob</label> '
-             f'<input type="radio" class="lit-gap" name="{uid}" id="{uid}g">'
-             f'<label for="{uid}g">colour by trainer − engine logprob gap</label>',
+             _switch(uid),
              '<div class="lit-body">', _legend(),
              "<h3>Span tree</h3>", _tree(spans, uid, numbers, transitions, advantages, attach),
              f"<h3>LLM calls ({len(calls)})</h3>"]
@@ -150,8 +170,17 @@ def render_rollout(rollout_id: str, spans: Sequence[SpanRecord], rollout: Rollou
     return "\n".join(parts)
 
 
+def _switch(uid: str) -> str:
+    """The colour switch: three radio buttons named ``uid``, the first checked."""
+    return " ".join(f'<input type="radio"{_attrs({"class": kind, "name": uid, "id": uid + key})}'
+                    f'{" checked" if key == "a" else ""}><label{_attrs({"for": uid + key})}>colour by {_esc(what)}'
+                    "</label>" for kind, key, what in (("lit-adv", "a", "advantage"),
+                                                       ("lit-lp", "l", "engine logprob"),
+                                                       ("lit-gap", "g", "trainer − engine logprob gap")))
+
+
 def _header(rollout_id: str, spans: Sequence[SpanRecord], rollout: RolloutRow | None,
-            episode: Episode | UnusableRollout, stored: bool, decode: Callable[[int], str] | None,
+            episode: Episode | UnusableRollout | str, stored: bool, decode: Decode | None,
             call_of: dict[int, int]) -> str:
     """Who, what, how it ended; ``call_of`` maps a transition index to its call's number."""
     root = next((s for s in spans if s.name == sc.ROLLOUT_SPAN and s.parent_id is None), None)
@@ -162,15 +191,17 @@ def _header(rollout_id: str, spans: Sequence[SpanRecord], rollout: RolloutRow | 
              if rollout else "unknown")]
     if isinstance(episode, Episode):
         source = "" if stored else " (not stored by the trainer: rebuilt from the spans for this page)"
-        rows += [("return", f"{episode.episode_return:+.4g}{source}"),
-                 ("final reward", "none" if episode.final_reward is None else f"{episode.final_reward:+.4g}"),
-                 ("rewards", ", ".join(f"{_name(n)} {v:+.4g} → " + (f"call #{call_of.get(i)}" if i >= 0 else
-                                                                     "the episode") for n, v, i in episode.rewards)
+        rows += [("return", f"{_num(episode.episode_return)}{source}"),
+                 ("final reward", "none" if episode.final_reward is None else _num(episode.final_reward)),
+                 ("rewards", ", ".join(f"{_name(n)} {_num(v)} → " + (f"call #{call_of.get(i)}" if i >= 0 else
+                                                                      "the episode") for n, v, i in episode.rewards)
                   or "none besides the final reward")]
+    elif isinstance(episode, str):
+        rows.append(("episode", episode))
     else:
         rows.append(("episode", f"unusable: {episode.reason.value}" + (f" ({episode.detail})" if episode.detail
                                                                            else "")))
-    rows += [("input", str(attrs.get(sc.ROLLOUT_INPUT, ""))), ("output", str(attrs.get(sc.ROLLOUT_OUTPUT, "")))]
+    rows += [("input", attrs.get(sc.ROLLOUT_INPUT, "")), ("output", attrs.get(sc.ROLLOUT_OUTPUT, ""))]
     if decode is None:
         rows.append(("tokens", "shown as ids: no tokenizer (none given, or the run's model was not found)"))
     cells = "".join(f'<tr><td class="k">{_esc(k)}</td><td>{_esc(v)}</td></tr>' for k, v in rows)
@@ -214,39 +245,38 @@ def _span_line(s: SpanRecord, uid: str, numbers: dict[str, int], transitions: di
     a = s.attributes
     text = f"<b>{_esc(s.name)}</b> <span class='dim'>{(s.end_ns - s.start_ns) / 1e6:.0f} ms</span>"
     if s.name == sc.ROLLOUT_SPAN:
-        text += _tag(_esc(a.get(sc.ROLLOUT_NAME, "")))
-        if isinstance(a.get(sc.ROLLOUT_RETURN_REWARD), (int, float)):
-            text += _tag(f"returned {float(a[sc.ROLLOUT_RETURN_REWARD]):+.4g}", "rew")
+        text += _tag(a.get(sc.ROLLOUT_NAME, ""))
+        if sc.ROLLOUT_RETURN_REWARD in a:
+            text += _tag(f"returned {_num(a[sc.ROLLOUT_RETURN_REWARD])}", "rew")
     elif s.name == sc.LLM_SPAN:
-        k = numbers[s.span_id]
-        text += f' <a href="#{uid}c{k}">call #{k}</a>' + _tag(f"agent {_esc(a.get(sc.AGENT_NAME, ''))}")
+        text += _call_link(uid, numbers[s.span_id]) + _tag(f"agent {_str(a.get(sc.AGENT_NAME, ''))}")
         t = transitions.get(s.span_id)
         text += _advantage_tag(advantages.get(t.index) if t else None, t is not None)
     elif s.name == sc.REWARD_SPAN:
         value = a.get(sc.REWARD_VALUE)
-        text += _tag(_esc(f"{_name(a.get(sc.REWARD_NAME, ''))} {_num(value)}"), "rew")
+        text += _tag(f"{_name(a.get(sc.REWARD_NAME, ''))} {_num(value)}", "rew")
         target = attach.get(s.span_id)
-        text += (f' → <a href="#{uid}c{target}">call #{target}</a>' if target else " → the episode (no call before)")
+        text += " →" + (_call_link(uid, target) if target else " the episode (no call before)")
     else:
         kind = a.get(sc.OI_SPAN_KIND) or ""
         agent = a.get(sc.OI_GRAPH_NODE_ID) or a.get(sc.OI_AGENT_NAME) or ""
-        text += (_tag(_esc(kind)) if kind else "") + (_tag(f"agent {_esc(agent)}") if agent else "")
+        text += (_tag(kind) if kind else "") + (_tag(f"agent {_str(agent)}") if agent else "")
     if s.status == STATUS_ERROR:
         text += f" <span class='err'>error: {_esc(s.status_message)}</span>"
     return text
 
 
 def _call(span: SpanRecord, uid: str, k: int, t: Transition | None, advantages: dict[int, float],
-          decode: Callable[[int], str] | None, trainer_logprobs: dict[int, list[float]]) -> str:
+          decode: Decode | None, trainer_logprobs: dict[int, list[float]]) -> str:
     a = span.attributes
     prompt, response = a.get(sc.LLM_PROMPT_TOKEN_IDS), a.get(sc.LLM_RESPONSE_TOKEN_IDS)
     advantage = advantages.get(t.index) if t is not None else None
-    head = (f'<div class="call" id="{uid}c{k}"><b>call #{k}</b>' + _tag(f"agent {_esc(a.get(sc.AGENT_NAME, ''))}")
-            + _tag(f"finish {_esc(a.get(sc.LLM_FINISH_REASON, '?'))}")
-            + _tag(f"temperature {_esc(a.get(sc.LLM_TEMPERATURE, 'default'))}"))
+    head = (f'<div class="call"{_attrs({"id": f"{uid}c{k}"})}><b>call #{k}</b>'
+            + _tag(f"agent {_str(a.get(sc.AGENT_NAME, ''))}") + _tag(f"finish {_str(a.get(sc.LLM_FINISH_REASON, '?'))}")
+            + _tag(f"temperature {_str(a.get(sc.LLM_TEMPERATURE, 'default'))}"))
     if t is not None:
         head += _tag(f"transition {t.index}") + _advantage_tag(advantage, True)
-        head += _tag(f"reward {t.reward:+.4g} attached", "rew") if t.reward is not None else ""
+        head += _tag(f"reward {_num(t.reward)} attached", "rew") if t.reward is not None else ""
     else:
         head += _tag("not trained on: agent not selected, failed, or no token ids")
     if span.status == STATUS_ERROR:
@@ -269,27 +299,31 @@ def _call(span: SpanRecord, uid: str, k: int, t: Transition | None, advantages: 
             f"<div class='toks response'>{response_html}</div></div>")
 
 
-def _token(token_id: int, decode: Callable[[int], str] | None, logprob: float | None = None,
-           advantage: float | None = None, trainer_logprob: float | None = None) -> str:
-    """One token as a span: its text (or id), its colours as CSS variables, its values as data attributes."""
-    text = decode(token_id) if decode is not None else f"[{token_id}]"
-    text = text.replace("\n", "↵\n")  # a newline token stays visible
-    title, data, style = [f"id {token_id}"], "", ""
+def _token(token_id: object, decode: Decode | None, logprob: object = None, advantage: object = None,
+           trainer_logprob: object = None) -> str:
+    """One token as a span: its text (or id), its colours as CSS variables, its values as data attributes. The id
+    and logprob are the agent's: one that is no number shows as text, uncoloured."""
+    text = decode(token_id) if decode is not None else None
+    text = (f"[{_str(token_id)}]" if text is None else text).replace("\n", "↵\n")  # a newline token stays visible
+    lp, tr, adv = _finite(logprob), _finite(trainer_logprob), _finite(advantage)
+    title, data, style = [f"id {_str(token_id)}"], {}, ""
     if logprob is not None:
-        title.append(f"engine logprob {logprob:.4f} (p {math.exp(logprob):.3f})")
-        data += f' data-lp="{logprob:.4f}"'
-        style += f"--l:{_logprob_colour(logprob)};"
+        title.append(f"engine logprob {_num(logprob, '.4f')}"
+                     + (f" (p {math.exp(lp):.3f})" if lp is not None and lp <= 0 else ""))
+        data["data-lp"] = _num(logprob, ".4f")
+        style += f"--l:{_logprob_colour(lp)};" if lp is not None else ""
     if trainer_logprob is not None and logprob is not None:
-        gap = trainer_logprob - logprob
-        title.append(f"trainer logprob {trainer_logprob:.4f} (gap {gap:+.2e})")
-        data += f' data-gap="{gap:.3e}"'
-        style += f"--g:{_gap_colour(gap)};"
+        gap = tr - lp if tr is not None and lp is not None else None
+        title.append(f"trainer logprob {_num(trainer_logprob, '.4f')}"
+                     + (f" (gap {gap:+.2e})" if gap is not None else ""))
+        if gap is not None:
+            data["data-gap"], style = f"{gap:.3e}", style + f"--g:{_gap_colour(gap)};"
     if advantage is not None:
-        title.append(f"advantage {advantage:+.4f}")
-        data += f' data-adv="{advantage:.4f}"'
-        style += f"--a:{_adv_colour(advantage)};"
-    style_attr = f' style="{style}"' if style else ""
-    return f'<span class="tok"{data}{style_attr} title="{" · ".join(title)}">{_esc(text)}</span>'
+        title.append(f"advantage {_num(advantage, '+.4f')}")
+        data["data-adv"] = _num(advantage, ".4f")
+        style += f"--a:{_adv_colour(adv)};" if adv is not None else ""
+    attributes = _attrs({**data, "style": style or None, "title": " · ".join(title)})
+    return f'<span class="tok"{attributes}>{_esc(text)}</span>'
 
 
 def _adv_colour(advantage: float) -> str:
@@ -317,7 +351,8 @@ def _advantage_tag(advantage: float | None, is_transition: bool) -> str:
         return _tag("not trained on")
     if advantage is None:
         return _tag("no advantage saved (not in an update)")
-    return _tag(f"advantage {advantage:+.4f}", "pos" if advantage > 0 else "neg" if advantage < 0 else "")
+    number = _finite(advantage) or 0.0
+    return _tag(f"advantage {_num(advantage, '+.4f')}", "pos" if number > 0 else "neg" if number < 0 else "")
 
 
 def _reward_targets(spans: Sequence[SpanRecord], transition_calls: list[SpanRecord], numbers: dict[str, int]
@@ -334,18 +369,55 @@ def _reward_targets(spans: Sequence[SpanRecord], transition_calls: list[SpanReco
     return out
 
 
-def _tag(text: str, kind: str = "") -> str:
-    """A pill; ``text`` is HTML already."""
-    return f' <span class="tag {kind}">{text}</span>'
+def _tag(text: object, kind: str = "") -> str:
+    """A pill holding ``text`` (escaped here)."""
+    return f' <span{_attrs({"class": f"tag {kind}"})}>{_esc(text)}</span>'
+
+
+def _call_link(uid: str, k: int) -> str:
+    return f' <a{_attrs({"href": f"#{uid}c{k}"})}>call #{k}</a>'
 
 
 def _name(name: object) -> str:
-    return f"'{name}'" if name else "(unnamed)"
+    return f"'{_str(name)}'" if name else "(unnamed)"
 
 
-def _num(value: object) -> str:
-    return f"{value:+.4g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+def _finite(value: object) -> float | None:
+    """``value`` as a float where it is a finite real number (a boolean is none); None for anything else."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:  # an integer beyond a float's range
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _num(value: object, spec: str = "+.4g") -> str:
+    """A number formatted by ``spec`` (NaN and infinities as such); anything else as its repr, so that a string
+    where a number belongs reads as one."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            return format(value, spec)
+        except OverflowError:  # an integer beyond a float's range
+            pass
+    return _str(value, repr)
+
+
+def _str(value: object, show: Callable[[object], str] = str) -> str:
+    """``show(value)``; a note instead where Python refuses to write an integer that long (its digit limit)."""
+    try:
+        return show(value)
+    except ValueError:
+        return f"(a {type(value).__name__} too long to show)"
 
 
 def _esc(value: object) -> str:
-    return html.escape(str(value), quote=True)
+    """``value`` as HTML text, escaped (quotes too): the one way an element's text enters the page."""
+    return html.escape(_str(value), quote=True)
+
+
+def _attrs(values: dict[str, object]) -> str:
+    """`` name="value"`` for each item whose value is not None, the value escaped: the one way an attribute's
+    value enters the page (``_esc`` keeps it inside its quotes)."""
+    return "".join(f' {name}="{_esc(value)}"' for name, value in values.items() if value is not None)

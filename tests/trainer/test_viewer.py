@@ -244,3 +244,102 @@ def test_the_advantages_of_transitions_the_update_skips_are_kept_too(tmp_path):
         assert saved[e.rollout_id].keys() == {t.index for t in e.transitions}
         for t, a in zip(e.transitions, adv.tolist(), strict=True):
             assert math.isclose(saved[e.rollout_id][t.index], a, rel_tol=0, abs_tol=1e-12)
+
+
+# -- hostile and broken values: shown as text, never run, never a crash (#27) ----------------------------------------
+
+BREAKOUTS = ('"><script>alert(1)</script>', '" onmouseover="x', "' onmouseover='x")
+"""Strings that end an attribute value or open an element where they are written into the page unescaped."""
+
+
+class Elements(HTMLParser):
+    """Every element's tag and attributes, and all the text, of a page; html.parser unescapes both."""
+
+    def __init__(self, page: str) -> None:
+        super().__init__()
+        self.elements: list[tuple[str, dict[str, str | None]]] = []
+        self.text = ""
+        self.feed(page)
+        self.close()
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.elements.append((tag, dict(attrs)))
+
+    def handle_data(self, data: str) -> None:
+        self.text += data
+
+
+def assert_inert(page: str) -> Elements:
+    """No script element and no event-handler attribute in ``page``: what an agent wrote stayed text."""
+    parsed = Elements(page)
+    assert [tag for tag, _ in parsed.elements if tag == "script"] == []
+    assert [(tag, name) for tag, attrs in parsed.elements for name in attrs if name.startswith("on")] == []
+    return parsed
+
+
+def test_hostile_strings_in_spans_reach_the_page_only_as_escaped_text(tmp_path):
+    p0, p1, p2 = BREAKOUTS
+    r = Rollout("s0-t1-g0")
+    root = r.add(sc.ROLLOUT_SPAN, None, 0, **{sc.ROLLOUT_NAME: p0, sc.ROLLOUT_INPUT: p1, sc.ROLLOUT_OUTPUT: p2,
+                                              sc.ROLLOUT_RETURN_REWARD: 1.0})
+    node = r.add(p0, root, 1, status=STATUS_ERROR, message=p1, **{sc.OI_SPAN_KIND: p1, sc.OI_GRAPH_NODE_ID: p2})
+    r.add(sc.LLM_SPAN, node, 2, **{sc.AGENT_NAME: p0, sc.LLM_PROMPT_TOKEN_IDS: [1, 2],
+                                   sc.LLM_RESPONSE_TOKEN_IDS: [3, 4], sc.LLM_RESPONSE_LOGPROBS: [-0.1, -0.2],
+                                   sc.LLM_FINISH_REASON: p1, sc.LLM_TEMPERATURE: p2})
+    r.add(sc.REWARD_SPAN, node, 3, **{sc.REWARD_VALUE: p0, sc.REWARD_NAME: p1})
+    # A failed call is not trained on, so its token ids reach the page as the agent sent them.
+    r.add(sc.LLM_SPAN, root, 4, status=STATUS_ERROR, message=p2, **{
+        sc.AGENT_NAME: p2, sc.LLM_PROMPT_TOKEN_IDS: [*BREAKOUTS, 7], sc.LLM_RESPONSE_TOKEN_IDS: [*BREAKOUTS, 8],
+        sc.LLM_RESPONSE_LOGPROBS: [-0.1, -0.2, -0.3, -0.4]})
+    with SqliteStore(tmp_path / "lit.sqlite") as store:
+        r.store(store)
+        store.save_advantages([AdvantageRow(r.rollout_id, 0, 1, 0.5)])
+        page = viewer.view_rollout(store, r.rollout_id).html()
+
+    parsed = assert_inert(page)
+    for breakout in BREAKOUTS:  # each is on the page, as text
+        assert parsed.text.count(breakout) >= 3
+    tokens = tokens_of(page)
+    assert [text for text, _ in tokens.of(2, "response")] == [f"[{b}]" for b in BREAKOUTS] + ["[8]"]
+    ids_and_logprobs = zip((*BREAKOUTS, 8), (-0.1, -0.2, -0.3, -0.4), strict=True)
+    assert [attrs["title"] for _, attrs in tokens.of(2, "response")] == [
+        f"id {i} · engine logprob {lp:.4f} (p {math.exp(lp):.3f})" for i, lp in ids_and_logprobs]
+    assert [text for text, _ in tokens.of(2, "prompt")] == [f"[{b}]" for b in BREAKOUTS] + ["[7]"]
+    assert {attrs["data-adv"] for _, attrs in tokens.of(1, "response")} == {"0.5000"}  # the trained call, intact
+    assert f"'{p1}' '{p0}'" in parsed.text  # the reward's name and its value (no number: its repr)
+
+
+def test_values_of_the_wrong_type_render_as_text_in_lit_show(run_dir, tokenizer, capsys):
+    odd_ids = [tokenizer("Hi")["input_ids"][0], "x", None, -1, 2**64 - 1, 1.5, True, len(tokenizer)]
+    odd_logprobs = ["-0.5", None, math.nan, math.inf, 1e308, 2**64 - 1, {"lp": -1.0}, [-1.0]]
+    odd = {sc.AGENT_NAME: None, sc.LLM_PROMPT_TOKEN_IDS: odd_ids, sc.LLM_RESPONSE_TOKEN_IDS: odd_ids,
+           sc.LLM_RESPONSE_LOGPROBS: odd_logprobs, sc.LLM_FINISH_REASON: [BREAKOUTS[0]], sc.LLM_TEMPERATURE: math.nan}
+    unstored = Rollout("s0-t1-g0")  # the trainer stored no episode: the page rebuilds it from these spans
+    root = unstored.add(sc.ROLLOUT_SPAN, None, 0, **{sc.ROLLOUT_RETURN_REWARD: "1.0"})
+    unstored.add(sc.LLM_SPAN, root, 1, **odd)
+    unstored.add(sc.REWARD_SPAN, root, 2, **{sc.REWARD_VALUE: math.nan, sc.REWARD_NAME: 5})
+    stored = Rollout("s0-t1-g1")  # the trainer stored its episode of call 1; call 2 failed, with the odd values
+    root = stored.add(sc.ROLLOUT_SPAN, None, 0, **{sc.ROLLOUT_RETURN_REWARD: 1.0})
+    stored.call(root, 1, "calc", [1, 2], [3, 4])
+    stored.add(sc.LLM_SPAN, root, 2, status=STATUS_ERROR, message="boom", **odd)
+    with SqliteStore(run_dir / "lit.sqlite") as store:
+        store.add_spans(unstored.spans)
+        stored.store(store)
+        store.save_advantages([AdvantageRow(stored.rollout_id, 0, 1, -0.5)])
+
+    for rollout, call in ((unstored, 1), (stored, 2)):
+        assert main(["show", rollout.rollout_id, "--run", str(run_dir)]) == 0, capsys.readouterr().err
+        page = (run_dir / "rollouts" / f"{rollout.rollout_id}.html").read_text()
+        parsed, tokens = assert_inert(page), tokens_of(page)
+        response = tokens.of(call, "response")
+        assert [text for text, _ in response] == [tokenizer.decode([odd_ids[0]])] + [
+            f"[{i}]" for i in odd_ids[1:]]  # the ids the tokenizer cannot decode, as ids
+        assert [attrs.get("data-lp") for _, attrs in response] == [
+            "'-0.5'", None, "nan", "inf", f"{1e308:.4f}", f"{2**64 - 1:.4f}", "{'lp': -1.0}", "[-1.0]"]
+        # a colour only where the engine's logprob is a finite number
+        assert ["--l:" in (attrs.get("style") or "") for _, attrs in response] == [
+            False, False, False, False, True, True, False, False]
+        assert f"finish ['{BREAKOUTS[0]}']" in parsed.text and "temperature nan" in parsed.text
+    unstored_page = Elements((run_dir / "rollouts" / "s0-t1-g0.html").read_text()).text
+    assert "episodethe spans make no episode: TypeError: float() argument" in unstored_page  # its header row
+    assert "returned '1.0'" in unstored_page and "'5' +nan" in unstored_page  # the root's return, the reward
