@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
-import zmq
 
 from lit_sdk.protocol import security
-from lit_sdk.protocol.dispatch import Hello, encode_dispatch
 from lit_trainer.config import TrainConfig, from_dict
 from lit_trainer.intake.store import SqliteStore
 from lit_trainer.rollouts.dispatcher import Dispatcher
@@ -22,35 +22,35 @@ from lit_trainer.services import with_keys
 
 NOBODY = 65534
 
+OTHER_USER = f"""
+import os, sys
+import zmq
+from lit_sdk.protocol.dispatch import Hello, encode_dispatch
+os.setgid({NOBODY})
+os.setuid({NOBODY})  # from here on this process is another user (what it needs is imported: the interpreter may sit
+                  # in root's home, which that user cannot open)
+keys, endpoint = sys.argv[1], sys.argv[2]
+try:
+    open(os.path.join(keys, "client.key_secret")).read()
+    print("read the keys")
+except PermissionError:
+    print("keys: permission denied")
+sock = zmq.Context.instance().socket(zmq.DEALER)
+sock.setsockopt(zmq.LINGER, 0)
+sock.connect(endpoint)  # no keys: the trainer's CURVE handshake refuses it
+sock.send(encode_dispatch(Hello(slots=4, pid=1, host="elsewhere", worker_id="w-other")))
+print("answered" if sock.poll(3000) else "no answer", flush=True)
+"""
+
+
 def other_user(keys: Path, endpoint: str) -> list[str]:
-    """What uid 65534 gets, in a forked child (the interpreter itself may sit in root's home, which that user
-    cannot open): whether it can read the client's secret key, and whether a hello without keys is answered."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        try:
-            os.close(read)
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            seen = []
-            try:
-                (keys / security.CLIENT_SECRET).read_text()
-                seen.append("read the keys")
-            except PermissionError:
-                seen.append("keys: permission denied")
-            with zmq.Context() as context, context.socket(zmq.DEALER) as sock:
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.connect(endpoint)  # no keys: the trainer's CURVE handshake refuses it
-                sock.send(encode_dispatch(Hello(slots=4, pid=1, host="elsewhere", worker_id="w-other")))
-                seen.append("answered" if sock.poll(3000) else "no answer")
-            os.write(write, "\n".join(seen).encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    with os.fdopen(read) as pipe:
-        out = pipe.read()
-    os.waitpid(pid, 0)
-    return out.split("\n")
+    """What uid 65534 gets: whether it can read the client's secret key, and whether a hello without keys is
+    answered."""
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run([sys.executable, "-c", OTHER_USER, str(keys), endpoint], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.splitlines()
 
 
 def test_a_run_without_keys_dir_gets_keys_of_its_own(tmp_path):
