@@ -47,7 +47,7 @@ from lit_sdk._spool_files import (
     END,
     HEAD,
     RECORD,
-    NotRegular,
+    Refused,
     is_own_file,
     open_regular,
     own_directory,
@@ -337,7 +337,7 @@ class Spool:
             raise OSError(self._refused)
         try:
             own_directory(self.directory)
-        except NotRegular as exc:
+        except Refused as exc:
             self._refused = str(exc)
             raise
         self._directory_ok = True
@@ -367,7 +367,7 @@ class Spool:
             # It shut down and removed its lock: a live sender's lock file is there before its first segment.
             yield True
             return
-        except NotRegular as exc:
+        except Refused as exc:
             log.warning("lit: left alone the spool segments of %s: its lock %s; remove what is not lit's from %s",
                         owner, exc, self.directory)
             yield False
@@ -409,7 +409,7 @@ class Spool:
                 continue
             try:
                 scanned = scan(path)
-            except NotRegular as exc:  # swapped since it was looked at: it is not a segment, and it is ours now
+            except Refused as exc:  # swapped since it was looked at: it is not a segment, and it is ours now
                 log.warning("lit: removed %s from the spool folder: %s", name, exc)
                 with contextlib.suppress(OSError):
                     path.unlink()

@@ -63,8 +63,8 @@ class Scanned(NamedTuple):
     size: int
 
 
-class NotRegular(OSError):
-    """A name in the spool folder that is not a regular file of this user."""
+class Refused(OSError):
+    """A file or folder of the spool that lit will not use: not a regular file (or a folder) of this user."""
 
 
 def segment_head(generation: int) -> bytes:
@@ -105,21 +105,21 @@ def payload_of(record: bytes, legacy: bool) -> bytes | None:
 
 
 def open_regular(path: Path, flags: int) -> int:
-    """Open ``path`` only if it is a regular file of this user, else raise NotRegular. A FIFO would block the open
+    """Open ``path`` only if it is a regular file of this user, else raise Refused. A FIFO would block the open
     or the read (every new agent process would hang at start), a symlink would have lit read or write what it
     points to, and another user's file could hold spans forged by them."""
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise NotRegular(f"{path} is a symbolic link") from None
+            raise Refused(f"{path} is a symbolic link") from None
         raise
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise NotRegular(f"{path} is not a regular file (mode {stat.filemode(st.st_mode)})")
+            raise Refused(f"{path} is not a regular file (mode {stat.filemode(st.st_mode)})")
         if st.st_uid != os.geteuid():
-            raise NotRegular(f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})")
+            raise Refused(f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})")
     except OSError:
         os.close(fd)
         raise
@@ -128,7 +128,7 @@ def open_regular(path: Path, flags: int) -> int:
 
 def own_directory(directory: Path) -> None:
     """Create ``directory`` ``0700``, or make sure the one there is this user's and close it to others. Raises
-    NotRegular, naming the fix, for a symlink or another user's folder (and OSError for what cannot be created)."""
+    Refused, naming the fix, for a symlink or another user's folder (and OSError for what cannot be created)."""
     directory.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileExistsError):
         os.mkdir(directory, 0o700)
@@ -137,12 +137,12 @@ def own_directory(directory: Path) -> None:
     except OSError as exc:
         if exc.errno != errno.ELOOP and not directory.is_symlink():  # Linux says ENOTDIR for a symlink here
             raise
-        raise NotRegular(f"the spool folder {directory} is a symbolic link, which lit does not follow: set "
+        raise Refused(f"the spool folder {directory} is a symbolic link, which lit does not follow: set "
                          "spool_dir (LIT_SPOOL_DIR) to the folder itself") from None
     try:
         st = os.fstat(fd)
         if st.st_uid != os.geteuid():
-            raise NotRegular(f"the spool folder {directory} belongs to uid {st.st_uid}, not to this user (uid "
+            raise Refused(f"the spool folder {directory} belongs to uid {st.st_uid}, not to this user (uid "
                              f"{os.geteuid()}), who could read the spans or plant others: set spool_dir "
                              "(LIT_SPOOL_DIR) to a folder of your own")
         if st.st_mode & _OPEN_TO_OTHERS:
