@@ -11,12 +11,13 @@ is mapped, so a full disk refuses a segment instead of killing the process on a 
 
 Files. A sender owns ``{owner}.lock`` and the segments ``{owner}-{seq}.seg``, where ``owner`` is
 ``{host}-{pid}-{token}`` (the token tells apart senders of one process, and a restarted container's process that
-got the same pid). A segment is a run of records, each a header ``>II`` (payload length, CRC-32 of the payload) and
-the payload: one span, MessagePack-encoded as it goes in a ``spans`` frame; a zero length ends the records (the
-unused room of a mapped segment). A process killed mid-write leaves a torn last record: reading stops there and
-keeps every record before it. A record is released once its span is
+got the same pid). A segment is a run of records, one span each, MessagePack-encoded as it goes in a ``spans``
+frame (the layout, and how a damaged segment is read: ``_spool_files``). A record is released once its span is
 acknowledged, refused or dropped; a segment whose records are all released is emptied (the one being written) or
 deleted (the others).
+
+Who may look: the folder is ``0700``, its files ``0600``, and only this user's regular files in it are opened
+(``_spool_files``). A folder that is refused leaves the spool keeping nothing, as a full disk does, and says why.
 
 Ownership. Every live sender holds an exclusive ``flock`` on its lock file; the kernel lets go of it when the
 process dies, ``kill -9`` included, and on a file system that shares locks between hosts (local disks, NFSv4) the
@@ -36,19 +37,31 @@ import mmap
 import os
 import re
 import socket
-import struct
 import sys
 import threading
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lit_sdk._spool_files import (
+    END,
+    HEAD,
+    RECORD,
+    Refused,
+    is_own_file,
+    open_regular,
+    own_directory,
+    read_payloads,
+    record_header,
+    scan,
+    segment_head,
+)
+
 log = logging.getLogger("lit")
 
 SEGMENT_BYTES = 4 << 20
 """The room reserved for a segment (more for a span that needs it): once full, a new one is started."""
 
-HEADER = struct.Struct(">II")
 _SEGMENT = re.compile(r"^(.+-\d+-[0-9a-f]+)-(\d+)\.seg$")
 """``{owner}-{seq}.seg``; the names of lit before hosts were named (``{pid}-{token}-{seq}.seg``, another record
 format) do not match."""
@@ -72,6 +85,10 @@ class Segment:
     ``write`` would let go of the GIL, and any other thread of the agent could keep it for milliseconds)."""
     capacity: int = 0
     size: int = 0
+    generation: int = 0
+    """Raised each time the segment being written is emptied: its records of before are settled."""
+    legacy: bool = False
+    """Adopted from an earlier lit, in its record format."""
     outstanding: int = 0
     """Records neither acknowledged, refused nor dropped. The file goes (or is emptied) when this is 0."""
     unread: list[Entry] = field(default_factory=list)
@@ -103,22 +120,6 @@ def owner_name(token: str) -> str:
     return f"{host}-{os.getpid()}-{token}"
 
 
-def scan(path: Path) -> tuple[list[tuple[int, int]], int]:
-    """The valid records of a segment as (offset, length), and the bytes after them (a torn or corrupt tail, or the
-    unused room of a segment whose writer was killed: a zero length ends the records)."""
-    data = path.read_bytes()
-    records: list[tuple[int, int]] = []
-    offset = 0
-    while len(data) - offset >= HEADER.size:
-        length, crc = HEADER.unpack_from(data, offset)
-        end = offset + HEADER.size + length
-        if length == 0 or end > len(data) or zlib.crc32(data[offset + HEADER.size : end]) != crc:
-            break
-        records.append((offset, end - offset))
-        offset = end
-    return records, len(data[offset:].rstrip(b"\0"))
-
-
 class Spool:
     """The segments one sender owns in one directory. Thread-safe: callers append, the sender's thread does the
     rest."""
@@ -135,26 +136,29 @@ class Spool:
         self._segments: list[Segment] = []  # oldest first; the last is being written when its fd is open
         self._seq = 0
         self._failed: str | None = None  # why the last append failed, until one succeeds
+        self._directory_ok = False
+        self._refused: str | None = None  # why the folder is not used (not ours, a symlink)
 
     # -- the callers' side ---------------------------------------------------------------------------------------
 
     def append(self, payload: bytes, seq: int) -> Entry:
         """Write one span's record; its entry (with ``segment`` None if it could not be written)."""
-        record = HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+        payload_crc = zlib.crc32(payload)
+        length = RECORD.size + len(payload)
         with self._lock:
             if os.getpid() != self._pid:  # a forked child: the mapping is its parent's, where it must not write
                 self._failed_once(OSError("this process was forked from the one that owns the spool"))
-                return Entry(None, 0, len(record), seq)
+                return Entry(None, 0, length, seq)
             try:
-                segment = self._writable(len(record))
-                self._write(segment, record)
+                segment = self._writable(length)
+                self._write(segment, payload, payload_crc)
             except OSError as exc:
                 self._failed_once(exc)
-                return Entry(None, 0, len(record), seq)
-            entry = Entry(segment, segment.size, len(record), seq)
-            segment.size += len(record)
+                return Entry(None, 0, length, seq)
+            entry = Entry(segment, segment.size, length, seq)
+            segment.size += length
             segment.outstanding += 1
-            self.bytes += len(record)
+            self.bytes += length
             self._failed = None
             return entry
 
@@ -200,7 +204,7 @@ class Spool:
             del segment.unread[: len(entries)]
             segment.min_unread_seq = None
         try:
-            payloads = _read(segment.path, entries)
+            payloads = read_payloads(segment.path, [(e.offset, e.length) for e in entries], segment.legacy)
         except OSError as exc:
             payloads, why = [None] * len(entries), str(exc)
         else:
@@ -227,29 +231,35 @@ class Spool:
         with self._lock:
             return any(s.unread for s in self._segments)
 
-    def adopt(self) -> list[Entry]:
-        """Claim the segments of owners that are gone; the entries of their spans, set aside, oldest first."""
-        try:
-            names = sorted(os.listdir(self.directory))
-        except FileNotFoundError:
-            return []
+    def adopt(self) -> tuple[list[Entry], int]:
+        """Claim the segments of owners that are gone: the entries of their spans, set aside, oldest first, and how
+        many spans in them were lost to damage. Raises OSError for a folder that is not this user's."""
+        if not os.path.lexists(self.directory):
+            return [], 0
+        with self._lock:
+            self._own_directory()
+        names = sorted(os.listdir(self.directory))
         by_owner: dict[str, list[str]] = {}
         for name in names:
             match = _SEGMENT.match(name)
             if match and match[1] != self.owner:
                 by_owner.setdefault(match[1], []).append(name)
         adopted: list[Entry] = []
-        n_segments = 0
+        n_segments = lost = 0
         for owner, files in by_owner.items():
             with self._owner_gone(owner) as gone:
                 if gone:
-                    entries, claimed = self._claim(files)
+                    entries, claimed, damaged = self._claim(files)
                     adopted.extend(entries)
                     n_segments += claimed
+                    lost += damaged
         if adopted:
             log.info("lit: adopted %d spans in %d spool segments left at %s by senders that are gone",
                      len(adopted), n_segments, self.directory)
-        return adopted
+        if lost:
+            log.warning("lit: %d spans in the spool segments left at %s were damaged on disk (a checksum failed) and "
+                        "are lost; the spans around them are delivered (see counts.corrupt)", lost, self.directory)
+        return adopted, lost
 
     def retire(self) -> None:
         """Close for good at shutdown: sync the segments still holding spans, delete the others, let go of the
@@ -261,7 +271,7 @@ class Spool:
                     self._delete(segment)
                     continue
                 try:
-                    fd = os.open(segment.path, os.O_RDONLY)
+                    fd = open_regular(segment.path, os.O_RDONLY)
                     try:
                         os.fsync(fd)
                     finally:
@@ -281,7 +291,7 @@ class Spool:
         if self.bytes + record_bytes > self.max_bytes:
             raise OSError(f"the spool is full (max_spool_bytes={self.max_bytes})")
         current = self._segments[-1] if self._segments and self._segments[-1].mm is not None else None
-        if current is not None and current.size + record_bytes + HEADER.size <= current.capacity:
+        if current is not None and current.size + record_bytes + RECORD.size <= current.capacity:
             return current
         if current is not None:
             self._close(current)
@@ -289,8 +299,8 @@ class Spool:
             self._take_own_lock()
         self._seq += 1
         path = self.directory / f"{self.owner}-{self._seq:06d}.seg"
-        capacity = -(-max(SEGMENT_BYTES, record_bytes + HEADER.size) // mmap.PAGESIZE) * mmap.PAGESIZE
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        capacity = -(-max(SEGMENT_BYTES, HEAD.size + record_bytes + RECORD.size) // mmap.PAGESIZE) * mmap.PAGESIZE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             # Blocks reserved now: a write through the mapping to a page the disk has no room for would kill the
             # process (SIGBUS); this fails instead, and the spans stay in memory.
@@ -301,27 +311,44 @@ class Spool:
             with contextlib.suppress(OSError):
                 path.unlink()
             raise
-        segment = Segment(path, fd, mm=mm, capacity=capacity)
+        mm[: HEAD.size] = segment_head(0)
+        segment = Segment(path, fd, mm=mm, capacity=capacity, size=HEAD.size)
         self._segments.append(segment)
+        self.bytes += HEAD.size
         return segment
 
-    def _write(self, segment: Segment, record: bytes) -> None:
+    def _write(self, segment: Segment, payload: bytes, payload_crc: int) -> None:
         """Append one record (room for it and a zero header after it was checked): in the page cache, where it
         survives the process, when this returns."""
         assert segment.mm is not None
-        start, end = segment.size, segment.size + len(record)
-        # The zero header after it first: a process killed in between leaves a record whose CRC fails, and never
-        # one followed by records of before an emptying (``_release``).
-        segment.mm[end : end + HEADER.size] = bytes(HEADER.size)
-        segment.mm[start:end] = record
+        start = segment.size
+        body, end = start + RECORD.size, start + RECORD.size + len(payload)
+        # The zero header after it first: a process killed in between leaves a torn last record, never a good one
+        # followed by a settled one.
+        segment.mm[end : end + RECORD.size] = END
+        segment.mm[start:body] = record_header(len(payload), segment.generation, payload_crc)
+        segment.mm[body:end] = payload
+
+    def _own_directory(self) -> None:
+        """``own_directory`` once (call with _lock held); a refusal stands for the life of the spool."""
+        if self._directory_ok:
+            return
+        if self._refused is not None:
+            raise OSError(self._refused)
+        try:
+            own_directory(self.directory)
+        except Refused as exc:
+            self._refused = str(exc)
+            raise
+        self._directory_ok = True
 
     def _take_own_lock(self) -> None:
         """Create and lock ``{owner}.lock`` under a temporary name, then rename it: an adopter never sees it
         unlocked while this sender lives."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self._own_directory()
         final = self.directory / f"{self.owner}.lock"
         temp = self.directory / f".{self.owner}.lock.new"
-        fd = os.open(temp, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.rename(temp, final)
@@ -335,10 +362,15 @@ class Spool:
         """Whether ``owner`` is gone, holding its lock (if it still has one) until the block ends."""
         path = self.directory / f"{owner}.lock"
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = open_regular(path, os.O_RDWR)
         except FileNotFoundError:
             # It shut down and removed its lock: a live sender's lock file is there before its first segment.
             yield True
+            return
+        except Refused as exc:
+            log.warning("lit: left alone the spool segments of %s: its lock %s; remove what is not lit's from %s",
+                        owner, exc, self.directory)
+            yield False
             return
         except OSError:
             yield False
@@ -355,11 +387,14 @@ class Spool:
         finally:
             os.close(fd)
 
-    def _claim(self, files: list[str]) -> tuple[list[Entry], int]:
-        """Rename ``files`` to names of ours and read their records; their entries and how many were claimed."""
+    def _claim(self, files: list[str]) -> tuple[list[Entry], int, int]:
+        """Rename ``files`` to names of ours and read their records; their entries, how many files were claimed and
+        how many spans in them were lost to damage."""
         entries: list[Entry] = []
-        claimed = 0
+        claimed = lost = 0
         for name in files:
+            if not is_own_file(self.directory / name):
+                continue
             try:
                 with self._lock:
                     if self._lock_fd < 0:
@@ -373,22 +408,29 @@ class Spool:
                 log.warning("lit: could not claim the spool segment %s: %s", name, exc)
                 continue
             try:
-                records, torn = scan(path)
+                scanned = scan(path)
+            except Refused as exc:  # swapped since it was looked at: it is not a segment, and it is ours now
+                log.warning("lit: removed %s from the spool folder: %s", name, exc)
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                continue
             except OSError as exc:
                 log.warning("lit: could not read the spool segment %s: %s", path, exc)
                 continue  # it stays, under our name; the next process tries again
-            if torn:
-                log.warning("lit: ignored %d torn bytes at the end of the spool segment %s", torn, name)
+            if scanned.torn:
+                log.warning("lit: ignored a torn record at the end of the spool segment %s (its writer was killed "
+                            "while writing it)", name)
             claimed += 1
-            segment = Segment(path, size=path.stat().st_size, outstanding=len(records))
-            segment.unread = [Entry(segment, offset, length, 0) for offset, length in records]
+            lost += scanned.lost
+            segment = Segment(path, size=scanned.size, outstanding=len(scanned.records), legacy=scanned.legacy)
+            segment.unread = [Entry(segment, offset, length, 0) for offset, length in scanned.records]
             with self._lock:
                 self.bytes += segment.size
                 self._segments.insert(0, segment)  # older than anything this sender wrote
-                if not records:
+                if not scanned.records:
                     self._delete(segment)
             entries.extend(segment.unread)
-        return entries, claimed
+        return entries, claimed, lost
 
     def _set_aside(self, entry: Entry) -> None:
         segment = entry.segment
@@ -404,10 +446,13 @@ class Spool:
         if segment.mm is None:
             self._delete(segment)
             return
-        # The segment being written: empty it, so that a kill -9 now leaves nothing to send again.
-        segment.mm[: HEADER.size] = bytes(HEADER.size)
-        self.bytes -= segment.size
-        segment.size = 0
+        # The segment being written: empty it, so that a kill -9 now leaves nothing to send again. A new generation
+        # settles every record in it at once (the zero header after the head only spares readers a look at them).
+        segment.generation += 1
+        segment.mm[: HEAD.size] = segment_head(segment.generation)
+        segment.mm[HEAD.size : HEAD.size + RECORD.size] = END
+        self.bytes -= segment.size - HEAD.size
+        segment.size = HEAD.size
 
     def _close(self, segment: Segment) -> None:
         if segment.mm is not None:
@@ -437,18 +482,3 @@ class Spool:
             self._failed = why
             log.warning("lit: the spool at %s cannot keep spans (%s); they stay in memory only, where a crash of "
                         "this process loses them", self.directory, why)
-
-
-def _read(path: Path, entries: list[Entry]) -> list[bytes | None]:
-    """The payloads of ``entries`` (None for one whose bytes do not check out)."""
-    out: list[bytes | None] = []
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        for entry in entries:
-            data = os.pread(fd, entry.length, entry.offset)
-            payload = data[HEADER.size :]
-            ok = len(data) == entry.length and HEADER.unpack_from(data) == (len(payload), zlib.crc32(payload))
-            out.append(payload if ok else None)
-    finally:
-        os.close(fd)
-    return out

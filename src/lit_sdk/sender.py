@@ -68,7 +68,8 @@ class DeliveryCounts:
 
     submitted: int
     """Spans it took charge of: given to ``submit()`` (after shutdown too), plus those adopted from the spool of
-    a process that died. Always ``acknowledged + rejected + dropped + pending``."""
+    a process that died (damaged ones too, counted dropped). Always ``acknowledged + rejected + dropped +
+    pending``."""
     sent: int
     """Spans whose batch was sent for the first time; resends are not counted again."""
     acknowledged: int
@@ -90,6 +91,10 @@ class DeliveryCounts:
     """From ``flush(timeout)``: True when it returned because ``timeout`` passed before every span submitted
     before the call was settled (some may still be pending). False from ``counts``, ``shutdown()``, and a flush
     that finished."""
+    corrupt: int = 0
+    """Of the dropped spans, those whose record in the spool was damaged (a checksum failed: a flipped bit, a file
+    changed by someone else) or gone when it was read back; the records around a damaged one are still delivered.
+    A record torn by a writer killed mid-write is not counted: no one was told it was kept."""
 
 
 @dataclass(eq=False, slots=True)
@@ -159,7 +164,7 @@ class SpanSender:
         self._held_spans = self._held_bytes = 0  # in memory: in _incoming, _waiting and _inflight
         self._appended = 0  # sequence number of the last span submitted
         self._tally = dict.fromkeys(("submitted", "sent", "acknowledged", "duplicates", "spooled", "rejected",
-                                     "dropped"), 0)
+                                     "dropped", "corrupt"), 0)
         self._waiters: list[tuple[int, threading.Event]] = []
         self._closing = self._closed = False
         self._logged: set[str] = set()
@@ -356,7 +361,8 @@ class SpanSender:
 
     def _adopt(self) -> None:
         try:
-            self._add(submitted=len(self._spool.adopt()))
+            adopted, lost = self._spool.adopt()
+            self._add(submitted=len(adopted) + lost, corrupt=lost, dropped=lost)
         except OSError as exc:
             log.warning("lit: could not look for spans left in the spool at %s: %s", self.spool_dir, exc)
 
@@ -511,6 +517,7 @@ class SpanSender:
                 items = self._spool.take(min(self._max_batch, max(room_spans, 1)),
                                          min(self._max_batch_bytes, max(room_bytes, 1)))
             except LostRecord as exc:
+                self._add(corrupt=exc.n_spans)
                 self._drop(exc.n_spans, str(exc))
                 continue
             if not items:

@@ -16,7 +16,7 @@ import pytest
 from ack_server import NACK, NACK_REASON, SILENT, AckServer
 
 from lit_sdk import protocol
-from lit_sdk._spool import scan
+from lit_sdk._spool_files import scan
 from lit_sdk.sender import DeliveryCounts, SpanSender
 
 pytestmark = pytest.mark.timeout(30)
@@ -240,7 +240,7 @@ def test_a_torn_last_record_costs_only_that_record(down_server, make_sender, cap
         assert second.flush(timeout=5) == counts(submitted=29, sent=29, acknowledged=29)
     assert down_server.span_ids() == ids(range(29))
     assert segments(second.spool_dir) == []
-    assert "torn bytes at the end of the spool segment" in caplog.text
+    assert "torn record at the end of the spool segment" in caplog.text
 
 
 def test_segments_of_a_live_sender_are_left_alone(down_server, make_sender):
