@@ -285,7 +285,7 @@ def test_hostile_strings_in_spans_reach_the_page_only_as_escaped_text(tmp_path):
     node = r.add(p0, root, 1, status=STATUS_ERROR, message=p1, **{sc.OI_SPAN_KIND: p1, sc.OI_GRAPH_NODE_ID: p2})
     r.add(sc.LLM_SPAN, node, 2, **{sc.AGENT_NAME: p0, sc.LLM_PROMPT_TOKEN_IDS: [1, 2],
                                    sc.LLM_RESPONSE_TOKEN_IDS: [3, 4], sc.LLM_RESPONSE_LOGPROBS: [-0.1, -0.2],
-                                   sc.LLM_FINISH_REASON: p1, sc.LLM_TEMPERATURE: p2})
+                                   sc.LLM_FINISH_REASON: p1, sc.LLM_TEMPERATURE: 0.7, "hostile.text": p2})
     r.add(sc.REWARD_SPAN, node, 3, **{sc.REWARD_VALUE: p0, sc.REWARD_NAME: p1})
     # A failed call is not trained on, so its token ids reach the page as the agent sent them.
     r.add(sc.LLM_SPAN, root, 4, status=STATUS_ERROR, message=p2, **{
@@ -341,5 +341,6 @@ def test_values_of_the_wrong_type_render_as_text_in_lit_show(run_dir, tokenizer,
             False, False, False, False, True, True, False, False]
         assert f"finish ['{BREAKOUTS[0]}']" in parsed.text and "temperature nan" in parsed.text
     unstored_page = Elements((run_dir / "rollouts" / "s0-t1-g0.html").read_text()).text
-    assert "episodethe spans make no episode: TypeError: float() argument" in unstored_page  # its header row
+    # its header row: the intake refuses the episode with its reason (#27), where it crashed before
+    assert "episodeunusable: a " in unstored_page
     assert "returned '1.0'" in unstored_page and "'5' +nan" in unstored_page  # the root's return, the reward
