@@ -39,7 +39,7 @@ from lit_sdk import semconv as sc
 from lit_sdk.sender import SpanSender
 from lit_trainer.intake.collector import Collector
 from lit_trainer.intake.episodes import Episode, build_episode
-from lit_trainer.intake.store import SqliteStore
+from lit_trainer.intake.store import RolloutRow, SqliteStore
 
 SPANS_PER_ROLLOUT = 10
 _DEADLINE_S = 300.0
@@ -169,6 +169,9 @@ def measure_raw(args: argparse.Namespace, tmp: Path) -> float:
 
 def measure_durable(args: argparse.Namespace, tmp: Path) -> tuple[float, SqliteStore, Collector]:
     store = SqliteStore(tmp / "ingest.db")
+    # handed out first, as the dispatcher does: the collector stores spans of the rollouts the store holds only
+    store.add_rollouts(RolloutRow(f"r{seed}-{i}", "task-17", 1) for seed in range(args.senders)
+                       for i in range(-(-args.spans // SPANS_PER_ROLLOUT)))
     collector = Collector(store, "tcp://127.0.0.1:0").start()
     results = run_senders(send_with_sdk, collector.endpoint, args, tmp)()
     collector.stop()

@@ -95,24 +95,32 @@ class LoadResult:
     duplicates: int
     """Spans the collector received again after storing them (resends); stored once all the same."""
     rejected: int
+    refused: int
+    """Spans of good frames the collector refused (intake/admission.py): none from honest workers."""
     peak_rss_mb: dict[str, float]
     rss_growth_mb: dict[str, float]
     """Peak resident memory above each process's own at the start: what running the rollouts cost it."""
 
 
 def run_load(rollouts: int, workers: int, concurrency: int, llm_url: str, work_dir: Path) -> LoadResult:
+    from lit_sdk import semconv
+    from lit_sdk.protocol import security
     from lit_sdk.resources import LLM
     from lit_sdk.worker import spawn
+    from lit_trainer.config import TrainConfig
     from lit_trainer.intake.collector import Collector
     from lit_trainer.intake.store import RolloutStatus, SqliteStore
     from lit_trainer.rollouts.dispatcher import Dispatcher, RolloutRequest
-    from lit_trainer.services import stop_workers
+    from lit_trainer.services import stop_workers, with_keys
 
+    # as lit train runs them: both channels with the run's own CURVE keys, every span admitted by the collector
+    keys_dir, _ = with_keys(TrainConfig(), work_dir / "keys")
+    keys = security.load_server_keys(keys_dir)
     store = SqliteStore(work_dir / "lit.sqlite")
-    collector = Collector(store, "tcp://127.0.0.1:0").start()
-    dispatcher = Dispatcher(store, "tcp://127.0.0.1:0", collector.endpoint, [llm_url])
+    collector = Collector(store, "tcp://127.0.0.1:0", keys=keys).start()
+    dispatcher = Dispatcher(store, "tcp://127.0.0.1:0", collector.endpoint, [llm_url], keys=keys)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCH), os.environ.get("PYTHONPATH", "")]),
-           "LIT_SPOOL_DIR": str(work_dir / "spool"), "LIT_FRAMEWORKS": ""}
+           "LIT_SPOOL_DIR": str(work_dir / "spool"), "LIT_FRAMEWORKS": "", security.KEYS_ENV: str(keys_dir)}
     procs = [spawn("load_agent:three_calls", dispatcher.endpoint, concurrency, env) for _ in range(workers)]
     peaks: dict[str, float] = {}
     try:
@@ -138,10 +146,11 @@ def run_load(rollouts: int, workers: int, concurrency: int, llm_url: str, work_d
         for outcome in ok:
             incomplete += store.missing_spans(outcome.rollout_id) is not None
             root = [s for s in store.spans_of_rollout(outcome.rollout_id) if s.parent_id is None]
-            declared += root[0].attributes.get("lit.rollout.spans", 0) if root else 0
+            declared += root[0].attributes.get(semconv.ROLLOUT_SPANS, 0) if root else 0
         counts = collector.counts
         return LoadResult(rollouts, len(ok), seconds, rollouts / seconds, declared, store.counts()["spans"],
-                          incomplete, counts.duplicates, sum(counts.rejected.values()), peaks,
+                          incomplete, counts.duplicates, sum(counts.rejected.values()),
+                          sum(counts.refused_spans.values()), peaks,
                           {name: round(peaks[name] - start[name], 1) for name in names})
     finally:
         stop_workers(dispatcher, procs)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import pytest
 from fake_llm import FakeLLM
+from handed_out import hand_out
 
 import lit_sdk as lit
 from lit_sdk import _context
@@ -17,6 +18,7 @@ from lit_trainer.intake.collector import Collector
 from lit_trainer.intake.store import SqliteStore
 
 ROLLOUT_ID = "example-rollout-1"
+SECRET = "ex" * 16
 
 
 @pytest.fixture(autouse=True)
@@ -31,9 +33,10 @@ def traced_rollout(tmp_path) -> Callable[..., tuple[float, list[SpanRecord], Fak
     def run(agent_fn, task: dict, script: list) -> tuple[float, list[SpanRecord], FakeLLM]:
         with FakeLLM(script=script) as llm, SqliteStore(tmp_path / "store.sqlite") as store, \
                 Collector(store, "tcp://127.0.0.1:0") as collector:
+            hand_out(store, ROLLOUT_ID, secret=SECRET)  # as the dispatcher does: the collector stores only these
             lit.instrument(endpoint=collector.endpoint, llm_base_urls=[llm.base_url], spool_dir=tmp_path / "spool")
             try:
-                with _context.assign(ROLLOUT_ID, task["id"]):
+                with _context.assign(ROLLOUT_ID, task["id"], secret=SECRET):
                     llm_config = lit.LLM(llm.base_url, "policy", temperature=0.0, max_tokens=48)
                     reward = asyncio.run(agent_fn(task, llm_config))
                 counts = lit.flush(timeout=10)

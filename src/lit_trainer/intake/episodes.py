@@ -18,9 +18,9 @@ Rules, in order:
   failed (root error status), no selected call has token ids, or it has no reward at all.
 - Values are checked, since they come from a peer (a buggy agent is one too): a reward that is not a finite number,
   an attempt that is not a positive integer, a token id that is not an integer of the model's vocabulary
-  (``vocab_size``), a behaviour logprob that is not finite and <= 0, a temperature that is not a positive finite
-  number or sampling settings that are not text make the rollout unusable with that reason (``BAD_*``), counted
-  in ``rollouts/unusable_bad_*``: one bad value costs its rollout, never the run.
+  (``vocab_size``), a behaviour logprob that is not finite and <= 0, a temperature that is not a finite number
+  >= 0 (0: greedy), or sampling settings that are not text make the rollout unusable with that reason (``BAD_*``),
+  counted in ``rollouts/unusable_bad_*``: one bad value costs its rollout, never the run.
 Runtime signals for automatic intermediate rewards are counted per call: errored tool spans and other errored
 spans that started after the call and before the next selected call.
 
@@ -108,7 +108,7 @@ class Unusable(enum.Enum):
     BAD_ATTEMPT = "the root span's attempt is not a positive integer"
     BAD_TOKEN_IDS = "a token id is not an integer of the model's vocabulary"
     BAD_LOGPROBS = "a behaviour logprob is not a finite number <= 0"
-    BAD_SAMPLING = "a call's temperature is not a positive finite number, or its sampling settings are not text"
+    BAD_SAMPLING = "a call's temperature is not a finite number >= 0, or its sampling settings are not text"
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +208,7 @@ def _bad_value(root: SpanRecord, timeline: list[SpanRecord], calls: list[SpanRec
             return Unusable.BAD_LOGPROBS, f"{where}: logprob {wrong!r}"
         temperature = attrs.get(sc.LLM_TEMPERATURE)
         unsupported = attrs.get(sc.LLM_SAMPLING_UNSUPPORTED, "")
-        if (temperature is not None and not (_is_finite(temperature) and temperature > 0)) or \
+        if (temperature is not None and not (_is_finite(temperature) and temperature >= 0)) or \
                 not isinstance(unsupported, str):
             return Unusable.BAD_SAMPLING, f"{where}: temperature {temperature!r}, other settings {unsupported!r}"
     return None

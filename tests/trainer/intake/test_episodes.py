@@ -182,7 +182,8 @@ BAD_VALUES = {  # #27's holes: each one raised in the trainer (assert, ValueErro
     "text_logprob": (Unusable.BAD_LOGPROBS, lambda t, root, call: _set(t, call, **{
         sc.LLM_RESPONSE_LOGPROBS: ["-0.5", -0.5]})),
     "text_temperature": (Unusable.BAD_SAMPLING, lambda t, root, call: _set(t, call, **{sc.LLM_TEMPERATURE: "hot"})),
-    "zero_temperature": (Unusable.BAD_SAMPLING, lambda t, root, call: _set(t, call, **{sc.LLM_TEMPERATURE: 0.0})),
+    "negative_temperature": (Unusable.BAD_SAMPLING, lambda t, root, call: _set(t, call, **{
+        sc.LLM_TEMPERATURE: -1.0})),
     "map_sampling": (Unusable.BAD_SAMPLING, lambda t, root, call: _set(t, call, **{
         sc.LLM_SAMPLING_UNSUPPORTED: {"top_p": 0.9}})),
 }

@@ -22,5 +22,6 @@ def test_a_thousand_rollouts_64_at_once_are_counted_exactly(tmp_path):
     assert result.succeeded == 1000
     assert result.spans_declared == 4000  # per rollout: the root and its three LLM calls
     assert result.spans_stored == 4000 and result.incomplete == 0 and result.rejected == 0  # none lost, none twice
+    assert result.refused == 0  # with CURVE keys and the collector's admission on, as lit train runs (#27)
     # bounded: no process holds what it ran (growth, since this test's process may hold vLLM from earlier tests)
     assert max(result.rss_growth_mb.values()) < 512, result.rss_growth_mb
