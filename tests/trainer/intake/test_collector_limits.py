@@ -1,9 +1,10 @@
 """The collector's bounds against many hostile peers: memory for frames in flight, connections, idle peers.
 
-Real ZeroMQ sockets on 127.0.0.1 and a real SQLite store. Hostile peers are plain TCP sockets speaking as much of
-ZeroMQ's wire protocol (ZMTP 3.0, NULL mechanism) as they need, or raw connections that say nothing; the honest
-agent is the SDK's ``SpanSender`` or a plain DEALER. A collector that needs a low open-files limit runs in a child
-process (``collector_process``).
+Real ZeroMQ sockets on 127.0.0.1 and a real SQLite store. The spans are outside any rollout (``rollout_id`` None),
+which the store takes without asking whether the trainer handed the rollout out: these tests are about the socket.
+Hostile peers are plain TCP sockets speaking as much of ZeroMQ's wire protocol (ZMTP 3.0) as they need, or raw
+connections that say nothing; the honest agent is the SDK's ``SpanSender`` or a plain DEALER. A collector that needs
+a low open-files limit runs in a child process (``collector_process``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import resource
 import select
 import socket
+import sqlite3
 import struct
 import subprocess
 import sys
@@ -37,6 +39,8 @@ ACK_S = 20.0
 """How long an honest agent may wait for its ack while hostile peers are about (a loaded 2-core machine)."""
 BUDGET = 64 * 2**20
 """The collector's default ``max_partial_bytes``."""
+NOFILE = 512
+"""The open-files limit of the collector process that a flood of 700 connections meets."""
 
 
 @pytest.fixture
@@ -65,6 +69,11 @@ def announce(sock: socket.socket, size: int, sent: int) -> None:
     sock.sendall(b"\x02" + struct.pack(">Q", size) + b"\0" * sent)
 
 
+def announce_command(sock: socket.socket, size: int, sent: int) -> None:
+    """Announce a handshake command of ``size`` bytes and send ``sent`` of them (then stop, half-way)."""
+    sock.sendall(b"\x06" + struct.pack(">Q", size) + b"\0" * sent)
+
+
 def _read(sock: socket.socket, n: int) -> bytes:
     out = b""
     while len(out) < n:
@@ -78,12 +87,19 @@ def _read(sock: socket.socket, n: int) -> bytes:
 def closed_by_peer(sock: socket.socket) -> bool:
     """Whether the other end has closed ``sock`` (reads whatever came before, without waiting)."""
     try:
-        while select.select([sock], [], [], 0)[0]:
+        while readable(sock):
             if not sock.recv(65536):
                 return True
     except OSError:  # reset
         return True
     return False
+
+
+def readable(sock: socket.socket) -> bool:
+    """Whether ``sock`` has something to read, or its end (``poll``: no limit on descriptor numbers)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def first_part(batch: str, total: int) -> bytes:
@@ -99,62 +115,146 @@ def dealer(endpoint: str) -> zmq.Socket:
     return sock
 
 
+_CHILD = textwrap.dedent("""
+    import dataclasses, json, sys
+    from lit_sdk.protocol import security
+    from lit_trainer.intake.collector import Collector
+    from lit_trainer.intake.store import SqliteStore
+    db, keys_dir = sys.argv[1], sys.argv[2]
+    keys = security.load_server_keys(keys_dir) if keys_dir else None
+    with SqliteStore(db) as store, Collector(store, "tcp://127.0.0.1:0", keys=keys) as collector:
+        print(collector.endpoint, flush=True)
+        for line in sys.stdin:
+            if line.strip() != "counts":
+                break
+            print(json.dumps(dataclasses.asdict(collector.counts)), flush=True)
+        counts = dataclasses.asdict(collector.counts)
+    print(json.dumps(counts), flush=True)
+""")
+
+
+class collector_process:
+    """A collector (default settings) in a child process, so that its memory is its own and its open-files limit
+    can be ``nofile`` (soft and hard). Its counts come back as a dict."""
+
+    def __init__(self, db, nofile: int | None = None, keys_dir=None):
+        def limit():
+            if nofile is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+        self.proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(db), str(keys_dir or "")],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=limit,
+                                     env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        self.endpoint = self.proc.stdout.readline().strip()
+        assert self.endpoint.startswith("tcp://"), "the collector process did not start"
+
+    def rss(self) -> int:
+        return psutil.Process(self.proc.pid).memory_info().rss
+
+    def open_fds(self) -> int:
+        return psutil.Process(self.proc.pid).num_fds()
+
+    def counts(self) -> dict:
+        self.proc.stdin.write("counts\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def stop(self) -> dict:
+        try:
+            out, _ = self.proc.communicate("stop\n", timeout=WAIT_S * 3)
+        finally:
+            self.proc.kill()
+        return json.loads(out.strip().splitlines()[-1])
+
+
 # -- memory ------------------------------------------------------------------------------------------------------
 
-def test_idle_peers_announcing_long_frames_cost_bounded_memory(store, tmp_path):
+def test_idle_peers_announcing_long_frames_cost_bounded_memory(tmp_path):
     """Hole: each peer that announced a message just under the 16 MiB limit and went idle cost 16 MiB, however many
     there were. Now a message is at most ``MAX_MESSAGE_BYTES`` (longer ones are cut at their header), longer frames
     come in parts, and the parts of all peers together are kept within ``max_partial_bytes``; the rest are told
     ``busy``. An honest agent is acknowledged all along."""
     n = 40
-    rss0 = psutil.Process().memory_info().rss
-    bound = BUDGET + n * 2 * protocol.MAX_MESSAGE_BYTES + 64 * 2**20  # + this test's own buffers
+    bound = BUDGET + n * 2 * protocol.MAX_MESSAGE_BYTES + 32 * 2**20
+    child = collector_process(tmp_path / "lit.db")
+    rss0 = child.rss()
 
     def memory_is_bounded() -> None:
-        grown = psutil.Process().memory_info().rss - rss0
-        assert grown < bound, f"memory grew by {grown / 2**20:.0f} MiB, more than {bound / 2**20:.0f} MiB"
+        grown = child.rss() - rss0
+        assert grown < bound, f"the collector grew by {grown / 2**20:.0f} MiB, more than {bound / 2**20:.0f} MiB"
 
     raw: list[socket.socket] = []
     dealers: list[zmq.Socket] = []
-    with Collector(store, "tcp://127.0.0.1:0") as collector, contextlib.ExitStack() as cleanup:
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(child.stop)
         cleanup.callback(lambda: [s.close() for s in [*raw, *dealers]])
         for _ in range(n):
-            peer = zmtp_connect(collector.endpoint)
+            peer = zmtp_connect(child.endpoint)
             try:
                 announce(peer, protocol.MAX_FRAME_BYTES, protocol.MAX_FRAME_BYTES - 1)
             except OSError:  # cut off at the header
                 pass
             raw.append(peer)
-        sender = SpanSender(collector.endpoint, spool_dir=tmp_path / "spool", linger_s=0.01)
+        sender = SpanSender(child.endpoint, spool_dir=tmp_path / "spool", linger_s=0.01)
         try:
             for i in range(200):
-                sender.submit(span(i, rollout="honest").to_wire())
+                sender.submit(span(i, rollout=None).to_wire())
             assert sender.flush(timeout=ACK_S).acknowledged == 200
             memory_is_bounded()
             for i in range(n):
-                dealers.append(dealer(collector.endpoint))
+                dealers.append(dealer(child.endpoint))
                 dealers[-1].send(first_part(f"idle-{i}", protocol.MAX_FRAME_BYTES - 1))
             for i in range(200, 300):
-                sender.submit(span(i, rollout="honest").to_wire())
+                sender.submit(span(i, rollout=None).to_wire())
             delivered = sender.flush(timeout=ACK_S)
         finally:
             sender.shutdown(timeout=1)
         assert delivered.acknowledged == 300 and delivered.pending == 0, delivered
-        assert len(store.spans_of_rollout("honest")) == 300
-        counts = wait_until(lambda: (c := collector.counts).busy + c.partial_bytes // (protocol.MAX_FRAME_BYTES - 1)
+        counts = wait_until(lambda: (c := child.counts())["busy"] + c["partial_bytes"] // (protocol.MAX_FRAME_BYTES - 1)
                             == n and c, "every first part kept or told busy")
         memory_is_bounded()
-        assert 0 < counts.partial_bytes <= BUDGET and counts.busy > 0, counts
+        assert 0 < counts["partial_bytes"] <= BUDGET and counts["busy"] > 0, counts
         replies: list[protocol.Frame] = []
 
         def all_busy_answered() -> bool:
             for sock in dealers:
                 while sock.poll(0):
                     replies.append(protocol.decode_frame(sock.recv()))
-            return len(replies) == counts.busy
+            return len(replies) == counts["busy"]
 
         wait_until(all_busy_answered, "a busy answer for each frame that did not fit")
         assert all(isinstance(r, protocol.BusyFrame) for r in replies)
+    with sqlite3.connect(tmp_path / "lit.db") as conn:
+        assert conn.execute("SELECT count(*) FROM spans").fetchone()[0] == 300
+
+
+def test_a_peer_without_the_keys_cannot_make_the_collector_hold_a_long_message(tmp_path):
+    """Hole, before authentication: with CURVE keys on, a peer without them could still announce a 16 MiB handshake
+    command and send it, and ZeroMQ held it until the handshake timed out (16 MiB each, 30 s). Now it is cut off at
+    its header."""
+    security.generate_keys(tmp_path / "keys")
+    n = 20
+    child = collector_process(tmp_path / "lit.db", keys_dir=tmp_path / "keys")
+    rss0 = child.rss()
+    host, port = child.endpoint.removeprefix("tcp://").rsplit(":", 1)
+    peers = []
+    try:
+        for _ in range(n):
+            peer = socket.create_connection((host, int(port)), timeout=WAIT_S)
+            peers.append(peer)
+            peer.sendall(b"\xff" + b"\0" * 8 + b"\x7f" + bytes([3, 0]) + b"CURVE".ljust(20, b"\0") + b"\0" * 32)
+            _read(peer, 64)
+            try:
+                announce_command(peer, protocol.MAX_FRAME_BYTES, protocol.MAX_FRAME_BYTES - 1)
+            except OSError:  # cut off at the header
+                pass
+        grown = child.rss() - rss0
+        assert grown < 32 * 2**20, f"the collector grew by {grown / 2**20:.0f} MiB for {n} peers without keys"
+        wait_until(lambda: all(closed_by_peer(p) for p in peers), "every such peer cut off")
+    finally:
+        for peer in peers:
+            peer.close()
+        child.stop()
 
 
 def test_a_frame_left_half_way_is_dropped_and_an_agents_large_frame_waits_its_turn(store, tmp_path):
@@ -166,7 +266,7 @@ def test_a_frame_left_half_way_is_dropped_and_an_agents_large_frame_waits_its_tu
         idle = dealer(collector.endpoint)
         idle.send(first_part("idle", protocol.MAX_FRAME_BYTES))
         wait_until(lambda: collector.counts.partial_bytes == protocol.MAX_FRAME_BYTES, "the idle frame reserved")
-        large = span(1, rollout="large")
+        large = span(1, rollout=None)
         large.attributes = {"text": "x" * (3 * protocol.PART_BYTES)}  # a frame of 4 parts
         sender = SpanSender(collector.endpoint, spool_dir=tmp_path / "spool", linger_s=0.01)
         try:
@@ -177,7 +277,9 @@ def test_a_frame_left_half_way_is_dropped_and_an_agents_large_frame_waits_its_tu
         counts = collector.counts
         idle.close()
     assert delivered.acknowledged == 1 and delivered.pending == 0 and delivered.dropped == 0, delivered
-    assert store.spans_of_rollout("large") == [large]
+    with sqlite3.connect(store.path) as conn:
+        (attributes,) = conn.execute("SELECT attributes FROM spans").fetchone()
+    assert codec.unpackb(attributes) == large.attributes
     assert counts.busy >= 1 and counts.partials_dropped == 1 and counts.partial_bytes == 0, counts
 
 
@@ -198,43 +300,6 @@ def test_parts_are_put_together_in_order_one_frame_per_peer():
 
 
 # -- connections -------------------------------------------------------------------------------------------------
-
-_CHILD = textwrap.dedent("""
-    import json, sys
-    from lit_sdk.protocol import security
-    from lit_trainer.intake.collector import Collector
-    from lit_trainer.intake.store import SqliteStore
-    db, keys_dir, kwargs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-    keys = security.load_server_keys(keys_dir) if keys_dir else None
-    with SqliteStore(db) as store, Collector(store, "tcp://127.0.0.1:0", keys=keys, **kwargs) as collector:
-        print(collector.endpoint, flush=True)
-        sys.stdin.readline()
-        counts = collector.counts
-    print(json.dumps({"evicted": counts.evicted, "refused": counts.refused_peers, "frames": counts.frames}),
-          flush=True)
-""")
-
-
-class collector_process:
-    """A collector in a child process whose open-files limit is ``nofile`` (soft and hard)."""
-
-    def __init__(self, db, nofile: int, keys_dir=None, **kwargs):
-        def limit():
-            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
-
-        self.proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(db), str(keys_dir or ""), json.dumps(kwargs)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=limit,
-                                     env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-        self.endpoint = self.proc.stdout.readline().strip()
-        assert self.endpoint.startswith("tcp://"), "the collector process did not start"
-
-    def stop(self) -> dict:
-        try:
-            out, _ = self.proc.communicate("\n", timeout=WAIT_S * 3)
-        finally:
-            self.proc.kill()
-        return json.loads(out.strip().splitlines()[-1])
-
 
 def flood(endpoint: str, n: int) -> list[socket.socket]:
     """``n`` TCP connections to ``endpoint`` that never say a word (connected without waiting for each)."""
@@ -261,7 +326,7 @@ def agent(endpoint: str, keys_dir=None) -> Client:
 
 def acked(client: Client, batch: str) -> bool:
     """Send one good frame, again every 2 s as an agent would, and wait up to ``ACK_S`` for its ack."""
-    frame = spans_frame(batch, [span(1, rollout=batch)])
+    frame = spans_frame(batch, [span(1, rollout=None)])
     deadline = time.monotonic() + ACK_S
     while time.monotonic() < deadline:
         client.send(frame)
@@ -284,12 +349,14 @@ def test_a_flood_of_idle_connections_leaves_room_for_agents(tmp_path, with_keys)
     if with_keys:
         keys_dir = tmp_path / "keys"
         security.generate_keys(keys_dir)
-    child = collector_process(tmp_path / "lit.db", nofile=512, keys_dir=keys_dir)
+    child = collector_process(tmp_path / "lit.db", nofile=NOFILE, keys_dir=keys_dir)
     client, newcomer = agent(child.endpoint, keys_dir), None
     flooders: list[socket.socket] = []
     try:
         assert acked(client, "before"), "no ack before the flood"
         flooders = flood(child.endpoint, 700)
+        wait_until(lambda: child.counts().get("evicted") or child.open_fds() >= NOFILE - 4,
+                   "the flood filling the collector's room (connections closed, or no descriptor left)")
         newcomer = agent(child.endpoint, keys_dir)
         assert acked(newcomer, "newcomer"), "a new agent could not get in during the flood"
         assert acked(client, "during"), "the agent that was in lost its connection to the flood"
