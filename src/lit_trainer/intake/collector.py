@@ -131,6 +131,9 @@ class Collector:
         if min(max_frames, max_spans, max_turn_bytes, max_peers) <= 0:
             raise ValueError(f"Collector: max_frames, max_spans, max_turn_bytes and max_peers must be positive, got "
                              f"{max_frames}, {max_spans}, {max_turn_bytes}, {max_peers}")
+        if max_partial_bytes < protocol.MAX_FRAME_BYTES:
+            raise ValueError(f"Collector: max_partial_bytes must hold one frame of protocol.MAX_FRAME_BYTES "
+                             f"({protocol.MAX_FRAME_BYTES}), got {max_partial_bytes}")
         if handshake_s < 0.001 or peer_idle_s < 0.003:
             raise ValueError(f"Collector: handshake_s and peer_idle_s must be at least a millisecond (and peer_idle_s "
                              f"three), got {handshake_s} and {peer_idle_s}")

@@ -134,9 +134,10 @@ class ConnectionLimit:
                 return
             oldest = next(iter(self._unproven))
             del self._unproven[oldest]  # now: its own end is reported later, and must not be counted twice
-            self._evicted += 1
             local = self._local
-        _shut_down(oldest, local)
+        if _shut_down(oldest, local):
+            with self._lock:
+                self._evicted += 1
 
 
 def _shut_down(fd: int, local: str | int | None) -> bool:
