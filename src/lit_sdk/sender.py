@@ -5,8 +5,10 @@ to a deque, and returns: it never waits for the network and never raises. One ba
 DEALER socket (connected to the collector's ROUTER). It groups spans into batches (at most ``max_batch_spans`` spans and
 ``max_batch_bytes`` bytes, or whatever came within ``linger_s``), sends each as a ``spans`` frame and keeps it until
 the collector's ``ack``; a batch not acknowledged within ``ack_timeout_s`` is sent again, with a doubling, capped
-back-off. While the trainer is away, spans wait in memory (``max_memory_spans``, ``max_memory_bytes``) and beyond
-that on disk alone, read back from the spool when the trainer comes back.
+back-off. A frame longer than ``protocol.PART_BYTES`` goes as parts (``protocol.encode_parts``); one the collector
+answers ``busy`` (no room for it now) is sent again after a shorter back-off, its spans still in our care. While
+the trainer is away, spans wait in memory (``max_memory_spans``, ``max_memory_bytes``) and beyond that on disk
+alone, read back from the spool when the trainer comes back.
 
 What is promised. Once ``submit()`` has returned, the span is in the spool file (in the kernel's page cache), so it
 survives the death of the process, ``kill -9`` included: the next lit process to open the same spool directory
@@ -55,6 +57,9 @@ _PROBE_S = 0.05
 _MAX_BACKOFF = 8
 """Resends wait ``ack_timeout_s``, then twice that, and so on up to this many times it."""
 _IDLE_S = 0.5
+_BUSY_S = 0.1
+"""A batch the collector answered ``busy`` goes again after this, doubling with each try (within its ack timeout's
+schedule)."""
 _TURN_BATCHES = 256
 """Batches formed, and replies read, per turn of the loop, so that one never starves the others."""
 _DROP_LOG_S = 5.0
@@ -480,11 +485,14 @@ class SpanSender:
                 return
 
     def _transmit(self, sock: zmq.Socket, batch: Batch, now: float) -> bool:
-        """Send a batch and count it in flight; False (and the trainer taken as away) if it cannot go now."""
+        """Send a batch (in parts if it is long: ``protocol.encode_parts``) and count it in flight; False (and the
+        trainer taken as away) if it cannot go now. A frame cut off half-way is sent again whole: the collector
+        drops the parts it got."""
+        frame = b"".join([self._frame_head(batch.batch_id, batch.n), *batch.payloads])
         try:
-            sock.send_multipart([b"".join([self._frame_head(batch.batch_id, batch.n), *batch.payloads])],
-                                zmq.NOBLOCK)
-        except zmq.Again:  # IMMEDIATE: no collector connected
+            for message in protocol.encode_parts(batch.batch_id, frame):
+                sock.send(message, zmq.NOBLOCK)
+        except zmq.Again:  # IMMEDIATE: no collector connected (or its queue for us is full)
             self._away_until = now + _PROBE_S
             return False
         except zmq.ZMQError as exc:
@@ -546,8 +554,11 @@ class SpanSender:
                 self._log_once(f"reply:{exc.kind}", logging.WARNING,
                                "lit: ignoring a reply from the collector that is not a valid frame: %s", exc)
                 continue
-            if isinstance(frame, protocol.SpansFrame):
+            if isinstance(frame, (protocol.SpansFrame, protocol.PartFrame)):
                 self._log_once("reply:spans", logging.WARNING, "lit: ignoring a spans frame sent to this sender")
+                continue
+            if isinstance(frame, protocol.BusyFrame):
+                self._retry_soon(frame.batch)
                 continue
             batch = self._inflight.pop(frame.batch, None)
             if batch is None:
@@ -558,6 +569,16 @@ class SpanSender:
                 self._log_once(f"nack:{frame.reason}", logging.WARNING,
                                "lit: the collector refused a batch of spans for good: %s", frame.reason)
                 self._settle_batch(batch, rejected=batch.n)
+
+    def _retry_soon(self, batch_id: str) -> None:
+        """The collector had no room for a batch sent in parts: it is not refused, and goes again after a short
+        wait that doubles with each try (the collector frees room as frames complete or time out)."""
+        batch = self._inflight.get(batch_id)
+        if batch is None:
+            return
+        self._log_once("busy", logging.INFO, "lit: the trainer's collector is busy with other large batches; "
+                       "this one waits and is sent again")
+        batch.resend_at = min(batch.resend_at, time.monotonic() + _BUSY_S * 2 ** min(batch.attempts - 1, 6))
 
     def _settle_batch(self, batch: Batch, **counts: int) -> None:
         self._spool.release(batch.entries)

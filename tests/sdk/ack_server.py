@@ -1,9 +1,10 @@
 """A stand-in for the trainer's collector in the sender's tests: a real ZeroMQ ROUTER on 127.0.0.1, in a thread.
 
-It decodes every frame with ``protocol.decode_frame``, keeps the spans it receives deduplicated by span id, and
-answers each ``spans`` frame with an ``ack`` (stored, duplicates). Switches: ``mode = "silent"`` keeps the spans
-but answers nothing (a collector whose acks are lost), ``mode = "nack"`` refuses every frame, and ``stop()`` then
-``start()`` brings it back on the same port, like a trainer that restarts. The real collector
+It decodes every frame with ``protocol.decode_frame`` (putting together those that come in parts), keeps the spans
+it receives deduplicated by span id, and answers each ``spans`` frame with an ``ack`` (stored, duplicates).
+Switches: ``mode = "silent"`` keeps the spans but answers nothing (a collector whose acks are lost), ``mode =
+"nack"`` refuses every frame, ``busy = n`` answers the next ``n`` frames in parts ``busy`` (no room now), and
+``stop()`` then ``start()`` brings it back on the same port, like a trainer that restarts. The real collector
 (``lit_trainer/collector.py``) is built by another issue; this one only plays its part on the wire.
 """
 
@@ -19,6 +20,7 @@ from lit_sdk import protocol
 
 ACK, SILENT, NACK = "ack", "silent", "nack"
 NACK_REASON = "the test server refuses everything"
+_BUSY = object()
 
 
 class AckServer:
@@ -30,6 +32,9 @@ class AckServer:
         self.deliveries = 0
         """Spans received, duplicates included."""
         self.bad_frames = 0
+        self.busy = 0
+        """Frames in parts still to be answered ``busy``."""
+        self._parts: dict[bytes, bytearray] = {}
         self._spans: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -106,15 +111,20 @@ class AckServer:
                 if not sock.poll(20):
                     continue
                 identity, *_, data = sock.recv_multipart()
-                reply = self._handle(data)
+                reply = self._handle(identity, data)
                 if reply is not None:
                     sock.send_multipart([identity, reply])
         finally:
             sock.close(linger=0)
 
-    def _handle(self, data: bytes) -> bytes | None:
+    def _handle(self, identity: bytes, data: bytes) -> bytes | None:
         try:
             frame = protocol.decode_frame(data)
+            if isinstance(frame, protocol.PartFrame):
+                whole = self._assemble(identity, frame)
+                if not isinstance(whole, bytes):
+                    return protocol.encode_busy(frame.batch) if whole is _BUSY else None
+                frame = protocol.decode_frame(whole)
         except protocol.ProtocolError as exc:
             with self._lock:
                 self.bad_frames += 1
@@ -134,3 +144,22 @@ class AckServer:
             if self.mode == SILENT:
                 return None
         return protocol.encode_ack(frame.batch, len(new), len(frame.spans) - len(new))
+
+    def _assemble(self, identity: bytes, part: protocol.PartFrame) -> bytes | object | None:
+        """The whole frame when ``part`` completes one, ``_BUSY`` for a first part to be answered ``busy`` (the
+        parts after it are not kept), else None."""
+        if part.offset == 0:
+            self._parts.pop(identity, None)
+            with self._lock:
+                if self.busy > 0:
+                    self.busy -= 1
+                    return _BUSY
+            self._parts[identity] = bytearray()
+        kept = self._parts.get(identity)
+        if kept is None or len(kept) != part.offset:
+            return None
+        kept += part.data
+        if len(kept) < part.total:
+            return None
+        del self._parts[identity]
+        return bytes(kept)

@@ -282,6 +282,17 @@ def test_a_nack_counts_the_batch_as_rejected_and_is_logged_once(server, make_sen
     assert caplog.text.count(NACK_REASON) == 1
 
 
+def test_a_long_batch_goes_in_parts_and_one_answered_busy_is_sent_again_soon(server, make_sender):
+    """A frame longer than ``protocol.PART_BYTES`` is sent as parts; a ``busy`` answer (the collector had no room for
+    it) neither loses nor refuses it: it goes again after a short back-off, well before its ack timeout."""
+    server.busy = 3
+    sender = make_sender(server.endpoint, ack_timeout_s=30.0)
+    large = {**span(0), "attributes": {"lit.test.pad": "x" * (2 * protocol.PART_BYTES)}}
+    sender.submit(large)
+    assert sender.flush(timeout=10) == counts(submitted=1, sent=1, acknowledged=1)
+    assert server.busy == 0 and server.spans() == [large]
+
+
 @pytest.mark.parametrize("problem", ["unwritable", "over_max_spool_bytes"])
 def test_spans_the_spool_cannot_keep_are_counted_and_logged(down_server, spool, make_sender, caplog, problem):
     settings = {"max_batch_spans": 10, "max_memory_spans": 20, "linger_s": 60.0}

@@ -9,7 +9,7 @@ typed records into bytes and bytes back into validated records, and says in word
 The rest of ``lit_sdk`` (the agent SDK) is above this package and never below it (import-linter).
 """
 
-from lit_sdk.protocol.codec import MAX_FRAME_BYTES, VERSION, ProtocolError
+from lit_sdk.protocol.codec import MAX_FRAME_BYTES, MAX_MESSAGE_BYTES, PART_BYTES, VERSION, ProtocolError
 from lit_sdk.protocol.dispatch import (
     ROLLOUT_STATUSES,
     TO_TRAINER,
@@ -30,8 +30,10 @@ from lit_sdk.protocol.dispatch import (
 from lit_sdk.protocol.packed import decode_frame_packed
 from lit_sdk.protocol.spans import (
     ACK,
+    BUSY,
     NACK,
     PACKED_FIELDS,
+    PART,
     SPAN_FIELDS,
     SPANS,
     STATUS_ERROR,
@@ -40,27 +42,31 @@ from lit_sdk.protocol.spans import (
     STATUSES,
     AckFrame,
     AttrValue,
+    BusyFrame,
     Frame,
     NackFrame,
     PackedFrame,
     PackedSpan,
     PackedSpansFrame,
+    PartFrame,
     SpanRecord,
     SpansFrame,
     decode_frame,
     encode_ack,
+    encode_busy,
     encode_nack,
+    encode_parts,
     encode_span_dicts,
     encode_spans,
     pack_span,
 )
 
 __all__ = [
-    "ACK", "MAX_FRAME_BYTES", "NACK", "SPANS", "STATUS_ERROR", "STATUS_OK", "STATUS_UNSET", "VERSION",
-    "PACKED_FIELDS", "SPAN_FIELDS", "STATUSES",
-    "AckFrame", "AttrValue", "Frame", "NackFrame", "PackedFrame", "PackedSpan", "PackedSpansFrame",
-    "ProtocolError", "SpanRecord", "SpansFrame", "decode_frame", "decode_frame_packed", "encode_ack",
-    "encode_nack", "encode_span_dicts", "encode_spans", "pack_span",
+    "ACK", "BUSY", "MAX_FRAME_BYTES", "MAX_MESSAGE_BYTES", "NACK", "PART", "PART_BYTES", "SPANS", "STATUS_ERROR",
+    "STATUS_OK", "STATUS_UNSET", "VERSION", "PACKED_FIELDS", "SPAN_FIELDS", "STATUSES",
+    "AckFrame", "AttrValue", "BusyFrame", "Frame", "NackFrame", "PackedFrame", "PackedSpan", "PackedSpansFrame",
+    "PartFrame", "ProtocolError", "SpanRecord", "SpansFrame", "decode_frame", "decode_frame_packed", "encode_ack",
+    "encode_busy", "encode_nack", "encode_parts", "encode_span_dicts", "encode_spans", "pack_span",
     # dispatch
     "ROLLOUT_STATUSES", "TO_TRAINER", "TO_WORKER", "DispatchMessage", "Done", "Heartbeat", "Hello", "Run", "Stop",
     "ToTrainer", "ToWorker", "Welcome", "Who", "decode_dispatch", "encode_dispatch",

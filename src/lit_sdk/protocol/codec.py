@@ -11,8 +11,15 @@ import msgpack
 VERSION = 1
 """The protocol version every frame carries as ``v`` (spans and dispatch channels alike)."""
 MAX_FRAME_BYTES = 16 * 2**20
-"""Frames above this size are refused before decoding (and cut by ZeroMQ before they are read: receivers set
-``zmq.MAXMSGSIZE`` to it). Senders cap their batches well below it."""
+"""Frames above this size are refused before decoding. Senders cap their batches well below it. On the spans
+channel a frame longer than ``PART_BYTES`` travels in pieces (``spans.encode_parts``)."""
+PART_BYTES = 256 * 2**10
+"""A spans frame longer than this is sent as ``part`` messages carrying this many bytes of it each, so that no
+message of the spans channel is much longer: ZeroMQ allocates a message whole as soon as a peer announces its
+length, and what it holds for a peer that announces one and stops is bounded by ``MAX_MESSAGE_BYTES``."""
+MAX_MESSAGE_BYTES = PART_BYTES + 8 * 2**10
+"""The longest ZeroMQ message of the spans channel: a part with its header (whose batch id of ``MAX_ID_CHARS``
+characters takes at most 4 KiB). The collector cuts anything longer before it is read (``zmq.MAXMSGSIZE``)."""
 MAX_SPANS_PER_FRAME = 4096
 """Spans in one ``spans`` frame."""
 MAX_ITEMS = 1 << 20
@@ -27,6 +34,7 @@ WORDING_BYTES = 1 << 20
 """The trainer's fast decoder types every field as it decodes, so a hostile frame cannot make it allocate much
 more than its own size; the generic decoder that words errors in detail builds Python objects for whatever the
 frame holds (an empty map is 1 byte on the wire and about 64 in memory), so it only reads frames up to this size."""
+assert MAX_MESSAGE_BYTES <= WORDING_BYTES  # a part is read by the generic decoder
 
 
 class ProtocolError(ValueError):

@@ -14,8 +14,10 @@ The folder then holds a server keypair, a client keypair and the vLLM API key, i
 A server socket (a ROUTER that binds) gets ``secure_server``: CURVE encryption with the server's secret key, and a
 ZAP handler (pyzmq's ``ThreadAuthenticator``, one per context) that admits only the authorised client public keys.
 A client socket (a DEALER that connects) gets ``secure_client``. Both return a ``HandshakeMonitor`` that counts the
-handshakes that failed (a peer without keys, with a wrong client key or a wrong server key) by kind and logs each
-kind once: a refused peer is data, never a crash. ``check_bind`` refuses a non-loopback endpoint without keys.
+handshakes that failed (a peer without keys, with a wrong client key or a wrong server key, or one that did not
+finish its handshake in time) by kind and logs each kind once: a refused peer is data, never a crash. It can also
+pass each connection accepted or lost to a ``watch`` function (ZeroMQ allows one monitor per socket, so the
+collector's connection limit reads the same one). ``check_bind`` refuses a non-loopback endpoint without keys.
 
 Both ends live here, in the wire package that agents and trainer share: the trainer's side (``generate_keys``,
 ``load_server_keys``, ``guard_server``, the ZAP allow-list, ``read_api_key`` for vLLM's key) and the agents' and
@@ -25,14 +27,17 @@ library only.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import itertools
 import logging
+import operator
 import os
 import stat
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,7 +69,7 @@ _SERVER_HINTS = {
     "bad_key": "a peer's keys do not match this trainer's (a wrong server.key, or a damaged key file)",
     "unknown_key": "a peer whose client key is not in the keys folder was refused",
     "protocol": "a peer broke the ZeroMQ handshake (not a lit process?)",
-    "handshake": "a handshake failed",
+    "handshake": "a peer did not finish its handshake in time (an idle connection?), or broke it",
 }
 _CLIENT_HINT = (f"the trainer refused this process's keys: {{kind}}; copy {CLIENT_SECRET} and {SERVER_PUBLIC} from "
                 f"the trainer's keys folder (its [security] keys_dir) into the folder ${KEYS_ENV} names")
@@ -203,9 +208,10 @@ def check_connect(endpoint: str, keys: ClientKeys | None, what: str) -> None:
         )
 
 
-def secure_server(sock: zmq.Socket, keys: ServerKeys) -> HandshakeMonitor:
+def secure_server(sock: zmq.Socket, keys: ServerKeys, watch: Watch | None = None) -> HandshakeMonitor:
     """Make ``sock`` (before it binds) a CURVE server that admits only ``keys.authorized`` client keys; count
-    the handshakes it refuses. Close the returned monitor's socket by closing ``sock``."""
+    the handshakes it refuses (and pass connection events to ``watch``: ``HandshakeMonitor``). Close the returned
+    monitor's socket by closing ``sock``."""
     domain = _ALLOWED.add(sock.context, keys.authorized)
     sock.curve_secretkey = keys.secret
     sock.curve_publickey = keys.public
@@ -215,7 +221,7 @@ def secure_server(sock: zmq.Socket, keys: ServerKeys) -> HandshakeMonitor:
         sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
     except (AttributeError, zmq.ZMQError):
         pass
-    return HandshakeMonitor(sock, "refused peers", _SERVER_HINTS)
+    return HandshakeMonitor(sock, "refused peers", _SERVER_HINTS, watch)
 
 
 def secure_client(sock: zmq.Socket, keys: ClientKeys) -> HandshakeMonitor:
@@ -227,12 +233,15 @@ def secure_client(sock: zmq.Socket, keys: ClientKeys) -> HandshakeMonitor:
     return HandshakeMonitor(sock, "cannot connect", None)
 
 
-def guard_server(sock: zmq.Socket, endpoint: str, keys: ServerKeys | None, what: str, setting: str
-                 ) -> HandshakeMonitor | None:
+def guard_server(sock: zmq.Socket, endpoint: str, keys: ServerKeys | None, what: str, setting: str,
+                 watch: Watch | None = None) -> HandshakeMonitor | None:
     """Before ``sock.bind(endpoint)``: refuse a non-loopback endpoint without keys (``check_bind``), and with keys
-    make ``sock`` a CURVE server (``secure_server``). The monitor counting refused peers, or None without keys."""
+    make ``sock`` a CURVE server (``secure_server``). The monitor counting refused peers (and passing connection
+    events to ``watch``), or None without keys and without ``watch``."""
     check_bind(endpoint, keys, what, setting)
-    return secure_server(sock, keys) if keys is not None else None
+    if keys is not None:
+        return secure_server(sock, keys, watch)
+    return HandshakeMonitor(sock, "refused peers", _SERVER_HINTS, watch) if watch is not None else None
 
 
 def guard_client(sock: zmq.Socket, endpoint: str, keys: ClientKeys | None, what: str) -> HandshakeMonitor | None:
@@ -248,22 +257,33 @@ def client_keys(folder: str | os.PathLike[str] | None = None) -> ClientKeys | No
     return load_client_keys(folder) if folder else None
 
 
+Watch = Callable[[int, int], None]
+"""Called with a ZeroMQ monitor event (``zmq.EVENT_ACCEPTED``, ``EVENT_DISCONNECTED``, ``EVENT_CLOSED``) and its
+value: the connection's file descriptor."""
+WATCHED_EVENTS = (zmq.EVENT_ACCEPTED, zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED)
+
+
 class HandshakeMonitor:
     """Counts a socket's failed handshakes by kind (``no_key``, ``bad_key``, ``unknown_key``, ``protocol``,
-    ``handshake``) from its ZeroMQ monitor events, and logs each kind once. One daemon thread, which ends when the
-    socket is closed."""
+    ``handshake``) from its ZeroMQ monitor events, and logs each kind once; with ``watch``, also calls it for each
+    of ``WATCHED_EVENTS`` (in the monitor's thread, in the order ZeroMQ reports them). One daemon thread, which
+    ends when the socket is closed."""
 
     _ids = itertools.count()
 
-    def __init__(self, sock: zmq.Socket, label: str, hints: dict[str, str] | None) -> None:
+    def __init__(self, sock: zmq.Socket, label: str, hints: dict[str, str] | None, watch: Watch | None = None
+                 ) -> None:
         self.label = label
         self._hints = hints
+        self._watch = watch
         self._lock = threading.Lock()
         self._counts: dict[str, int] = {}
         self._stopped = threading.Event()
         address = f"inproc://lit-handshakes-{os.getpid()}-{next(self._ids)}"
         events = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | \
             zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_MONITOR_STOPPED
+        if watch is not None:
+            events |= functools.reduce(operator.or_, WATCHED_EVENTS)
         sock.monitor(address, events)
         # A plain (not asyncio) socket in the same context, whatever the monitored socket's class.
         self._pair = zmq.Socket(sock.context, zmq.PAIR)
@@ -298,6 +318,8 @@ class HandshakeMonitor:
                     return
                 if event in _HANDSHAKE_EVENTS:
                     self._count(_PROTOCOL_KINDS.get(value, _HANDSHAKE_EVENTS[event]))
+                elif self._watch is not None and event in WATCHED_EVENTS:
+                    self._watch(event, value)
         except zmq.ZMQError:  # the context is terminating
             pass
         finally:

@@ -6,6 +6,11 @@ Frames (MessagePack maps; see docs/protocol.md):
 - ``ack``   (trainer → agent): ``{"v": 1, "t": "ack", "batch": str, "stored": int, "duplicates": int}``
 - ``nack``  (trainer → agent): ``{"v": 1, "t": "nack", "batch": str, "reason": str}`` — the frame is refused
   for good (resending it cannot help); the sender counts its spans as rejected.
+- ``part``  (agent → trainer): ``{"v": 1, "t": "part", "batch": str, "total": int, "offset": int, "data": bin}`` —
+  ``data`` is bytes ``offset`` to ``offset + len(data)`` of a spans frame ``total`` bytes long, longer than
+  ``codec.PART_BYTES`` (``encode_parts``). The parts of a frame follow each other, in order.
+- ``busy``  (trainer → agent): ``{"v": 1, "t": "busy", "batch": str}`` — the frame is not taken now (the trainer's
+  memory for frames in parts is full), nor refused: send it again later.
 
 A span is a map with the fields of ``SpanRecord``, the one definition of them: the wire form (``to_wire``), the
 validation of a received span, the stored form (``PackedSpan``) and the trainer's fast decoder all follow from its
@@ -24,7 +29,7 @@ from typing import Any
 from lit_sdk.protocol import codec
 from lit_sdk.protocol.codec import VERSION, ProtocolError, decode_map, packb, short_repr, unpackb
 
-SPANS, ACK, NACK = "spans", "ack", "nack"
+SPANS, ACK, NACK, PART, BUSY = "spans", "ack", "nack", "part", "busy"
 STATUS_UNSET, STATUS_OK, STATUS_ERROR = 0, 1, 2
 STATUSES = (STATUS_UNSET, STATUS_OK, STATUS_ERROR)
 
@@ -177,8 +182,24 @@ class NackFrame:
     reason: str
 
 
-Frame = SpansFrame | AckFrame | NackFrame
-PackedFrame = PackedSpansFrame | AckFrame | NackFrame
+@dataclass(slots=True)
+class PartFrame:
+    """A piece of a spans frame too long for one message (``encode_parts``)."""
+
+    batch: str
+    total: int
+    """The whole frame's length in bytes."""
+    offset: int
+    data: bytes
+
+
+@dataclass(slots=True)
+class BusyFrame:
+    batch: str
+
+
+Frame = SpansFrame | AckFrame | NackFrame | PartFrame | BusyFrame
+PackedFrame = PackedSpansFrame | AckFrame | NackFrame | PartFrame | BusyFrame
 
 
 def encode_spans(batch: str, sender: str, spans: list[SpanRecord]) -> bytes:
@@ -196,6 +217,21 @@ def encode_ack(batch: str, stored: int, duplicates: int) -> bytes:
 
 def encode_nack(batch: str, reason: str) -> bytes:
     return packb({"v": VERSION, "t": NACK, "batch": batch, "reason": reason})
+
+
+def encode_busy(batch: str) -> bytes:
+    return packb({"v": VERSION, "t": BUSY, "batch": batch})
+
+
+def encode_parts(batch: str, frame: bytes) -> list[bytes]:
+    """The messages that carry ``frame`` (an encoded spans frame of batch ``batch``): the frame itself when it is
+    at most ``codec.PART_BYTES`` long, else ``part`` frames of ``PART_BYTES`` of it each, to be sent in order."""
+    total = len(frame)
+    if total <= codec.PART_BYTES:
+        return [frame]
+    view = memoryview(frame)
+    return [packb({"v": VERSION, "t": PART, "batch": batch, "total": total, "offset": offset,
+                   "data": view[offset:offset + codec.PART_BYTES]}) for offset in range(0, total, codec.PART_BYTES)]
 
 
 def decode_frame(data: bytes) -> Frame:
@@ -222,7 +258,23 @@ def decode_frame(data: bytes) -> Frame:
         return AckFrame(batch, stored, dups)
     if kind == NACK:
         return NackFrame(batch, str(obj.get("reason", "")))
+    if kind == PART:
+        return _part(batch, obj)
+    if kind == BUSY:
+        return BusyFrame(batch)
     raise ProtocolError("type", f"unknown frame type {kind!r}")
+
+
+def _part(batch: str, obj: dict[str, Any]) -> PartFrame:
+    total, offset, data = obj.get("total"), obj.get("offset"), obj.get("data")
+    if type(total) is not int or type(offset) is not int or type(data) is not bytes:
+        raise ProtocolError("part", "a part frame needs integer 'total' and 'offset' and binary 'data'")
+    if not (0 < total <= codec.MAX_FRAME_BYTES and 0 <= offset and 0 < len(data) <= codec.PART_BYTES
+            and offset + len(data) <= total):
+        raise ProtocolError("part", f"a part carries 1 to {codec.PART_BYTES} bytes of a frame of at most "
+                                    f"{codec.MAX_FRAME_BYTES} bytes, within it; got {len(data)} bytes at {offset} of "
+                                    f"{total}")
+    return PartFrame(batch, total, offset, data)
 
 
 _MISSING = object()

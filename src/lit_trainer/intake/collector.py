@@ -11,9 +11,24 @@ sends it again).
 Bad input is data, not a crash: a frame that fails to decode or validate (every integer, string, map and list of a
 span is bounded: ``lit_sdk.protocol.codec``), has an unknown protocol version, or is not a ``spans`` frame is
 rejected — answered with a ``nack`` when its ``batch`` id can be read, counted by ``ProtocolError.kind``, logged
-once per kind — and the collector goes on. A frame over ``MAX_FRAME_BYTES`` is cut by ZeroMQ before it is read
-(``zmq.MAXMSGSIZE``; ZeroMQ drops that peer's connection) and a turn holds at most ``max_turn_bytes`` of frames, so
-what the collector holds in memory is bounded whatever its peers send.
+once per kind — and the collector goes on.
+
+What its peers can make it hold in memory, however many they are:
+
+- ZeroMQ: a message over ``protocol.MAX_MESSAGE_BYTES`` is cut before it is read (``zmq.MAXMSGSIZE``; ZeroMQ drops
+  that peer's connection), so a peer that announces one and stops costs at most that until ``peer_idle_s`` (the
+  server's heartbeat) closes it; a frame longer than ``PART_BYTES`` comes in parts.
+- Frames in parts: put together within ``max_partial_bytes`` for all peers at once (``parts.PartAssembler``); a
+  frame that does not fit is answered ``busy`` and the agent sends it again later.
+- Connections: at most ``max_peers`` (fewer if the descriptor limit says so), the oldest that has not delivered
+  a valid frame closed beyond that (``connections.ConnectionLimit``); one that has not finished its handshake
+  within ``handshake_s`` is closed by ZeroMQ.
+- A turn holds at most ``max_turn_bytes`` of whole frames.
+
+Beyond these, ZeroMQ queues up to ``_RCVHWM`` whole messages per connection while the thread commits. And a peer
+that sends one ZeroMQ message of endless frames (``SNDMORE``) is buffered whole by ZeroMQ before the collector sees
+any of it: libzmq has no cap on that, so only a peer past the handshake can do it (with keys, one holding the
+client key; without, a process on this machine).
 Anything else that goes wrong in the thread (the store fails: a full disk, an I/O error; ``on_root_span`` raises)
 stops it, with nothing acknowledged that was not committed; ``check()`` and ``stop()`` re-raise it in the caller
 as a ``CollectorError`` that names the cause. The trainer calls ``check()`` while it waits for rollouts.
@@ -27,6 +42,7 @@ import errno
 import logging
 import sqlite3
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,6 +52,8 @@ import zmq
 from lit_sdk import protocol
 from lit_sdk.protocol import security
 from lit_trainer.intake import admission
+from lit_trainer.intake.connections import ConnectionLimit, peer_cap
+from lit_trainer.intake.parts import BUSY, PartAssembler
 from lit_trainer.intake.store import Store
 
 log = logging.getLogger("lit")
@@ -43,8 +61,11 @@ log = logging.getLogger("lit")
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:7373"
 _POLL_MS = 50
 """How often the idle thread looks at its stop flag."""
-_RCVHWM = 256
-"""Frames ZeroMQ queues per peer before it stops reading from that peer's connection (TCP back-pressure)."""
+_RCVHWM = 64
+"""Messages ZeroMQ queues per peer before it stops reading from that peer's connection (TCP back-pressure); as many
+as a sender keeps unacknowledged (``SpanSender(max_inflight_batches=64)``)."""
+_EXPIRE_S = 0.5
+"""How often the thread drops the frames in parts that stopped coming."""
 _JOIN_S = 30.0
 """How long ``stop()`` waits for the thread to finish its turn (a commit in progress) before giving up."""
 
@@ -66,7 +87,19 @@ class CollectorCounts:
     commits: int
     """Store transactions; ``frames / commits`` is how many frames one transaction carried on average."""
     refused_peers: dict[str, int]
-    """Peers refused at the CURVE handshake (with ``keys``), by kind (``security.HandshakeMonitor``)."""
+    """Peers refused at the handshake, by kind (``security.HandshakeMonitor``): with ``keys`` a wrong or missing
+    key; with or without, ``handshake`` for one that did not finish it within ``handshake_s`` (an idle connection)."""
+    connections: int
+    """Peer connections open now."""
+    evicted: int
+    """Connections closed because ``max_peers`` were open (the oldest that had not delivered a valid frame)."""
+    partial_bytes: int
+    """Bytes reserved now by frames coming in parts (at most ``max_partial_bytes``)."""
+    busy: int
+    """Frames in parts answered ``busy`` (the agent sends them again later): ``max_partial_bytes`` was taken."""
+    partials_dropped: int
+    """Frames in parts given up half-way (no part for ``peer_idle_s``, or the peer started another), their memory
+    freed."""
     refused_spans: dict[str, int]
     """Spans of valid frames that the store refused (``intake/admission.py``: ``unknown_rollout``,
     ``wrong_secret``, ``second_root``); their frames were acknowledged."""
@@ -85,21 +118,39 @@ class Collector:
         their bytes (checked after each frame, so one large frame still goes in whole). A few thousand spans per
         transaction make the fsync negligible while the decoded spans stay few: holding tens of thousands at once
         made decoding 2-3x slower per span (fresh memory and garbage-collector passes over them).
+    max_partial_bytes: memory for frames coming in parts, all peers together (at least one frame of
+        ``protocol.MAX_FRAME_BYTES``).
+    max_peers: connections at once (one per agent process); fewer if the open-files limit leaves fewer
+        (``connections.peer_cap`` raises the soft limit toward the hard one first).
+    handshake_s: a connection that has not finished its ZeroMQ handshake by then is closed.
+    peer_idle_s: a connection that neither completes a message nor answers a heartbeat for this long is closed
+        (its half-sent message freed), and a frame in parts with no part for this long is dropped.
     """
 
     def __init__(self, store: Store, endpoint: str = DEFAULT_ENDPOINT,
                  on_root_span: Callable[[str], None] | None = None, *, keys: security.ServerKeys | None = None,
                  max_frames: int = 1024,
-                 max_spans: int = 4096, max_turn_bytes: int = 64 * 2**20):
-        if min(max_frames, max_spans, max_turn_bytes) <= 0:
-            raise ValueError(f"Collector: max_frames, max_spans and max_turn_bytes must be positive, got "
-                             f"{max_frames}, {max_spans}, {max_turn_bytes}")
+                 max_spans: int = 4096, max_turn_bytes: int = 64 * 2**20, max_partial_bytes: int = 64 * 2**20,
+                 max_peers: int = 1024, handshake_s: float = 10.0, peer_idle_s: float = 30.0):
+        if min(max_frames, max_spans, max_turn_bytes, max_peers) <= 0:
+            raise ValueError(f"Collector: max_frames, max_spans, max_turn_bytes and max_peers must be positive, got "
+                             f"{max_frames}, {max_spans}, {max_turn_bytes}, {max_peers}")
+        if max_partial_bytes < protocol.MAX_FRAME_BYTES:
+            raise ValueError(f"Collector: max_partial_bytes must hold one frame of protocol.MAX_FRAME_BYTES "
+                             f"({protocol.MAX_FRAME_BYTES}), got {max_partial_bytes}")
+        if handshake_s < 0.001 or peer_idle_s < 0.003:
+            raise ValueError(f"Collector: handshake_s and peer_idle_s must be at least a millisecond (and peer_idle_s "
+                             f"three), got {handshake_s} and {peer_idle_s}")
         self.store = store
         self.requested_endpoint = endpoint
         self.on_root_span = on_root_span
         self.keys = keys
         self._monitor: security.HandshakeMonitor | None = None
         self._max_frames, self._max_spans, self._max_turn_bytes = max_frames, max_spans, max_turn_bytes
+        self._parts = PartAssembler(max_partial_bytes, peer_idle_s)
+        self._max_peers, self._handshake_s, self._peer_idle_s = max_peers, handshake_s, peer_idle_s
+        self._limit: ConnectionLimit | None = None
+        self._part_counts = self._parts.counts
         self._endpoint: str | None = None
         self._lock = threading.Lock()
         self._tally = {"frames": 0, "spans_stored": 0, "duplicates": 0, "commits": 0}
@@ -119,8 +170,12 @@ class Collector:
     @property
     def counts(self) -> CollectorCounts:
         refused = self._monitor.counts if self._monitor is not None else {}
+        limit = self._limit
         with self._lock:
+            parts = self._part_counts
             return CollectorCounts(**self._tally, rejected=dict(self._rejected), refused_peers=refused,
+                                   connections=limit.open if limit else 0, evicted=limit.evicted if limit else 0,
+                                   partial_bytes=parts.reserved, busy=parts.busy, partials_dropped=parts.dropped,
                                    refused_spans=dict(self._refused))
 
     def start(self) -> Collector:
@@ -129,12 +184,15 @@ class Collector:
             raise CollectorError("the collector is already started")
         _require_msgspec()
         sock = zmq.Context.instance().socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES + 1024)  # room for the routing envelope
-        sock.setsockopt(zmq.RCVHWM, _RCVHWM)
+        idle_ms = int(self._peer_idle_s * 1000)
+        for option, value in ((zmq.LINGER, 0), (zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES), (zmq.RCVHWM, _RCVHWM),
+                              (zmq.HANDSHAKE_IVL, int(self._handshake_s * 1000)),
+                              (zmq.HEARTBEAT_IVL, idle_ms // 3), (zmq.HEARTBEAT_TIMEOUT, idle_ms)):
+            sock.setsockopt(option, value)
+        self._limit = ConnectionLimit(peer_cap(self._max_peers))
         try:
             self._monitor = security.guard_server(sock, self.requested_endpoint, self.keys, "the collector",
-                                                  "[collector] endpoint")
+                                                  "[collector] endpoint", watch=self._limit.on_event)
         except BaseException:
             sock.close()
             raise
@@ -149,6 +207,7 @@ class Collector:
                 "Collector(endpoint=...) and point the agents at it (LIT_ENDPOINT or lit.instrument(endpoint=...))"
             ) from None
         self._endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._limit.listen(self._endpoint)
         self._stop.clear()
         self._error = None
         self._thread = threading.Thread(target=self._run, args=(sock,), name="lit-collector", daemon=True)
@@ -180,9 +239,15 @@ class Collector:
 
     def _run(self, sock: zmq.Socket) -> None:
         try:
+            expire_at = 0.0
             while not self._stop.is_set():
                 if sock.poll(_POLL_MS):
                     self._turn(sock)
+                now = time.monotonic()
+                if now >= expire_at:
+                    self._parts.expire(now)
+                    self._count_parts()
+                    expire_at = now + _EXPIRE_S
         except BaseException as exc:  # carried to the caller's thread by check()/stop()
             log.error("lit: the collector stopped on an error: %s: %s", type(exc).__name__, exc)
             self._error = exc
@@ -195,17 +260,22 @@ class Collector:
         n_spans = n_bytes = 0
         for _ in range(self._max_frames):
             try:
-                parts = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            envelope, data = parts[:-1], parts[-1]
-            frame = self._accept(sock, envelope, data)
+            envelope, data = [p.bytes for p in parts[:-1]], parts[-1].bytes
+            frame = self._accept(sock, envelope, data, part_ok=True)
+            if isinstance(frame, protocol.PartFrame):
+                data = self._assemble(sock, envelope, frame)
+                frame = self._accept(sock, envelope, data, part_ok=False) if data is not None else None
             if frame is not None:
+                self._limit.vouch(parts[-1].get(zmq.SRCFD))
                 good.append((envelope, frame))
                 n_spans += len(frame.spans)
                 n_bytes += len(data)
                 if n_spans >= self._max_spans or n_bytes >= self._max_turn_bytes:
                     break
+        self._count_parts()
         if not good:
             return
         outcomes = self.store.add_packed_span_batches([frame.spans for _, frame in good], admit=True)
@@ -226,10 +296,28 @@ class Collector:
                 for rollout_id in outcome.new_roots:
                     self.on_root_span(rollout_id)
 
-    def _accept(self, sock: zmq.Socket, envelope: list[bytes], data: bytes) -> protocol.PackedSpansFrame | None:
-        """The frame if it is a valid spans frame; otherwise reject it (count, log once, nack) and None."""
+    def _assemble(self, sock: zmq.Socket, envelope: list[bytes], part: protocol.PartFrame) -> bytearray | None:
+        """The whole frame if ``part`` completes one; answers ``busy`` when its frame does not fit now."""
+        if len(envelope) != 1:
+            return None  # no routing id: not a peer of this ROUTER's
+        whole = self._parts.add(envelope[0], part, time.monotonic())
+        if whole is BUSY:
+            sock.send_multipart([*envelope, protocol.encode_busy(part.batch)])
+            return None
+        return whole
+
+    def _count_parts(self) -> None:
+        with self._lock:
+            self._part_counts = self._parts.counts
+
+    def _accept(self, sock: zmq.Socket, envelope: list[bytes], data: bytes | bytearray, part_ok: bool
+                ) -> protocol.PackedSpansFrame | protocol.PartFrame | None:
+        """The frame if it is a valid spans frame (or, with ``part_ok``, a part); otherwise reject it (count, log
+        once, nack) and None."""
         try:
             frame = protocol.decode_frame_packed(data)
+            if part_ok and isinstance(frame, protocol.PartFrame):
+                return frame
             if not isinstance(frame, protocol.PackedSpansFrame):
                 what = type(frame).__name__
                 raise protocol.ProtocolError("type", f"the collector takes spans frames only, got a {what}")
