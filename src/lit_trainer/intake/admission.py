@@ -18,7 +18,7 @@ the frame that carried them is still acknowledged, so an honest sender does not 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from lit_sdk import semconv
@@ -50,15 +50,19 @@ def secret_of(span: PackedSpan) -> object:
 
 @dataclass
 class Admission:
-    """The admission of one store transaction's spans. ``lookup(rollout_id)``: the rollout's stored secret and
-    the span id of its stored root (None: none yet), or None when the store does not know the rollout; asked once
-    per rollout."""
+    """The admission of one store transaction's spans. ``lookup(rollout_ids)``: for each of those the store
+    holds, its stored secret and the span id of its stored root (None: none yet); asked once per rollout, for all
+    of a batch's new rollout ids at once."""
 
-    lookup: Callable[[str], tuple[str | None, str | None] | None]
+    lookup: Callable[[list[str]], dict[str, tuple[str | None, str | None]]]
     _known: dict[str, tuple[str | None, str | None] | None] = field(default_factory=dict)
 
-    def admit(self, spans: Iterable[PackedSpan]) -> tuple[list[PackedSpan], dict[str, int]]:
+    def admit(self, spans: Sequence[PackedSpan]) -> tuple[list[PackedSpan], dict[str, int]]:
         """The spans the store may take, in order, and how many were refused, by kind."""
+        new = list({s.rollout_id for s in spans if s.rollout_id is not None and s.rollout_id not in self._known})
+        if new:
+            found = self.lookup(new)
+            self._known.update((rollout_id, found.get(rollout_id)) for rollout_id in new)
         admitted: list[PackedSpan] = []
         refused: dict[str, int] = {}
         for span in spans:
@@ -75,7 +79,7 @@ class Admission:
         if span.rollout_id is None:
             return None  # a span outside any rollout: stored, never part of an episode
         if span.rollout_id not in self._known:
-            self._known[span.rollout_id] = self.lookup(span.rollout_id)
+            self._known[span.rollout_id] = self.lookup([span.rollout_id]).get(span.rollout_id)
         known = self._known[span.rollout_id]
         if known is None:
             return "unknown_rollout"

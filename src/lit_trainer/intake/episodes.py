@@ -182,6 +182,17 @@ def _is_finite(value: object) -> bool:
     return _is_number(value) and math.isfinite(value)  # type: ignore[arg-type]
 
 
+def _token_ids_ok(ids: list, high: float) -> bool:
+    """Every id an int (not a bool) in [0, high). Thousands per call: the checks run in C (map, min, max)."""
+    return not ids or (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < high)
+
+
+def _logprobs_ok(logprobs: list) -> bool:
+    """Every logprob a number (not a bool), finite and <= 0: a NaN or an infinity makes the sum non-finite."""
+    return not logprobs or (set(map(type, logprobs)) <= {float, int} and math.isfinite(sum(logprobs))
+                            and max(logprobs) <= 0)
+
+
 def _bad_value(root: SpanRecord, timeline: list[SpanRecord], calls: list[SpanRecord], vocab_size: int | None
                ) -> tuple[Unusable, str] | None:
     """The first value of the rollout that lit cannot train on, as (reason, what), or None."""
@@ -195,16 +206,16 @@ def _bad_value(root: SpanRecord, timeline: list[SpanRecord], calls: list[SpanRec
     attempt = root.attributes.get(sc.ATTEMPT, 1)
     if not (type(attempt) is int and attempt >= 1):
         return Unusable.BAD_ATTEMPT, f"attempt {attempt!r}"
-    high = vocab_size if vocab_size is not None else float("inf")
+    high = vocab_size if vocab_size is not None else math.inf
     for call in calls:
         attrs, where = call.attributes, f"LLM call {call.span_id}"
         for key in (sc.LLM_PROMPT_TOKEN_IDS, sc.LLM_RESPONSE_TOKEN_IDS):
-            wrong = [i for i in attrs[key] if not (type(i) is int and 0 <= i < high)][:1]
-            if wrong:
-                return Unusable.BAD_TOKEN_IDS, f"{where}: token id {wrong[0]!r} (vocabulary size {vocab_size})"
+            if not _token_ids_ok(attrs[key], high):
+                wrong = next(i for i in attrs[key] if not (type(i) is int and 0 <= i < high))
+                return Unusable.BAD_TOKEN_IDS, f"{where}: token id {wrong!r} (vocabulary size {vocab_size})"
         logprobs = attrs.get(sc.LLM_RESPONSE_LOGPROBS)
-        if isinstance(logprobs, list) and not all(_is_finite(x) and x <= 0 for x in logprobs):
-            wrong = next(x for x in logprobs if not (_is_finite(x) and x <= 0))
+        if isinstance(logprobs, list) and not _logprobs_ok(logprobs):
+            wrong = next((x for x in logprobs if not (_is_finite(x) and x <= 0)), "sum")  # "sum": they overflow
             return Unusable.BAD_LOGPROBS, f"{where}: logprob {wrong!r}"
         temperature = attrs.get(sc.LLM_TEMPERATURE)
         unsupported = attrs.get(sc.LLM_SAMPLING_UNSUPPORTED, "")

@@ -53,6 +53,8 @@ Tables added since (``_ADDED``) are created on open when missing: a store of an 
 earlier lit ignores them, so they need no new version."""
 _APP = "lit"
 _PAGE_SIZE = 16384
+_IN_CHUNK = 500
+"""Rollout ids per ``IN (...)`` query when the collector looks up the rollouts of a batch."""
 _BUSY_TIMEOUT_S = 30.0
 """How long a write waits for another thread's or process's write transaction before failing."""
 
@@ -295,7 +297,7 @@ class SqliteStore:
         conn = self._conn()
         outcomes = []
         with self._write(conn):
-            admission = Admission(lambda rollout_id: self._admission_of(conn, rollout_id))
+            admission = Admission(lambda rollout_ids: self._admission_of(conn, rollout_ids))
             for spans in batches:
                 before = conn.total_changes
                 admitted, refused = admission.admit(spans) if admit else (spans, {})
@@ -308,13 +310,18 @@ class SqliteStore:
         return outcomes
 
     @staticmethod
-    def _admission_of(conn: sqlite3.Connection, rollout_id: str) -> tuple[str | None, str | None] | None:
-        row = conn.execute("SELECT secret FROM rollouts WHERE rollout_id = ?", (rollout_id,)).fetchone()
-        if row is None:
-            return None
-        root = conn.execute("SELECT span_id FROM spans WHERE rollout_id = ? AND parent_id IS NULL AND name = ?",
-                            (rollout_id, semconv.ROLLOUT_SPAN)).fetchone()
-        return row[0], None if root is None else root[0]
+    def _admission_of(conn: sqlite3.Connection, rollout_ids: list[str]) -> dict[str, tuple[str | None, str | None]]:
+        """For each of ``rollout_ids`` the store holds: its secret and its stored root's span id (None: none)."""
+        found: dict[str, tuple[str | None, str | None]] = {}
+        for i in range(0, len(rollout_ids), _IN_CHUNK):
+            chunk = rollout_ids[i:i + _IN_CHUNK]
+            marks = ",".join("?" * len(chunk))
+            secrets = dict(conn.execute(f"SELECT rollout_id, secret FROM rollouts WHERE rollout_id IN ({marks})",
+                                        chunk).fetchall())
+            roots = dict(conn.execute(f"SELECT rollout_id, span_id FROM spans WHERE rollout_id IN ({marks}) AND "
+                                      "parent_id IS NULL AND name = ?", (*chunk, semconv.ROLLOUT_SPAN)).fetchall())
+            found.update((rid, (secret, roots.get(rid))) for rid, secret in secrets.items())
+        return found
 
     def spans_of_rollout(self, rollout_id: str) -> list[SpanRecord]:
         """Every stored span of the rollout, ordered by start time (then span id)."""
