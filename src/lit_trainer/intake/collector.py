@@ -52,7 +52,7 @@ import zmq
 from lit_sdk import protocol
 from lit_sdk.protocol import security
 from lit_trainer.intake import admission
-from lit_trainer.intake.connections import ConnectionLimit, peer_cap
+from lit_trainer.intake.connections import ConnectionLimit
 from lit_trainer.intake.parts import BUSY, PartAssembler
 from lit_trainer.intake.store import Store
 
@@ -120,8 +120,9 @@ class Collector:
         made decoding 2-3x slower per span (fresh memory and garbage-collector passes over them).
     max_partial_bytes: memory for frames coming in parts, all peers together (at least one frame of
         ``protocol.MAX_FRAME_BYTES``).
-    max_peers: connections at once (one per agent process); fewer if the open-files limit leaves fewer
-        (``connections.peer_cap`` raises the soft limit toward the hard one first).
+    max_peers: connections at once (one per agent process); fewer if the open-files limit leaves fewer beside the
+        process's other listeners (``connections.ConnectionLimit.claim`` raises the soft limit toward the hard one
+        first).
     handshake_s: a connection that has not finished its ZeroMQ handshake by then is closed.
     peer_idle_s: a connection that neither completes a message nor answers a heartbeat for this long is closed
         (its half-sent message freed), and a frame in parts with no part for this long is dropped.
@@ -189,17 +190,19 @@ class Collector:
                               (zmq.HANDSHAKE_IVL, int(self._handshake_s * 1000)),
                               (zmq.HEARTBEAT_IVL, idle_ms // 3), (zmq.HEARTBEAT_TIMEOUT, idle_ms)):
             sock.setsockopt(option, value)
-        self._limit = ConnectionLimit(peer_cap(self._max_peers))
+        self._limit = ConnectionLimit.claim(self._max_peers, "the collector")
         try:
             self._monitor = security.guard_server(sock, self.requested_endpoint, self.keys, "the collector",
                                                   "[collector] endpoint", watch=self._limit.on_event)
         except BaseException:
             sock.close()
+            self._limit.release()
             raise
         try:
             sock.bind(self.requested_endpoint)
         except zmq.ZMQError as exc:
             sock.close()
+            self._limit.release()
             busy = " (the address is already in use: another trainer is running?)" if exc.errno == errno.EADDRINUSE \
                 else ""
             raise CollectorError(
@@ -253,6 +256,7 @@ class Collector:
             self._error = exc
         finally:
             sock.close(linger=0)
+            self._limit.release()
 
     def _turn(self, sock: zmq.Socket) -> None:
         """Drain waiting frames into one transaction, acknowledge them after the commit, then report roots."""

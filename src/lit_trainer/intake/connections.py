@@ -1,21 +1,25 @@
-"""How many peers the collector lets connect at once, and which connection it closes beyond that.
+"""How many peers a listening socket (the collector's, the dispatcher's) lets connect at once, and which connection
+it closes beyond that.
 
 A ZeroMQ ROUTER has no cap on its connections, and each one is a file descriptor: a flood of idle TCP connections
-(no handshake needed, so CURVE keys do not stop it) would use up the process's descriptors, and then no agent gets
+(no handshake needed, so CURVE keys do not stop it) would use up the process's descriptors, and then no peer gets
 in and the trainer cannot open a file. ``ConnectionLimit`` follows the socket's monitor events (a connection
 accepted or lost, each naming its descriptor) and, above ``cap`` connections, shuts down the oldest one that has
-not delivered a valid frame yet: an agent that has is never closed for the cap, so a flood of newcomers cannot push
-it out, and a new agent is closed only if ``cap`` newer unproven connections came before its first frame. It uses
+not delivered a valid message yet: a peer that has is never closed for the cap, so a flood of newcomers cannot push
+it out, and a new peer is closed only if ``cap`` newer unproven connections came before its first message. It uses
 ``shutdown(2)``, not ``close``: ZeroMQ sees the connection end and closes the descriptor itself, so no descriptor is
 closed under it, and one that ZeroMQ closed meanwhile (and the system gave to something else) is left alone unless
 it is again a connection to this listener.
 
-ZeroMQ times idle connections out on its own, with the options the collector sets: one that has not finished its
-handshake within ``handshake_s`` (``zmq.HANDSHAKE_IVL``), and one that neither completes a message nor answers a
-heartbeat within ``peer_idle_s`` (``zmq.HEARTBEAT_TIMEOUT``: ZeroMQ frees what it buffered of a half-sent message).
+ZeroMQ times idle connections out on its own, with the options the owner sets: one that has not finished its
+handshake within ``handshake_s`` (``zmq.HANDSHAKE_IVL``), and, where the owner reads all the time (the collector),
+one that neither completes a message nor answers a heartbeat within ``peer_idle_s`` (``zmq.HEARTBEAT_TIMEOUT``).
 
-``peer_cap`` sets ``cap``: ``max_peers``, or fewer if the descriptor limit (``RLIMIT_NOFILE``) does not leave that
-many besides ``RESERVE_FDS`` for the rest of the trainer; it first raises the soft limit toward the hard one.
+``ConnectionLimit.claim`` sets ``cap`` (``peer_cap``): ``max_peers``, or fewer if the descriptor limit
+(``RLIMIT_NOFILE``) does not leave that many besides ``RESERVE_FDS`` for the rest of the trainer and the room the
+process's other listeners may still fill (their cap less their open connections, until ``release``): the collector
+and the dispatcher share one process's descriptors, so a flood on one port never takes the other's. It first
+raises the soft limit toward the hard one.
 """
 
 from __future__ import annotations
@@ -31,14 +35,16 @@ log = logging.getLogger("lit")
 
 RESERVE_FDS = 256
 """Descriptors left to the rest of the trainer (the store, checkpoints, the vLLM servers' connections, workers'
-pipes) when the descriptor limit caps the collector's peers."""
+pipes) when the descriptor limit caps the peers of its listeners: one reserve for the process, however many
+listeners claim connections."""
 MIN_PEERS = 8
 """The cap never goes below this, however few descriptors are left."""
 
 
-def peer_cap(max_peers: int, reserve: int = RESERVE_FDS) -> int:
+def peer_cap(max_peers: int, reserve: int = RESERVE_FDS, what: str = "a listener") -> int:
     """``max_peers``, or as many as the descriptor limit leaves besides those open now and ``reserve`` (at least
-    ``MIN_PEERS``). Raises the process's soft ``RLIMIT_NOFILE`` toward its hard limit first, as far as needed."""
+    ``MIN_PEERS``). Raises the process's soft ``RLIMIT_NOFILE`` toward its hard limit first, as far as needed.
+    ``what`` names the listener in the warning."""
     try:
         import resource
     except ImportError:  # not a Unix: no limit to read
@@ -58,9 +64,10 @@ def peer_cap(max_peers: int, reserve: int = RESERVE_FDS) -> int:
     room = max_peers if soft == infinite else soft - used - reserve
     cap = max(min(max_peers, room), MIN_PEERS)
     if cap < max_peers:
-        log.warning("lit: the collector lets at most %d agent processes connect at once, not %d: this process may "
-                    "open %d files (%d open now). Raise the hard limit (`ulimit -Hn`, or LimitNOFILE= in a systemd "
-                    "unit) to let more in", cap, max_peers, soft, used)
+        log.warning("lit: %s lets at most %d peers connect at once, not %d: this process may open %d files (%d "
+                    "open now, %d kept for the rest of the trainer and its other listeners). Raise the hard limit "
+                    "(`ulimit -Hn`, or LimitNOFILE= in a systemd unit) to let more in", what, cap, max_peers, soft,
+                    used, reserve)
     return cap
 
 
@@ -71,20 +78,42 @@ def _open_fds() -> int:
         return 0
 
 
+_claimed: set[ConnectionLimit] = set()
+"""The limits of this process's open listeners (``ConnectionLimit.claim`` until ``release``)."""
+_claim_lock = threading.Lock()
+
+
 class ConnectionLimit:
     """Counts a listening socket's connections from its monitor events (``on_event``) and closes the oldest
     unproven one above ``cap`` (see the module docstring). ``vouch(fd)`` marks a connection that delivered a valid
-    frame. Thread-safe: the monitor thread reports events, the collector's thread vouches."""
+    message. Thread-safe: the monitor thread reports events, the socket's owner vouches. ``what`` names the listener
+    in logs."""
 
-    def __init__(self, cap: int) -> None:
+    def __init__(self, cap: int, what: str = "a listener") -> None:
         if cap <= 0:
             raise ValueError(f"ConnectionLimit: cap must be positive, got {cap}")
         self.cap = cap
+        self.what = what
         self._lock = threading.Lock()
         self._unproven: dict[int, None] = {}  # insertion order: oldest first
         self._proven: set[int] = set()
         self._evicted = 0
         self._local: str | int | None = None
+
+    @classmethod
+    def claim(cls, max_peers: int, what: str) -> ConnectionLimit:
+        """A limit of ``peer_cap(max_peers)`` connections, counting the room of the other listeners of this process
+        as taken, and itself counted so by later claims until ``release``."""
+        with _claim_lock:
+            taken = sum(limit.room for limit in _claimed)
+            limit = cls(peer_cap(max_peers, RESERVE_FDS + taken, what), what)
+            _claimed.add(limit)
+        return limit
+
+    def release(self) -> None:
+        """The listener is closed: its room goes back to the process. Idempotent."""
+        with _claim_lock:
+            _claimed.discard(self)
 
     def listen(self, endpoint: str) -> None:
         """The endpoint bound (``zmq.LAST_ENDPOINT``): a connection is shut down only if it is one to it."""
@@ -103,24 +132,39 @@ class ConnectionLimit:
             return len(self._unproven) + len(self._proven)
 
     @property
+    def room(self) -> int:
+        """Connections it may still take: ``cap`` less those open (each open one holds a descriptor already)."""
+        with self._lock:
+            return max(self.cap - len(self._unproven) - len(self._proven), 0)
+
+    @property
     def evicted(self) -> int:
-        """Connections shut down because the collector had ``cap`` already."""
+        """Connections shut down because ``cap`` were open already."""
         with self._lock:
             return self._evicted
 
     def vouch(self, fd: int) -> None:
-        """The connection on ``fd`` delivered a valid frame: it is not closed for the cap."""
+        """The connection on ``fd`` delivered a valid message: it is not closed for the cap."""
         with self._lock:
             if fd in self._unproven:
                 del self._unproven[fd]
                 self._proven.add(fd)
+
+    def doubt(self, fd: int) -> None:
+        """The peer on ``fd`` went silent and its owner gave up on it: it is the first closed for the cap (its
+        descriptor may be another connection's by now, which is then closed first only if the cap is reached before
+        it delivers its next message)."""
+        with self._lock:
+            if fd in self._proven:
+                self._proven.discard(fd)
+                self._unproven = {fd: None, **self._unproven}
 
     def on_event(self, event: int, fd: int) -> None:
         """A monitor event (``security.Watch``). Never raises: it runs in the monitor's thread."""
         try:
             self._on_event(event, fd)
         except Exception:  # a bug here must not stop the monitor, which counts refused handshakes too
-            log.exception("lit: the collector's connection limit failed on an event; it goes on")
+            log.exception("lit: the connection limit of %s failed on an event; it goes on", self.what)
 
     def _on_event(self, event: int, fd: int) -> None:
         with self._lock:

@@ -5,7 +5,12 @@ Workers (``lit_sdk/worker.py``) connect to one ZeroMQ ROUTER socket from any hos
 ``lit_sdk/protocol/dispatch.py`` (docs/protocol.md, "Dispatch"). One that does not decode, or a ``Done`` for a
 rollout that is not running on the worker that sends it, is counted in ``Dispatcher.rejected``, logged once per kind
 and ignored: nothing a peer sends stops the dispatcher (authenticating peers is the socket's business, not this
-module's).
+module's). Its connections are bounded as the collector's are (``intake/connections.py``): at most ``max_peers``,
+fewer if the open-files limit leaves fewer beside the collector's, the oldest that has not said hello closed beyond
+that, and one that has not finished its handshake within ``handshake_s`` closed by ZeroMQ. Unlike the collector's,
+its socket has no ZeroMQ heartbeat (it is not read while the trainer updates, and libzmq drops a connection whose
+queue is full when its heartbeat times out, with the messages behind): instead a worker silent for
+``worker_timeout_s`` loses its place, its connection the first closed for the cap.
 ``run(requests)`` gives each requested rollout up to ``max_attempts`` attempts. An attempt is one rollout row in the
 store (id ``<request>-a<attempt>``) that ends ``succeeded``, ``failed`` or ``timed_out`` (past
 ``rollout_timeout_s``); a failed or timed-out attempt is retried while attempts remain. A request whose attempts all
@@ -53,6 +58,7 @@ from lit_sdk.protocol.dispatch import (
     encode_dispatch,
 )
 from lit_sdk.resources import LLM
+from lit_trainer.intake.connections import ConnectionLimit
 from lit_trainer.intake.store import RolloutRow, RolloutStatus, Store
 
 log = logging.getLogger("lit.dispatcher")
@@ -75,10 +81,19 @@ class DispatchConfig:
     """A worker silent this long (no heartbeat) is dead: its running attempts fail and are retried elsewhere."""
     no_worker_timeout_s: float = 300.0
     """How long ``run`` waits with rollouts to do and no worker connected before it gives up."""
+    max_peers: int = 1024
+    """Connections at once (one per worker process); fewer if the open-files limit leaves fewer beside the
+    collector's. Beyond it the oldest connection that has not said hello (or whose worker went silent) is closed."""
+    handshake_s: float = 10.0
+    """A connection that has not finished its ZeroMQ handshake by then is closed (counted in ``refused_peers`` as
+    ``handshake``)."""
 
     def __post_init__(self) -> None:
-        if self.max_attempts < 1:
-            raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
+        for name in ("max_attempts", "max_peers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.handshake_s < 0.001:
+            raise ValueError(f"handshake_s must be at least a millisecond, got {self.handshake_s}")
         for name in ("rollout_timeout_s", "worker_timeout_s", "no_worker_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -121,6 +136,8 @@ class _Worker:
     last_seen: float
     label: str = ""
     worker_id: str | None = None
+    fd: int = -1
+    """The descriptor of its connection, from its last ``hello`` (``ConnectionLimit.doubt`` when it goes silent)."""
     running: set[str] = field(default_factory=set)
     listed: set[str] | None = None
     """The rollout ids its last heartbeat listed; None while it has not listed any (a worker that does not say)."""
@@ -181,7 +198,8 @@ class Dispatcher:
                  config: DispatchConfig | None = None, keys: security.ServerKeys | None = None):
         """``keys``: the trainer's CURVE keys (``security.load_server_keys``): only workers holding the client key
         get in, the others are refused at the handshake and counted (``refused_peers``). Without them the
-        dispatcher binds to loopback addresses only."""
+        dispatcher binds to loopback addresses only. Binding claims its share of the process's descriptors
+        (``ConnectionLimit.claim``), so a collector started first keeps its own."""
         self.store = store
         self.config = config or DispatchConfig()
         self.spans_endpoint = spans_endpoint
@@ -193,25 +211,41 @@ class Dispatcher:
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self.sock.setsockopt(zmq.HANDSHAKE_IVL, int(self.config.handshake_s * 1000))
         bind = endpoint[:-2] + ":*" if endpoint.endswith(":0") else endpoint
+        self._limit = ConnectionLimit.claim(self.config.max_peers, "the dispatcher")
         try:
             self._monitor = security.guard_server(self.sock, bind, keys, "the dispatcher",
-                                                  "[dispatch_endpoint] endpoint")
+                                                  "[dispatch_endpoint] endpoint", watch=self._limit.on_event)
         except BaseException:
             self.sock.close()
+            self._limit.release()
             raise
         try:
             self.sock.bind(bind)
         except zmq.ZMQError as exc:
             self.sock.close()
+            self._limit.release()
             raise DispatchError(f"cannot listen for workers on {endpoint}: {exc} (is another trainer running? "
                                 "set dispatch.endpoint to a free port, or tcp://127.0.0.1:0 for any)") from None
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._limit.listen(self.endpoint)
 
     @property
     def refused_peers(self) -> dict[str, int]:
-        """Peers refused at the CURVE handshake (with ``keys``), by kind (``security.HandshakeMonitor``)."""
+        """Peers refused at the handshake, by kind (``security.HandshakeMonitor``): with ``keys`` a wrong or missing
+        key; with or without, ``handshake`` for one that did not finish it within ``handshake_s``."""
         return self._monitor.counts if self._monitor is not None else {}
+
+    @property
+    def connections(self) -> int:
+        """Peer connections open now."""
+        return self._limit.open
+
+    @property
+    def evicted(self) -> int:
+        """Connections closed because ``max_peers`` were open (the oldest that had not said hello)."""
+        return self._limit.evicted
 
     @property
     def carried(self) -> list[RolloutRequest]:
@@ -231,6 +265,7 @@ class Dispatcher:
         for identity in list(self.workers):
             self._send(identity, Stop())
         self.sock.close()
+        self._limit.release()
 
     def __enter__(self) -> Dispatcher:
         return self
@@ -330,6 +365,7 @@ class Dispatcher:
                 log.warning("lit: worker %s went silent for %.0f s; its %d rollouts will be retried",
                             worker.label, now - worker.last_seen, len(worker.running))
                 del self.workers[identity]
+                self._limit.doubt(worker.fd)  # a peer that said hello and went silent does not hold a place
                 for attempt in self._attempts_of(worker):
                     self._finish(attempt, RolloutStatus.FAILED, f"worker {worker.label} died or went silent")
 
@@ -367,29 +403,32 @@ class Dispatcher:
         wait = timeout_ms
         while self.sock.poll(wait):
             wait = 0
-            parts = self.sock.recv_multipart()
+            parts = self.sock.recv_multipart(copy=False)
             try:
                 if len(parts) != 2:
                     raise ProtocolError("parts", f"a worker's message is one ZeroMQ frame, got {len(parts) - 1}")
-                identity, data = parts
+                identity, data = parts[0].bytes, parts[1].bytes
                 message = decode_dispatch(data, accept=TO_TRAINER)
             except ProtocolError as exc:
                 self._reject(exc)
                 continue
+            fd = parts[1].get(zmq.SRCFD)
             if isinstance(message, Hello):
-                self._on_hello(identity, message)
+                self._limit.vouch(fd)
+                self._on_hello(identity, message, fd)
                 continue
             worker = self.workers.get(identity)
             if worker is None:
                 self._send(identity, Who())  # a worker of a previous trainer run: make it say hello
                 continue
+            self._limit.vouch(fd)
             worker.last_seen = time.monotonic()
             if isinstance(message, Done):
                 self._on_done(worker, message)
             elif isinstance(message, Heartbeat):
                 self._on_heartbeat(worker, message)
 
-    def _on_hello(self, identity: bytes, hello: Hello) -> None:
+    def _on_hello(self, identity: bytes, hello: Hello, fd: int) -> None:
         """Welcome a worker: a new one, or a known one (by ``worker_id``) back on a new connection."""
         label = f"{hello.host}:{hello.pid}"
         worker = self.workers.get(identity)
@@ -402,6 +441,7 @@ class Dispatcher:
             worker = _Worker(identity, hello.slots, 0.0)
             log.info("lit: worker %s connected (%d slots)", label, hello.slots)
         worker.identity, worker.slots, worker.label, worker.worker_id = identity, hello.slots, label, hello.worker_id
+        worker.fd = fd
         worker.last_seen = time.monotonic()
         self.workers[identity] = worker
         self._send(identity, Welcome(self.spans_endpoint, self.llm_base_urls))

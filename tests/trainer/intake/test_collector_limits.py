@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import resource
-import select
 import socket
 import sqlite3
 import struct
@@ -25,6 +24,7 @@ import time
 import psutil
 import pytest
 import zmq
+from raw_peers import closed_by_peer, flood, read_exactly, zmtp_connect
 from test_collector import WAIT_S, Client, span, spans_frame
 from waiting import wait_until
 
@@ -49,20 +49,7 @@ def store(tmp_path):
         yield s
 
 
-# -- a hostile peer, byte by byte (ZMTP 3.0: https://rfc.zeromq.org/spec/23/) ----------------------------------------
-
-def zmtp_connect(endpoint: str) -> socket.socket:
-    """A TCP connection that has done ZeroMQ's NULL handshake as a DEALER: the collector now reads its messages."""
-    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)), timeout=WAIT_S)
-    sock.sendall(b"\xff" + b"\0" * 8 + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\0") + b"\0" * 32)
-    _read(sock, 64)  # the collector's greeting
-    body = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
-    sock.sendall(b"\x04" + bytes([len(body)]) + body)
-    flags = _read(sock, 1)[0]  # the collector's READY
-    _read(sock, struct.unpack(">Q", _read(sock, 8))[0] if flags & 0x02 else _read(sock, 1)[0])
-    return sock
-
+# -- a hostile peer, byte by byte (ZMTP 3.0: https://rfc.zeromq.org/spec/23/; raw_peers.zmtp_connect) ------------
 
 def announce(sock: socket.socket, size: int, sent: int) -> None:
     """Announce a message of ``size`` bytes and send ``sent`` of them (then stop, half-way)."""
@@ -72,34 +59,6 @@ def announce(sock: socket.socket, size: int, sent: int) -> None:
 def announce_command(sock: socket.socket, size: int, sent: int) -> None:
     """Announce a handshake command of ``size`` bytes and send ``sent`` of them (then stop, half-way)."""
     sock.sendall(b"\x06" + struct.pack(">Q", size) + b"\0" * sent)
-
-
-def _read(sock: socket.socket, n: int) -> bytes:
-    out = b""
-    while len(out) < n:
-        chunk = sock.recv(n - len(out))
-        if not chunk:
-            raise ConnectionError("the collector closed the connection during the handshake")
-        out += chunk
-    return out
-
-
-def closed_by_peer(sock: socket.socket) -> bool:
-    """Whether the other end has closed ``sock`` (reads whatever came before, without waiting)."""
-    try:
-        while readable(sock):
-            if not sock.recv(65536):
-                return True
-    except OSError:  # reset
-        return True
-    return False
-
-
-def readable(sock: socket.socket) -> bool:
-    """Whether ``sock`` has something to read, or its end (``poll``: no limit on descriptor numbers)."""
-    poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    return bool(poller.poll(0))
 
 
 def first_part(batch: str, total: int) -> bytes:
@@ -243,7 +202,7 @@ def test_a_peer_without_the_keys_cannot_make_the_collector_hold_a_long_message(t
             peer = socket.create_connection((host, int(port)), timeout=WAIT_S)
             peers.append(peer)
             peer.sendall(b"\xff" + b"\0" * 8 + b"\x7f" + bytes([3, 0]) + b"CURVE".ljust(20, b"\0") + b"\0" * 32)
-            _read(peer, 64)
+            read_exactly(peer, 64)
             try:
                 announce_command(peer, protocol.MAX_FRAME_BYTES, protocol.MAX_FRAME_BYTES - 1)
             except OSError:  # cut off at the header
@@ -300,18 +259,6 @@ def test_parts_are_put_together_in_order_one_frame_per_peer():
 
 
 # -- connections -------------------------------------------------------------------------------------------------
-
-def flood(endpoint: str, n: int) -> list[socket.socket]:
-    """``n`` TCP connections to ``endpoint`` that never say a word (connected without waiting for each)."""
-    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
-    socks = []
-    for _ in range(n):
-        sock = socket.socket()
-        sock.setblocking(False)
-        sock.connect_ex((host, int(port)))
-        socks.append(sock)
-    return socks
-
 
 def agent(endpoint: str, keys_dir=None) -> Client:
     """A plain DEALER, a CURVE client when given the keys folder."""
