@@ -56,22 +56,30 @@ class Admission:
 
     lookup: Callable[[list[str]], dict[str, tuple[str | None, str | None]]]
     _known: dict[str, tuple[str | None, str | None] | None] = field(default_factory=dict)
+    _new_roots: list[str] = field(default_factory=list)
 
-    def admit(self, spans: Sequence[PackedSpan]) -> tuple[list[PackedSpan], dict[str, int]]:
-        """The spans the store may take, in order, and how many were refused, by kind."""
+    def admit(self, spans: Sequence[PackedSpan]) -> tuple[list[PackedSpan], dict[str, int], list[str]]:
+        """The spans the store may take, in order; how many were refused, by kind; and the rollout ids whose root
+        is among them for the first time (a root already stored, the same span id again, is a duplicate)."""
+        self._new_roots: list[str] = []
         new = list({s.rollout_id for s in spans if s.rollout_id is not None and s.rollout_id not in self._known})
         if new:
             found = self.lookup(new)
             self._known.update((rollout_id, found.get(rollout_id)) for rollout_id in new)
         admitted: list[PackedSpan] = []
         refused: dict[str, int] = {}
+        known, root_name = self._known, semconv.ROLLOUT_SPAN
         for span in spans:
+            if span.rollout_id is None or (known.get(span.rollout_id) is not None and (
+                    span.parent_id is not None or span.name != root_name)):
+                admitted.append(span)  # the common case, decided inline: a non-root span of a known rollout
+                continue
             kind = self.refusal(span)
             if kind is None:
                 admitted.append(span)
             else:
                 refused[kind] = refused.get(kind, 0) + 1
-        return admitted, refused
+        return admitted, refused, self._new_roots
 
     def refusal(self, span: PackedSpan) -> str | None:
         """Why ``span`` is refused (a kind of ``EXPLAINED``), or None when the store may take it. A root taken
@@ -90,5 +98,7 @@ class Admission:
             return "wrong_secret"
         if root is not None and root != span.span_id:  # the same root again is a duplicate, not a second one
             return "second_root"
+        if root is None:
+            self._new_roots.append(span.rollout_id)
         self._known[span.rollout_id] = (secret, span.span_id)
         return None

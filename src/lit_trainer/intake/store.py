@@ -300,11 +300,14 @@ class SqliteStore:
             admission = Admission(lambda rollout_ids: self._admission_of(conn, rollout_ids))
             for spans in batches:
                 before = conn.total_changes
-                admitted, refused = admission.admit(spans) if admit else (spans, {})
-                # Roots one by one, to learn which were new; the rest (nine in ten spans) in one call.
-                roots = [s for s in admitted if is_root(s)]
-                conn.executemany(_INSERT_SPAN, [s for s in admitted if not is_root(s)] if roots else admitted)
-                new_roots = [s.rollout_id for s in roots if conn.execute(_INSERT_SPAN, s).rowcount]
+                if admit:  # the admission knows which roots are new: every span in one call
+                    admitted, refused, new_roots = admission.admit(spans)
+                    conn.executemany(_INSERT_SPAN, admitted)
+                else:  # roots one by one, to learn which were new; the rest (nine in ten spans) in one call
+                    admitted, refused = spans, {}
+                    roots = [s for s in admitted if is_root(s)]
+                    conn.executemany(_INSERT_SPAN, [s for s in admitted if not is_root(s)] if roots else admitted)
+                    new_roots = [s.rollout_id for s in roots if conn.execute(_INSERT_SPAN, s).rowcount]
                 stored = conn.total_changes - before
                 outcomes.append(BatchOutcome(stored, len(admitted) - stored, new_roots, refused))  # type: ignore[arg-type]
         return outcomes

@@ -133,9 +133,9 @@ def test_a_batch_asks_the_store_once_for_all_its_new_rollouts():
     batch = [pack_span(s) for s in (span(1, rollout="r1"), forged_root(2, "r1", 0.0, **{sc.ROLLOUT_SECRET: SECRET}),
                                     span(3, rollout="r2"), forged_root(4, "r2", 1.0), span(5, rollout="r3"),
                                     forged_root(6, "r1", 1.0, **{sc.ROLLOUT_SECRET: SECRET}))]
-    admitted, refused = admission.admit(batch)
-    assert asked == [["r1", "r2", "r3"]]
+    admitted, refused, new_roots = admission.admit(batch)
+    assert asked == [["r1", "r2", "r3"]] and new_roots == ["r1"]
     assert [int(s.span_id, 16) for s in admitted] == [1, 2, 3]
     assert refused == {"second_root": 2, "unknown_rollout": 1}  # r2's root arrived before; r1's second root
-    assert admission.admit([pack_span(span(7, rollout="r1"))]) == ([pack_span(span(7, rollout="r1"))], {})
+    assert admission.admit([pack_span(span(7, rollout="r1"))]) == ([pack_span(span(7, rollout="r1"))], {}, [])
     assert asked == [["r1", "r2", "r3"]]  # known since: not asked again
