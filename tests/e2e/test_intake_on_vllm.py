@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from handed_out import hand_out
 from openai import OpenAI
 
 import lit_sdk as lit
@@ -21,6 +22,8 @@ from lit_trainer.intake.store import SqliteStore
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 PROMPT = "Question: what is 2 + 3?\nAnswer:"
+SECRET = "9a" * 16
+"""Handed out with the rollouts, as the dispatcher hands out each attempt's."""
 
 
 def test_rollout_on_vllm_becomes_an_episode_with_the_engines_ids(vllm_server, prepared_model: Path, tmp_path):
@@ -52,8 +55,10 @@ def test_rollout_on_vllm_becomes_an_episode_with_the_engines_ids(vllm_server, pr
     with SqliteStore(tmp_path / "lit.db") as store, Collector(store, "tcp://127.0.0.1:0", on_root) as collector:
         lit.instrument(endpoint=collector.endpoint, llm_base_urls=[vllm_server.openai_url], frameworks=[],
                        spool_dir=tmp_path / "spool")
+        hand_out(store, "r-vllm", secret=SECRET)  # as the dispatcher does: the collector stores only these
         try:
-            assert solve("What is 2 + 3?") == 1.0
+            with lit.assign_rollout("r-vllm", secret=SECRET):
+                assert solve("What is 2 + 3?") == 1.0
             counts = lit.flush(timeout=30)
         finally:
             lit.uninstrument()
@@ -105,9 +110,11 @@ def test_logprobs_at_the_sampling_temperature_match_the_trainers(vllm_server, tr
     with SqliteStore(tmp_path / "lit.db") as store, Collector(store, "tcp://127.0.0.1:0", roots.append) as collector:
         lit.instrument(endpoint=collector.endpoint, llm_base_urls=[vllm_server.openai_url], frameworks=[],
                        spool_dir=tmp_path / "spool")
+        hand_out(store, "r-t1.0", "r-t0.7", secret=SECRET)
         try:
             for temperature in (1.0, 0.7):
-                sample("Tell me about the sea.", temperature)
+                with lit.assign_rollout(f"r-t{temperature}", secret=SECRET):
+                    sample("Tell me about the sea.", temperature)
             counts = lit.flush(timeout=30)
         finally:
             lit.uninstrument()
