@@ -61,7 +61,7 @@ class Admission:
     def admit(self, spans: Sequence[PackedSpan]) -> tuple[list[PackedSpan], dict[str, int], list[str]]:
         """The spans the store may take, in order; how many were refused, by kind; and the rollout ids whose root
         is among them for the first time (a root already stored, the same span id again, is a duplicate)."""
-        self._new_roots: list[str] = []
+        self._new_roots = []
         new = list({s.rollout_id for s in spans if s.rollout_id is not None and s.rollout_id not in self._known})
         if new:
             found = self.lookup(new)
