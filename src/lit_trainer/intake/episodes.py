@@ -32,6 +32,7 @@ from __future__ import annotations
 import bisect
 import enum
 import math
+from array import array
 from collections.abc import Collection, Iterable
 from dataclasses import asdict, dataclass, field
 
@@ -121,7 +122,7 @@ class UnusableRollout:
 def build_episode(spans: Iterable[SpanRecord], agents: Collection[str] | None = None, vocab_size: int | None = None
                   ) -> Episode | UnusableRollout:
     """Rebuild one rollout's episode from its spans (any order, duplicates allowed). ``vocab_size``: the model's
-    (its embedding rows); token ids at or above it make the rollout unusable (None: any id >= 0)."""
+    (its embedding rows); token ids at or above it make the rollout unusable (None: any id in [0, 2**32))."""
     unique = _dedupe(spans)
     roots = [s for s in unique.values() if s.name == sc.ROLLOUT_SPAN and s.parent_id is None]
     rollout_id = roots[0].rollout_id if roots else next((s.rollout_id for s in unique.values()), None) or ""
@@ -135,10 +136,10 @@ def build_episode(spans: Iterable[SpanRecord], agents: Collection[str] | None = 
     calls, skipped = _select_calls(timeline, agents)
     if not calls:
         return UnusableRollout(rollout_id, Unusable.NO_LLM_CALLS, f"{skipped} calls skipped, agents={agents}")
-    bad = _bad_value(root, timeline, calls, vocab_size)
+    rewards = _rewards(timeline, calls)
+    bad = _bad_value(root, calls, rewards, vocab_size)
     if bad is not None:
         return UnusableRollout(rollout_id, bad[0], bad[1])
-    rewards = _rewards(timeline, calls)
     final = root.attributes.get(sc.ROLLOUT_RETURN_REWARD)
     final = float(final) if final is not None else None
     if final is None and not rewards:
@@ -182,36 +183,51 @@ def _is_finite(value: object) -> bool:
     return _is_number(value) and math.isfinite(value)  # type: ignore[arg-type]
 
 
-def _token_ids_ok(ids: list, high: float) -> bool:
-    """Every id an int (not a bool) in [0, high). Thousands per call: the checks run in C (map, min, max)."""
-    return not ids or (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < high)
+_ID_LIMIT = 2**32
+"""No token id is this large (``array("I")`` holds ids below it)."""
+
+
+def _token_ids_ok(ids: list, high: int) -> bool:
+    """Every id an int in [0, high) (a bool is the 0 or 1 it is in Python), ``high`` <= ``_ID_LIMIT``. Hundreds
+    per call, so the checks run in C: ``array("I")`` refuses anything but ints in [0, 2**32), ``max`` the ids at or
+    above ``high``."""
+    if not ids:
+        return True
+    try:
+        array("I", ids)
+    except (TypeError, OverflowError):
+        return False
+    return max(ids) < high
 
 
 def _logprobs_ok(logprobs: list) -> bool:
-    """Every logprob a number (not a bool), finite and <= 0: a NaN or an infinity makes the sum non-finite."""
-    return not logprobs or (set(map(type, logprobs)) <= {float, int} and math.isfinite(sum(logprobs))
-                            and max(logprobs) <= 0)
+    """Every logprob a number, finite and <= 0: a text or a list makes ``sum`` raise, a NaN or an infinity makes
+    the sum non-finite (as does an overflow of very large ones, refused too)."""
+    try:
+        total = sum(logprobs)
+    except TypeError:
+        return False
+    return isinstance(total, (int, float)) and math.isfinite(total) and (not logprobs or max(logprobs) <= 0)
 
 
-def _bad_value(root: SpanRecord, timeline: list[SpanRecord], calls: list[SpanRecord], vocab_size: int | None
-               ) -> tuple[Unusable, str] | None:
+def _bad_value(root: SpanRecord, calls: list[SpanRecord], rewards: list[tuple[str, float, int]],
+               vocab_size: int | None) -> tuple[Unusable, str] | None:
     """The first value of the rollout that lit cannot train on, as (reason, what), or None."""
     final = root.attributes.get(sc.ROLLOUT_RETURN_REWARD)
     if final is not None and not _is_finite(final):
         return Unusable.BAD_REWARD, f"the return value {final!r}"
-    for span in timeline:
-        value = span.attributes.get(sc.REWARD_VALUE) if span.name == sc.REWARD_SPAN else None
-        if value is not None and _is_number(value) and not math.isfinite(value):
-            return Unusable.BAD_REWARD, f"lit.reward({value!r}) in span {span.span_id}"
+    for name, value, _ in rewards:
+        if not math.isfinite(value):
+            return Unusable.BAD_REWARD, f"lit.reward({value!r}{f', name={name!r}' if name else ''})"
     attempt = root.attributes.get(sc.ATTEMPT, 1)
     if not (type(attempt) is int and attempt >= 1):
         return Unusable.BAD_ATTEMPT, f"attempt {attempt!r}"
-    high = vocab_size if vocab_size is not None else math.inf
+    high = min(vocab_size, _ID_LIMIT) if vocab_size is not None else _ID_LIMIT
     for call in calls:
         attrs, where = call.attributes, f"LLM call {call.span_id}"
         for key in (sc.LLM_PROMPT_TOKEN_IDS, sc.LLM_RESPONSE_TOKEN_IDS):
             if not _token_ids_ok(attrs[key], high):
-                wrong = next(i for i in attrs[key] if not (type(i) is int and 0 <= i < high))
+                wrong = next(i for i in attrs[key] if not (isinstance(i, int) and 0 <= i < high))
                 return Unusable.BAD_TOKEN_IDS, f"{where}: token id {wrong!r} (vocabulary size {vocab_size})"
         logprobs = attrs.get(sc.LLM_RESPONSE_LOGPROBS)
         if isinstance(logprobs, list) and not _logprobs_ok(logprobs):
@@ -294,7 +310,7 @@ def _transitions(
             Transition(
                 prompt_ids=list(attrs[sc.LLM_PROMPT_TOKEN_IDS]),
                 response_ids=list(attrs[sc.LLM_RESPONSE_TOKEN_IDS]),
-                logprobs=[float(x) for x in logprobs] if logprobs is not None else None,
+                logprobs=list(map(float, logprobs)) if logprobs is not None else None,
                 reward=per_call.get(i),
                 agent=str(attrs.get(sc.AGENT_NAME, "")),
                 rollout_id=rollout_id,

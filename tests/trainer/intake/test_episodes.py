@@ -175,12 +175,18 @@ BAD_VALUES = {  # #27's holes: each one raised in the trainer (assert, ValueErro
     "huge_token_id": (Unusable.BAD_TOKEN_IDS, lambda t, root, call: t.llm(root, 30, ids=(1_000_000_000,))),
     "negative_token_id": (Unusable.BAD_TOKEN_IDS, lambda t, root, call: t.llm(root, 30, ids=(-1,))),
     "text_token_id": (Unusable.BAD_TOKEN_IDS, lambda t, root, call: t.llm(root, 30, ids=("7",))),
+    "float_token_id": (Unusable.BAD_TOKEN_IDS, lambda t, root, call: t.llm(root, 30, ids=(7, 2.0))),
+    "token_id_past_2_32": (Unusable.BAD_TOKEN_IDS, lambda t, root, call: t.llm(root, 30, ids=(2**32,))),
     "positive_logprob": (Unusable.BAD_LOGPROBS, lambda t, root, call: _set(t, call, **{
         sc.LLM_RESPONSE_LOGPROBS: [-0.5, 3.0]})),
     "nan_logprob": (Unusable.BAD_LOGPROBS, lambda t, root, call: _set(t, call, **{
         sc.LLM_RESPONSE_LOGPROBS: [float("nan"), -0.5]})),
     "text_logprob": (Unusable.BAD_LOGPROBS, lambda t, root, call: _set(t, call, **{
         sc.LLM_RESPONSE_LOGPROBS: ["-0.5", -0.5]})),
+    "list_logprob": (Unusable.BAD_LOGPROBS, lambda t, root, call: _set(t, call, **{
+        sc.LLM_RESPONSE_LOGPROBS: [[-0.5], -0.5]})),
+    "overflowing_logprobs": (Unusable.BAD_LOGPROBS, lambda t, root, call: _set(t, call, **{
+        sc.LLM_RESPONSE_LOGPROBS: [-1.7e308, -1.7e308]})),
     "text_temperature": (Unusable.BAD_SAMPLING, lambda t, root, call: _set(t, call, **{sc.LLM_TEMPERATURE: "hot"})),
     "negative_temperature": (Unusable.BAD_SAMPLING, lambda t, root, call: _set(t, call, **{
         sc.LLM_TEMPERATURE: -1.0})),
@@ -216,6 +222,9 @@ def test_token_ids_are_checked_against_the_vocabulary():
     t.llm(t.root(), 10, ids=(63,))
     assert isinstance(build_episode(t.spans, vocab_size=64), Episode)
     assert build_episode(t.spans, vocab_size=63).reason is Unusable.BAD_TOKEN_IDS
+    t.llm(t.spans[0].span_id, 20, ids=(2**32 - 1, 2**32))  # no vocabulary given: any id below 2**32
+    result = build_episode(t.spans)
+    assert result.reason is Unusable.BAD_TOKEN_IDS and str(2**32) in result.detail, result
 
 
 def test_spans_arriving_after_the_root_give_the_same_episode():
