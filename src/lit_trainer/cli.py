@@ -136,11 +136,16 @@ def _build_parser() -> argparse.ArgumentParser:
     keys.set_defaults(run=lambda _args: (keys.print_help(), 2)[1])
     show = commands.add_parser("show", help="write one rollout as an HTML page: its spans, tokens, advantages and "
                                "rewards (docs/viewer.md); without an id, list the rollouts of a step")
-    show.add_argument("rollout_id", nargs="?", help="a rollout id; without one, list the last step's rollouts")
+    show.add_argument("rollout_id", nargs="?",
+                      help="a rollout id; without one, list the rollouts of the last training step")
     show.add_argument("--run", dest="run_dir", type=Path, required=True,
                       help="the run's train.output_dir (the folder holding its store)")
     show.add_argument("--output", type=Path, help="where to write the page (default: RUN/rollouts/ROLLOUT_ID.html)")
-    show.add_argument("--step", type=int, help="list the rollouts of this step (from 0) instead of the last one")
+    show.add_argument("--step", type=int, metavar="N", help="list training step N's rollouts (from 1, as the "
+                      "console's `step N/STEPS` counts) instead of the last one's")
+    show.add_argument("--validation", action="store_true",
+                      help="list a validation's rollouts instead: the last one, or with --step N the one after step "
+                      "N (0: before training)")
     show.set_defaults(run=_show)
     worker = commands.add_parser("worker", help="run agent rollouts for a trainer", add_help=False)
     worker.add_argument("rest", nargs=argparse.REMAINDER)
@@ -293,18 +298,17 @@ server.key_secret and api_key never leave this host.""", file=sys.stderr)
 
 def _show(args: argparse.Namespace) -> int:
     from lit_trainer.runs import Run
+    from lit_trainer.steps import step_name
 
     with Run(args.run_dir) as run:
         if args.rollout_id is not None:
             output = args.output or run.folder.rollout_page(args.rollout_id)
             print(run.show(args.rollout_id).save(output))
             return 0
-        rows = run.rollouts(args.step)  # default: the last step's
-        if not rows:
-            raise ValueError(f"no rollouts of step {args.step} in {args.run_dir}" if args.step is not None
-                             else f"no rollouts in {args.run_dir} yet")
-        print(f"rollouts of step {rows[0].step} (from 0); open one with: lit show ROLLOUT_ID --run {args.run_dir}",
-              file=sys.stderr)
+        rows, validation = _listed_rollouts(run, args.step, args.validation)
+        other = "--validation: the last validation's" if not validation else "without --validation: training's"
+        print(f"rollouts of {step_name(rows[0].step, validation)} in {args.run_dir} (--step N: another step; "
+              f"{other}); open one with: lit show ROLLOUT_ID --run {args.run_dir}", file=sys.stderr)
         width = max(len(r.rollout_id) for r in rows)
         print(f"{'rollout':<{width}}  {'task':<10} {'status':<10} return")
         for row in rows:
@@ -312,6 +316,23 @@ def _show(args: argparse.Namespace) -> int:
             shown = "-" if episode_return is None else f"{episode_return:+.3f}"
             print(f"{row.rollout_id:<{width}}  {row.task_id:<10} {row.status.value:<10} {shown}")
     return 0
+
+
+def _listed_rollouts(run, step: int | None, validation: bool) -> tuple[list, bool]:
+    """The rollouts ``lit show`` lists, and whether they are a validation's: those asked for, by default the last
+    training step's, or where there is none (a run stopped in its first validation) the last validation's."""
+    from lit_trainer.steps import step_name
+
+    if step is None and not validation and run.last_step() is None:
+        validation = True
+    rows = run.rollouts(step, validation)
+    if not rows:
+        last = run.last_step(validation)
+        if last is None:
+            raise ValueError(f"no {'validation ' if validation else ''}rollouts in {run.dir} yet")
+        raise ValueError(f"no rollouts of {step_name(step, validation)} in {run.dir}; the last with any is "
+                         f"{step_name(last, validation)}")
+    return rows, validation
 
 
 def _worker_main(rest: list[str]) -> int:

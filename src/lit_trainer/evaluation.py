@@ -15,6 +15,7 @@ from lit_trainer.rollouts.runner import RolloutRunner
 from lit_trainer.rollouts.tasks import load_tasks
 from lit_trainer.runs import RunFolder, resolve_checkpoint
 from lit_trainer.services import check_agent, services
+from lit_trainer.steps import validation_label
 
 
 def validate(runner: RolloutRunner, tasks: list[dict], log: MetricsLog, step: int, minutes: float,
@@ -24,7 +25,7 @@ def validate(runner: RolloutRunner, tasks: list[dict], log: MetricsLog, step: in
     the tasks carry a ``"kind"``. ``title``: what the printed line says was validated (default: ``validation after
     step N``)."""
     t0 = time.perf_counter()
-    metrics = runner.run(tasks, 1, runner.agent.val_temperature, step, f"val{step}", version=step).metrics
+    metrics = runner.run(tasks, 1, runner.agent.val_temperature, step, validation_label(step), version=step).metrics
     metrics.update({"minutes": minutes, "time/validation": time.perf_counter() - t0})
     log.log(step, metrics, kind="validation")
     print(f"{title or f'validation after step {step}'}: {accuracy_line(metrics)} on {len(tasks)} held-out tasks "

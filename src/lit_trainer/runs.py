@@ -13,19 +13,22 @@
     run = lit_trainer.open_run("runs/calc")      # or what lit_trainer.train(cfg) returned
     run.validations()[-1]["accuracy"]             # the last held-out accuracy
     run.plot()                                    # the curve (shows inline in a notebook)
-    run.rollouts(step=3)                          # the attempts of step 3, with status and error
+    run.rollouts(step=3)                          # the attempts of training step 3, with status and error
+    run.rollouts(validation=True)                 # those of the last validation
     run.show(rollout_id)                          # the rollout viewer
 
-``Run`` reads what ``lit train`` wrote and works on a finished, a running or a killed run alike.
+``Run`` reads what ``lit train`` wrote and works on a finished, a running or a killed run alike. Steps are the
+user's (from 1, as the console counts them): steps.py converts to the store's.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from lit_trainer import steps
 from lit_trainer.intake.episodes import Episode, UnusableRollout, build_episode
 from lit_trainer.intake.store import RolloutRow, SqliteStore
 from lit_trainer.metrics import plot_curve
@@ -215,15 +218,37 @@ class Run:
             self._store = SqliteStore(self.folder.store)
         return self._store
 
-    def rollouts(self, step: int | None = None) -> list[RolloutRow]:
-        """The rollout attempts recorded under ``step``: those of training step ``step + 1`` (the store counts steps
-        from 0) and of the validation run after ``step`` steps; default: the last step that has any."""
-        store = self.store()
+    def rollouts(self, step: int | None = None, validation: bool = False) -> list[RolloutRow]:
+        """The rollout attempts of training step ``step`` (from 1, as the console, metrics.jsonl and the
+        checkpoints count); with ``validation``, of the validation after ``step`` steps (0: the one before
+        training). Default: the last that has any (``last_step``). Each row's ``step`` is that step too: the
+        store's own count (steps.py) is converted here, never rewritten."""
         if step is None:
-            step = store.last_step()
+            step = self.last_step(validation)
             if step is None:
                 return []
-        return store.rollouts_of_step(step)
+        recorded = steps.recorded_step(step, validation)
+        if recorded < 0:
+            return []
+        return [replace(row, step=step) for row in self.store().rollouts_of_step(recorded)
+                if (steps.kind_of(row.rollout_id) == "validation") == validation]
+
+    def last_step(self, validation: bool = False) -> int | None:
+        """The last training step (from 1) that has rollouts, or with ``validation`` the step of the last
+        validation that has; None when there is none."""
+        store = self.store()
+        last = store.last_step()
+        if last is None:
+            return None
+        # the newest store steps first; for a validation only those that had one (or began one: the newest), so
+        # that a run without validations is not read whole
+        candidates = (range(last, -1, -1) if not validation else
+                      sorted({last, *(r["step"] for r in self.validations())}, reverse=True))
+        for recorded in candidates:
+            rows = store.rollouts_of_step(recorded)
+            if any((steps.kind_of(row.rollout_id) == "validation") == validation for row in rows):
+                return steps.shown_step(recorded, validation)
+        return None
 
     def episode_return(self, rollout_id: str) -> float | None:
         """The return of the rollout's stored episode; None when it gave none (failed, or not built)."""
