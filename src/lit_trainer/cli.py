@@ -106,8 +106,11 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="change config values")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
     train.set_defaults(run=_train)
-    evaluate = commands.add_parser("eval", help="run validation of a checkpoint (or of the base model)",
-                                   epilog=CONFIG_HELP)
+    evaluate = commands.add_parser(
+        "eval", help="run validation of a checkpoint (or of the base model)",
+        epilog=f"It writes its store, result (eval.jsonl) and config beside the evaluated run, in RUN/eval/step-N "
+        "(the base model's: eval/base in the config's train.output_dir), or into train.output_dir when given on "
+        f"this command line; `lit show --run` that folder lists its rollouts. {CONFIG_HELP}")
     evaluate.add_argument("config", type=Path)
     evaluate.add_argument("overrides", nargs="*", default=[], metavar="section.key=value",
                           help="change config values")
@@ -139,13 +142,13 @@ def _build_parser() -> argparse.ArgumentParser:
     show.add_argument("rollout_id", nargs="?",
                       help="a rollout id; without one, list the rollouts of the last training step")
     show.add_argument("--run", dest="run_dir", type=Path, required=True,
-                      help="the run's train.output_dir (the folder holding its store)")
+                      help="the run's train.output_dir (the folder holding its store), or the folder lit eval wrote")
     show.add_argument("--output", type=Path, help="where to write the page (default: RUN/rollouts/ROLLOUT_ID.html)")
     show.add_argument("--step", type=int, metavar="N", help="list training step N's rollouts (from 1, as the "
                       "console's `step N/STEPS` counts) instead of the last one's")
     show.add_argument("--validation", action="store_true",
                       help="list a validation's rollouts instead: the last one, or with --step N the one after step "
-                      "N (0: before training)")
+                      "N (0: before training); a folder of lit eval has only these")
     show.set_defaults(run=_show)
     worker = commands.add_parser("worker", help="run agent rollouts for a trainer", add_help=False)
     worker.add_argument("rest", nargs=argparse.REMAINDER)
@@ -198,9 +201,14 @@ def _eval(args: argparse.Namespace) -> int:
     import lit_trainer
 
     config = lit_trainer.load_config(args.config, args.overrides)
-    result = lit_trainer.evaluate(config, args.checkpoint, args.output)
-    if args.output:  # the result line itself was printed by the validation: "checkpoint ... (step N): accuracy"
-        print(f"lit: {result['evaluated']} evaluated; result written to {args.output}", file=sys.stderr)
+    # train.output_dir given here names the eval's folder; the config file's is the run's, not written into
+    explicit = any(item.partition("=")[0].strip() == "train.output_dir" for item in args.overrides)
+    result = lit_trainer.evaluate(config, args.checkpoint, args.output,
+                                  config.train.output_dir if explicit else None)
+    # the result line itself was printed by the validation: "checkpoint ... (step N): accuracy"
+    written = f"; result also written to {args.output}" if args.output else ""
+    print(f"lit: {result['evaluated']} evaluated into {result['output_dir']}{written}; its rollouts: "
+          f"lit show --run {result['output_dir']}", file=sys.stderr)
     return 0
 
 
@@ -320,7 +328,8 @@ def _show(args: argparse.Namespace) -> int:
 
 def _listed_rollouts(run, step: int | None, validation: bool) -> tuple[list, bool]:
     """The rollouts ``lit show`` lists, and whether they are a validation's: those asked for, by default the last
-    training step's, or where there is none (a run stopped in its first validation) the last validation's."""
+    training step's, or where there is none (a folder of lit eval, a run stopped in its first validation) the last
+    validation's."""
     from lit_trainer.steps import step_name
 
     if step is None and not validation and run.last_step() is None:

@@ -247,6 +247,25 @@ def test_lit_show_writes_the_page_and_lists_the_last_training_steps_rollouts(run
     assert "no lit.sqlite" in capsys.readouterr().err
 
 
+def test_lit_show_opens_the_folder_lit_eval_wrote(tmp_path, capsys):
+    """``lit eval`` of step 4 writes eval.sqlite and eval.jsonl (and config.json) beside the run: ``lit show --run``
+    lists its rollouts without --validation (it has no training step) and writes their pages."""
+    folder = tmp_path / "runs" / "calc" / "eval" / "step-000004"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"model": "smollm2-135m"}))
+    (folder / "eval.jsonl").write_text(json.dumps({"kind": "validation", "step": 4, "accuracy": 0.5}) + "\n")
+    with SqliteStore(folder / "eval.sqlite") as store:
+        ids = fill_run(store, [("val4", 4, 0), ("val4", 4, 1)])
+    assert main(["show", "--run", str(folder)]) == 0
+    err, rows = listed(capsys)
+    assert [row[0] for row in rows] == ids and err.startswith(f"rollouts of validation after step 4 in {folder}")
+    assert main(["show", ids[1], "--run", str(folder)]) == 0
+    assert "validation after step 4" in (folder / "rollouts" / f"{ids[1]}.html").read_text()
+    with Run(folder) as run:
+        assert run.evaluation and [r["accuracy"] for r in run.validations()] == [0.5]
+        assert run.last_step() is None and run.last_step(validation=True) == 4
+
+
 def transition(rollout_id: str, task_id: str, index: int, reward: float | None = None) -> Transition:
     return Transition(prompt_ids=[1, 2], response_ids=[3], logprobs=None, reward=reward, agent="a",
                       rollout_id=rollout_id, task_id=task_id, index=index, span_id=f"{index:016x}")
