@@ -18,6 +18,7 @@ from lit_sdk.install import pip_install
 from lit_trainer import __version__
 from lit_trainer.metrics import STEP_LINE_LEGEND
 from lit_trainer.models import DEFAULT_MODEL, ModelError
+from lit_trainer.progress import quiet_library_bars
 
 CHECK_PROMPT = "What is the capital of France? Answer in one sentence."
 
@@ -26,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["worker"]:  # the worker has its own parser (and stays free of torch)
         return _worker_main(argv[1:])
+    quiet_library_bars()  # transformers' own bars, in a log: off before it is imported
     parser = _build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # overrides may come after options too: lit eval CFG --checkpoint runs/calc train.seed=3

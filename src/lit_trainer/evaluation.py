@@ -11,6 +11,7 @@ from typing import Any
 
 from lit_trainer.config import TrainConfig
 from lit_trainer.metrics import MetricsLog
+from lit_trainer.progress import quiet_library_bars
 from lit_trainer.rollouts.runner import RolloutRunner
 from lit_trainer.rollouts.tasks import load_tasks
 from lit_trainer.runs import RunFolder, eval_folder, resolve_checkpoint
@@ -49,6 +50,7 @@ def evaluate(cfg: TrainConfig, checkpoint: str | Path | None = None, output: Pat
     ``lit show --run`` opens them. The result holds the metrics and what was evaluated: ``model`` (the folder vLLM
     served), ``evaluated`` (in words), ``step`` (the checkpoint's, 0 for the base model), ``tasks`` and
     ``output_dir``."""
+    quiet_library_bars()
     model, step, what, found = cfg.model, 0, f"the base model {cfg.model}", None
     if checkpoint:
         found = resolve_checkpoint(checkpoint)
