@@ -7,7 +7,7 @@ The Python API, as small as the CLI (``lit train`` / ``lit eval`` call it):
     run = lt.train(cfg)                       # a Run: metrics, curve, store, rollouts, checkpoints, the viewer
     run.plot(); run.validations()[-1]
     lt.evaluate(cfg, checkpoint=run.dir)      # held-out accuracy of its latest checkpoint
-    run = lt.open_run("runs/calc")            # any run's output folder, later
+    run = lt.open_run("runs/calc")            # any run's output folder (or a lit eval's), later
 
     with lt.Playground(cfg) as pg:            # vLLM + the intake in this process, and lit.instrument() on:
         attempt = pg.run(my_agent, task)      # one rollout by hand, its spans and episode
@@ -57,13 +57,15 @@ def train(config: TrainConfig | str | Path, resume: bool = False) -> Run:
 
 
 def evaluate(config: TrainConfig | str | Path, checkpoint: str | Path | None = None,
-             output: str | Path | None = None) -> dict[str, Any]:
+             output: str | Path | None = None, output_dir: str | Path | None = None) -> dict[str, Any]:
     """One greedy rollout per held-out task of ``checkpoint`` (a ``checkpoints/step-N`` folder, or a run folder
-    for its latest) or of the base model when None: accuracy and what was evaluated (as ``lit eval``)."""
+    for its latest) or of the base model when None: accuracy and what was evaluated (as ``lit eval``). Its store
+    and result go into ``output_dir`` (default: beside the evaluated run, ``RUN/eval/step-N``; the result's
+    ``output_dir`` says where), which ``open_run`` opens."""
     from lit_trainer.evaluation import evaluate as run_evaluation
 
     cfg = load_config(config) if isinstance(config, (str, Path)) else config
-    return run_evaluation(cfg, checkpoint, Path(output) if output else None)
+    return run_evaluation(cfg, checkpoint, Path(output) if output else None, output_dir)
 
 
 def open_run(output_dir: str | Path) -> Run:

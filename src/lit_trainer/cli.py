@@ -18,6 +18,7 @@ from lit_sdk.install import pip_install
 from lit_trainer import __version__
 from lit_trainer.metrics import STEP_LINE_LEGEND
 from lit_trainer.models import DEFAULT_MODEL, ModelError
+from lit_trainer.progress import quiet_library_bars
 
 CHECK_PROMPT = "What is the capital of France? Answer in one sentence."
 
@@ -26,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["worker"]:  # the worker has its own parser (and stays free of torch)
         return _worker_main(argv[1:])
+    quiet_library_bars()  # transformers' own bars, in a log: off before it is imported
     parser = _build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # overrides may come after options too: lit eval CFG --checkpoint runs/calc train.seed=3
@@ -106,8 +108,11 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="change config values")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
     train.set_defaults(run=_train)
-    evaluate = commands.add_parser("eval", help="run validation of a checkpoint (or of the base model)",
-                                   epilog=CONFIG_HELP)
+    evaluate = commands.add_parser(
+        "eval", help="run validation of a checkpoint (or of the base model)",
+        epilog=f"It writes its store, result (eval.jsonl) and config beside the evaluated run, in RUN/eval/step-N "
+        "(the base model's: eval/base in the config's train.output_dir), or into train.output_dir when given on "
+        f"this command line; `lit show --run` that folder lists its rollouts. {CONFIG_HELP}")
     evaluate.add_argument("config", type=Path)
     evaluate.add_argument("overrides", nargs="*", default=[], metavar="section.key=value",
                           help="change config values")
@@ -136,11 +141,16 @@ def _build_parser() -> argparse.ArgumentParser:
     keys.set_defaults(run=lambda _args: (keys.print_help(), 2)[1])
     show = commands.add_parser("show", help="write one rollout as an HTML page: its spans, tokens, advantages and "
                                "rewards (docs/viewer.md); without an id, list the rollouts of a step")
-    show.add_argument("rollout_id", nargs="?", help="a rollout id; without one, list the last step's rollouts")
+    show.add_argument("rollout_id", nargs="?",
+                      help="a rollout id; without one, list the rollouts of the last training step")
     show.add_argument("--run", dest="run_dir", type=Path, required=True,
-                      help="the run's train.output_dir (the folder holding its store)")
+                      help="the run's train.output_dir (the folder holding its store), or the folder lit eval wrote")
     show.add_argument("--output", type=Path, help="where to write the page (default: RUN/rollouts/ROLLOUT_ID.html)")
-    show.add_argument("--step", type=int, help="list the rollouts of this step (from 0) instead of the last one")
+    show.add_argument("--step", type=int, metavar="N", help="list training step N's rollouts (from 1, as the "
+                      "console's `step N/STEPS` counts) instead of the last one's")
+    show.add_argument("--validation", action="store_true",
+                      help="list a validation's rollouts instead: the last one, or with --step N the one after step "
+                      "N (0: before training); a folder of lit eval has only these")
     show.set_defaults(run=_show)
     worker = commands.add_parser("worker", help="run agent rollouts for a trainer", add_help=False)
     worker.add_argument("rest", nargs=argparse.REMAINDER)
@@ -193,9 +203,14 @@ def _eval(args: argparse.Namespace) -> int:
     import lit_trainer
 
     config = lit_trainer.load_config(args.config, args.overrides)
-    result = lit_trainer.evaluate(config, args.checkpoint, args.output)
-    if args.output:  # the result line itself was printed by the validation: "checkpoint ... (step N): accuracy"
-        print(f"lit: {result['evaluated']} evaluated; result written to {args.output}", file=sys.stderr)
+    # train.output_dir given here names the eval's folder; the config file's is the run's, not written into
+    explicit = any(item.partition("=")[0].strip() == "train.output_dir" for item in args.overrides)
+    result = lit_trainer.evaluate(config, args.checkpoint, args.output,
+                                  config.train.output_dir if explicit else None)
+    # the result line itself was printed by the validation: "checkpoint ... (step N): accuracy"
+    written = f"; result also written to {args.output}" if args.output else ""
+    print(f"lit: {result['evaluated']} evaluated into {result['output_dir']}{written}; its rollouts: "
+          f"lit show --run {result['output_dir']}", file=sys.stderr)
     return 0
 
 
@@ -293,18 +308,17 @@ server.key_secret and api_key never leave this host.""", file=sys.stderr)
 
 def _show(args: argparse.Namespace) -> int:
     from lit_trainer.runs import Run
+    from lit_trainer.steps import step_name
 
     with Run(args.run_dir) as run:
         if args.rollout_id is not None:
             output = args.output or run.folder.rollout_page(args.rollout_id)
             print(run.show(args.rollout_id).save(output))
             return 0
-        rows = run.rollouts(args.step)  # default: the last step's
-        if not rows:
-            raise ValueError(f"no rollouts of step {args.step} in {args.run_dir}" if args.step is not None
-                             else f"no rollouts in {args.run_dir} yet")
-        print(f"rollouts of step {rows[0].step} (from 0); open one with: lit show ROLLOUT_ID --run {args.run_dir}",
-              file=sys.stderr)
+        rows, validation = _listed_rollouts(run, args.step, args.validation)
+        other = "--validation: the last validation's" if not validation else "without --validation: training's"
+        print(f"rollouts of {step_name(rows[0].step, validation)} in {args.run_dir} (--step N: another step; "
+              f"{other}); open one with: lit show ROLLOUT_ID --run {args.run_dir}", file=sys.stderr)
         width = max(len(r.rollout_id) for r in rows)
         print(f"{'rollout':<{width}}  {'task':<10} {'status':<10} return")
         for row in rows:
@@ -312,6 +326,24 @@ def _show(args: argparse.Namespace) -> int:
             shown = "-" if episode_return is None else f"{episode_return:+.3f}"
             print(f"{row.rollout_id:<{width}}  {row.task_id:<10} {row.status.value:<10} {shown}")
     return 0
+
+
+def _listed_rollouts(run, step: int | None, validation: bool) -> tuple[list, bool]:
+    """The rollouts ``lit show`` lists, and whether they are a validation's: those asked for, by default the last
+    training step's, or where there is none (a folder of lit eval, a run stopped in its first validation) the last
+    validation's."""
+    from lit_trainer.steps import step_name
+
+    if step is None and not validation and run.last_step() is None:
+        validation = True
+    rows = run.rollouts(step, validation)
+    if not rows:
+        last = run.last_step(validation)
+        if last is None:
+            raise ValueError(f"no {'validation ' if validation else ''}rollouts in {run.dir} yet")
+        raise ValueError(f"no rollouts of {step_name(step, validation)} in {run.dir}; the last with any is "
+                         f"{step_name(last, validation)}")
+    return rows, validation
 
 
 def _worker_main(rest: list[str]) -> int:

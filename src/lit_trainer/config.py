@@ -54,7 +54,9 @@ class TrainLoopConfig:
     seed: int = 0
     """Seeds task sampling and torch; the same seed and step give the same tasks, also after ``--resume``."""
     output_dir: str = "runs/lit"
-    """Where the store, metrics, checkpoints and the curve go."""
+    """Where the store, metrics, checkpoints and the curve go. ``lit eval`` writes beside the run it evaluates
+    (``RUN/eval/step-N``; the base model: ``OUTPUT_DIR/eval/base``) unless ``train.output_dir=`` is given on its
+    command line, which then names the folder it writes into."""
     val_every: int = 5
     """Validate every this many steps, and before the first and after the last step (0: never)."""
     checkpoint_every: int = 5

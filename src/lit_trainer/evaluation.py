@@ -11,10 +11,12 @@ from typing import Any
 
 from lit_trainer.config import TrainConfig
 from lit_trainer.metrics import MetricsLog
+from lit_trainer.progress import quiet_library_bars
 from lit_trainer.rollouts.runner import RolloutRunner
 from lit_trainer.rollouts.tasks import load_tasks
-from lit_trainer.runs import RunFolder, resolve_checkpoint
+from lit_trainer.runs import RunFolder, eval_folder, resolve_checkpoint
 from lit_trainer.services import check_agent, services
+from lit_trainer.steps import validation_label
 
 
 def validate(runner: RolloutRunner, tasks: list[dict], log: MetricsLog, step: int, minutes: float,
@@ -24,7 +26,7 @@ def validate(runner: RolloutRunner, tasks: list[dict], log: MetricsLog, step: in
     the tasks carry a ``"kind"``. ``title``: what the printed line says was validated (default: ``validation after
     step N``)."""
     t0 = time.perf_counter()
-    metrics = runner.run(tasks, 1, runner.agent.val_temperature, step, f"val{step}", version=step).metrics
+    metrics = runner.run(tasks, 1, runner.agent.val_temperature, step, validation_label(step), version=step).metrics
     metrics.update({"minutes": minutes, "time/validation": time.perf_counter() - t0})
     log.log(step, metrics, kind="validation")
     print(f"{title or f'validation after step {step}'}: {accuracy_line(metrics)} on {len(tasks)} held-out tasks "
@@ -40,24 +42,34 @@ def accuracy_line(metrics: dict[str, float]) -> str:
     return f"accuracy {metrics['accuracy']:.3f}" + (f" ({', '.join(kinds)})" if kinds else "")
 
 
-def evaluate(cfg: TrainConfig, checkpoint: str | Path | None = None, output: Path | None = None) -> dict[str, Any]:
+def evaluate(cfg: TrainConfig, checkpoint: str | Path | None = None, output: Path | None = None,
+             output_dir: str | Path | None = None) -> dict[str, Any]:
     """``lit eval``: validation of a checkpoint (a ``checkpoints/step-N`` folder or a run's output_dir: its
-    latest) or of the base model when None; also written as JSON to ``output``. The result holds the metrics and
-    what was evaluated: ``model`` (the folder vLLM served), ``evaluated`` (in words), ``step`` (the checkpoint's,
-    0 for the base model) and ``tasks``."""
-    model, step, what = cfg.model, 0, f"the base model {cfg.model}"
+    latest) or of the base model when None; also written as JSON to ``output``. Its store, result and config go
+    into ``output_dir``, by default beside the evaluated run (``runs.eval_folder``: ``RUN/eval/step-N``), where
+    ``lit show --run`` opens them. The result holds the metrics and what was evaluated: ``model`` (the folder vLLM
+    served), ``evaluated`` (in words), ``step`` (the checkpoint's, 0 for the base model), ``tasks`` and
+    ``output_dir``."""
+    quiet_library_bars()
+    model, step, what, found = cfg.model, 0, f"the base model {cfg.model}", None
     if checkpoint:
         found = resolve_checkpoint(checkpoint)
         model, step, what = str(found.model_dir), found.step, f"checkpoint {found.path} (step {found.step})"
         cfg = replace(cfg, model=model, inference=replace(cfg.inference, model=model))
+    run = RunFolder(output_dir or eval_folder(found, cfg.train.output_dir))
+    if run.store.exists():  # a training run's store: lit show would open it, not the eval's
+        raise ValueError(f"{run.dir} holds a training run ({run.store.name}): lit eval writes a folder of its own; "
+                         "leave train.output_dir out (default: beside the evaluated run) or name another folder")
+    cfg = replace(cfg, train=replace(cfg.train, output_dir=str(run.dir)))
     _, val_tasks = load_tasks(cfg.data)
     check_agent(cfg)
-    run = RunFolder(cfg.train.output_dir)
     run.dir.mkdir(parents=True, exist_ok=True)
+    run.config.write_text(json.dumps(cfg.to_dict(), indent=2, default=str))  # the model whose tokens lit show decodes
     log = MetricsLog(run.eval_metrics)
     with services(cfg, run.eval_store, run.spool, run.keys) as svc:
         metrics = validate(svc.runner, val_tasks, log, step, 0.0, title=what)
-    result = {"model": model, "evaluated": what, "step": step, "tasks": len(val_tasks), **metrics}
+    result = {"model": model, "evaluated": what, "step": step, "tasks": len(val_tasks),
+              "output_dir": str(run.dir), **metrics}
     if output:
         output.write_text(json.dumps(result, indent=2))
     return result

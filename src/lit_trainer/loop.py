@@ -37,6 +37,7 @@ from lit_trainer.learner import distributed
 from lit_trainer.metrics import STEP_LINE_LEGEND, MetricsLog, memory_gb, plot_curve, step_line
 from lit_trainer.metrics import read as read_metrics
 from lit_trainer.models import resolve_model
+from lit_trainer.progress import quiet_library_bars
 from lit_trainer.rollouts.feed import StepFeed, StepPlan
 from lit_trainer.rollouts.runner import RolloutsFailed
 from lit_trainer.rollouts.tasks import load_tasks
@@ -50,6 +51,7 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
     """Train as ``cfg`` says; the last validation's metrics."""
     from lit_trainer.learner.policy import Policy
 
+    quiet_library_bars()
     out = RunFolder(cfg.train.output_dir)
     out.dir.mkdir(parents=True, exist_ok=True)
     start = out.latest_checkpoint()

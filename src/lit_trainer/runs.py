@@ -8,24 +8,29 @@
         spool/                       spans the local workers have not delivered yet
         checkpoints/step-000012/     one checkpoint (learner/checkpoint.py writes it; DONE last)
         rollouts/ROLLOUT_ID.html     pages written by ``lit show``
-        eval.sqlite, eval.jsonl      the store and the result of ``lit eval``
+        eval/step-000040/            what ``lit eval --checkpoint`` of that checkpoint writes (``eval_folder``):
+            eval.sqlite, eval.jsonl  its store and its result
+            config.json              the settings it used (the model: the checkpoint's)
 
     run = lit_trainer.open_run("runs/calc")      # or what lit_trainer.train(cfg) returned
     run.validations()[-1]["accuracy"]             # the last held-out accuracy
     run.plot()                                    # the curve (shows inline in a notebook)
-    run.rollouts(step=3)                          # the attempts of step 3, with status and error
+    run.rollouts(step=3)                          # the attempts of training step 3, with status and error
+    run.rollouts(validation=True)                 # those of the last validation
     run.show(rollout_id)                          # the rollout viewer
 
-``Run`` reads what ``lit train`` wrote and works on a finished, a running or a killed run alike.
+``Run`` reads what ``lit train`` wrote and works on a finished, a running or a killed run alike, and on the folder
+of a ``lit eval`` too. Steps are the user's (from 1, as the console counts them): steps.py converts to the store's.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from lit_trainer import steps
 from lit_trainer.intake.episodes import Episode, UnusableRollout, build_episode
 from lit_trainer.intake.store import RolloutRow, SqliteStore
 from lit_trainer.metrics import plot_curve
@@ -35,6 +40,8 @@ from lit_trainer.viewer import RolloutView, view_rollout
 STORE_FILE = "lit.sqlite"
 """The store's file in a run's folder."""
 CHECKPOINT_PREFIX = "step-"
+EVAL_DIR = "eval"
+"""The folder, in a run's folder, of the ``lit eval`` of each of its checkpoints."""
 DONE_FILE = "DONE"
 """Written last into a checkpoint: a folder without it is an interrupted save and is ignored."""
 
@@ -76,6 +83,11 @@ class Checkpoint:
     @property
     def done_file(self) -> Path:
         return self.path / DONE_FILE
+
+    @property
+    def run_dir(self) -> Path:
+        """The run folder the checkpoint belongs to; for one outside a run's ``checkpoints/``, the folder it is in."""
+        return self.path.parent.parent if self.path.parent.name == "checkpoints" else self.path.parent
 
 
 class RunFolder:
@@ -156,6 +168,16 @@ def resolve_checkpoint(path: str | Path) -> Checkpoint:
     return found
 
 
+def eval_folder(checkpoint: Checkpoint | None, output_dir: str | Path) -> Path:
+    """Where ``lit eval`` writes unless told (an explicit ``train.output_dir``): beside the evaluated run, in
+    ``RUN/eval/step-N`` (a checkpoint outside a run's ``checkpoints/``: ``eval/NAME`` beside it), so that evaluating
+    never writes into the config's ``train.output_dir``, which may be another run or none yet; the base model's
+    (``checkpoint`` None) in ``OUTPUT_DIR/eval/base``, ``output_dir`` being the config's ``train.output_dir``."""
+    if checkpoint is None:
+        return Path(output_dir).expanduser() / EVAL_DIR / "base"
+    return checkpoint.run_dir / EVAL_DIR / checkpoint.path.name
+
+
 def _step_of(path: Path) -> int:
     return int(path.name.removeprefix(CHECKPOINT_PREFIX))
 
@@ -171,14 +193,20 @@ class Curve:
 
 
 class Run:
-    """The output folder of one ``lit train`` (its ``train.output_dir``), read back."""
+    """The output folder of one ``lit train`` (its ``train.output_dir``), or of one ``lit eval``, read back."""
 
     def __init__(self, output_dir: str | Path):
         self.folder = RunFolder(output_dir)
         self.dir = self.folder.dir
-        if not self.folder.metrics.exists() and not self.folder.store.exists():
-            raise FileNotFoundError(f"{self.dir} is not a lit run: no {STORE_FILE} and no metrics.jsonl in it "
-                                    "(give the train.output_dir of a run)")
+        trained = self.folder.metrics.exists() or self.folder.store.exists()
+        if not trained and not self.folder.eval_metrics.exists() and not self.folder.eval_store.exists():
+            raise FileNotFoundError(f"{self.dir} is not a lit run: no {STORE_FILE} or metrics.jsonl (lit train) and "
+                                    f"no {self.folder.eval_store.name} (lit eval) in it (give the train.output_dir of "
+                                    "a run, or the folder that lit eval named)")
+        self.evaluation = not trained
+        """True for the folder of a ``lit eval``: its store and result are ``eval.sqlite`` and ``eval.jsonl``."""
+        self._store_file = self.folder.eval_store if self.evaluation else self.folder.store
+        self._metrics_file = self.folder.eval_metrics if self.evaluation else self.folder.metrics
         self._store: SqliteStore | None = None
 
     def __repr__(self) -> str:
@@ -192,7 +220,7 @@ class Run:
     def metrics(self, kind: str | None = None) -> list[dict[str, Any]]:
         """The records of ``metrics.jsonl`` in order; ``kind``: only ``"train"`` (one per step) or
         ``"validation"``."""
-        records = read_metrics(self.folder.metrics)
+        records = read_metrics(self._metrics_file)
         return [r for r in records if kind is None or r["kind"] == kind]
 
     def validations(self) -> list[dict[str, Any]]:
@@ -201,7 +229,7 @@ class Run:
 
     def plot(self, title: str = "") -> Curve:
         """Draw (again) the curve of held-out and training accuracy against minutes to ``curve.png``."""
-        png = plot_curve(self.folder.metrics, self.folder.curve, title=title or str(self.dir))
+        png = plot_curve(self._metrics_file, self.folder.curve, title=title or str(self.dir))
         if png is None:
             raise ValueError(f"{self.dir} has no metrics yet: nothing to plot")
         return Curve(png)
@@ -210,20 +238,42 @@ class Run:
         """The run's store (every span, rollout attempt, episode and advantage); closed by ``close()``.
         FileNotFoundError (never a new empty store) when the run has none."""
         if self._store is None:
-            if not self.folder.store.is_file():
-                raise FileNotFoundError(f"no {STORE_FILE} in {self.dir}: give a run's train.output_dir")
-            self._store = SqliteStore(self.folder.store)
+            if not self._store_file.is_file():
+                raise FileNotFoundError(f"no {self._store_file.name} in {self.dir}: give a run's train.output_dir")
+            self._store = SqliteStore(self._store_file)
         return self._store
 
-    def rollouts(self, step: int | None = None) -> list[RolloutRow]:
-        """The rollout attempts recorded under ``step``: those of training step ``step + 1`` (the store counts steps
-        from 0) and of the validation run after ``step`` steps; default: the last step that has any."""
-        store = self.store()
+    def rollouts(self, step: int | None = None, validation: bool = False) -> list[RolloutRow]:
+        """The rollout attempts of training step ``step`` (from 1, as the console, metrics.jsonl and the
+        checkpoints count); with ``validation``, of the validation after ``step`` steps (0: the one before
+        training; a ``lit eval``'s: its checkpoint's step). Default: the last that has any (``last_step``). Each
+        row's ``step`` is that step too: the store's own count (steps.py) is converted here, never rewritten."""
         if step is None:
-            step = store.last_step()
+            step = self.last_step(validation)
             if step is None:
                 return []
-        return store.rollouts_of_step(step)
+        recorded = steps.recorded_step(step, validation)
+        if recorded < 0:
+            return []
+        return [replace(row, step=step) for row in self.store().rollouts_of_step(recorded)
+                if (steps.kind_of(row.rollout_id) == "validation") == validation]
+
+    def last_step(self, validation: bool = False) -> int | None:
+        """The last training step (from 1) that has rollouts, or with ``validation`` the step of the last
+        validation that has; None when there is none (a ``lit eval``'s folder has no training step)."""
+        store = self.store()
+        last = store.last_step()
+        if last is None:
+            return None
+        # the newest store steps first; for a validation only those that had one (or began one: the newest), so
+        # that a run without validations is not read whole
+        candidates = (range(last, -1, -1) if not validation else
+                      sorted({last, *(r["step"] for r in self.validations())}, reverse=True))
+        for recorded in candidates:
+            rows = store.rollouts_of_step(recorded)
+            if any((steps.kind_of(row.rollout_id) == "validation") == validation for row in rows):
+                return steps.shown_step(recorded, validation)
+        return None
 
     def episode_return(self, rollout_id: str) -> float | None:
         """The return of the rollout's stored episode; None when it gave none (failed, or not built)."""

@@ -30,6 +30,7 @@ from typing import Any
 
 from lit_sdk import semconv as sc
 from lit_sdk.protocol import STATUS_ERROR, SpanRecord
+from lit_trainer import steps
 from lit_trainer.intake.episodes import Episode, Transition, UnusableRollout, build_episode
 from lit_trainer.intake.store import RolloutRow, Store
 
@@ -102,7 +103,8 @@ def _view(store: Store, rollout_id: str, decode: Decode | None) -> RolloutView:
     spans = store.spans_of_rollout(rollout_id)
     rollout = store.get_rollout(rollout_id)
     if not spans and rollout is None:
-        raise ValueError(f"no rollout {rollout_id!r} in the store (`lit show --run RUN_DIR` lists the last step's)")
+        raise ValueError(f"no rollout {rollout_id!r} in the store (`lit show --run RUN_DIR` lists the last "
+                         "training step's)")
     stored = store.get_episode(rollout_id)
     episode = Episode.from_dict(stored.data) if stored is not None else _rebuild_episode(spans)
     body = render_rollout(rollout_id, spans, rollout, episode, store.advantages_of_rollout(rollout_id), decode,
@@ -186,7 +188,7 @@ def _header(rollout_id: str, spans: Sequence[SpanRecord], rollout: RolloutRow | 
     root = next((s for s in spans if s.name == sc.ROLLOUT_SPAN and s.parent_id is None), None)
     attrs = root.attributes if root is not None else {}
     rows = [("task", rollout.task_id if rollout else attrs.get(sc.TASK_ID, "")),
-            ("step", f"{rollout.step} (from 0), attempt {rollout.attempt}" if rollout else "not in the store"),
+            ("step", f"{_step(rollout)}, attempt {rollout.attempt}" if rollout else "not in the store"),
             ("status", rollout.status.value + (f": {rollout.error}" if rollout and rollout.error else "")
              if rollout else "unknown")]
     if isinstance(episode, Episode):
@@ -208,6 +210,15 @@ def _header(rollout_id: str, spans: Sequence[SpanRecord], rollout: RolloutRow | 
     name = attrs.get(sc.ROLLOUT_NAME, "")
     return (f"<h2>Rollout {_esc(rollout_id)} <span class='dim'>{_esc(name)}</span></h2>"
             f"<table class='meta'>{cells}</table>")
+
+
+def _step(rollout: RolloutRow) -> str:
+    """The rollout's step as the console names it (``training step 3``): the store counts otherwise (steps.py)."""
+    kind = steps.kind_of(rollout.rollout_id)
+    if kind is None:  # not a training or validation rollout (a Playground's)
+        return f"none (recorded under {rollout.step})"
+    validation = kind == "validation"
+    return steps.step_name(steps.shown_step(rollout.step, validation), validation)
 
 
 def _legend() -> str:

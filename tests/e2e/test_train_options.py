@@ -146,6 +146,11 @@ def test_option_trains_syncs_checkpoints_resumes_and_evaluates(name: str, prepar
     assert result["model"].endswith("step-000004/model") and result["tasks"] == 4 and result["step"] == 4
     assert (tmp_path / "eval" / "eval.jsonl").exists()
     assert f"checkpoint {out / 'checkpoints' / 'step-000004'} (step 4): accuracy" in evaluated.stdout, evaluated.stdout
+    assert f"its rollouts: lit show --run {tmp_path / 'eval'}" in evaluated.stderr, evaluated.stderr[-3000:]
+    for folder, listed in ((tmp_path / "eval", "validation after step 4"), (out, "training step 4")):
+        shown = _lit("show", "--run", str(folder))  # the eval's one rollout per task; the last step's by default
+        assert shown.returncode == 0 and f"rollouts of {listed} in {folder}" in shown.stderr, shown.stderr[-3000:]
+        assert len(shown.stdout.splitlines()) > 4, shown.stdout
     if "train.trackers=['tensorboard']" in OPTIONS[name]:  # the tracker logged every step, the resumed one too
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -13,6 +13,9 @@ import pytest
 import lit_trainer as lt
 from lit_trainer.intake.store import RolloutRow, RolloutStatus, SqliteStore
 
+SESSION = "0a1b2c3d"
+"""A run's session, as rollout ids start with it (``<session>-s<step>-t<task>-g<k>-a<attempt>``)."""
+
 
 def test_importing_the_package_loads_neither_torch_nor_vllm():
     code = "import sys, lit_trainer; print(sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules))"
@@ -56,9 +59,11 @@ def run_dir(tmp_path: Path) -> Path:
                {"kind": "validation", "step": 2, "minutes": 2.0, "accuracy": 0.5}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"kind": "tr')
     (tmp_path / "config.json").write_text(json.dumps({"model": "smollm2-135m", "agent": {"agents": ["calc"]}}))
-    with SqliteStore(tmp_path / "lit.sqlite") as store:
-        store.add_rollouts([RolloutRow("s0-a", "t1", 0), RolloutRow("s1-a", "t2", 1), RolloutRow("s1-b", "t3", 1)])
-        store.set_rollout_status("s1-b", RolloutStatus.FAILED, "boom")
+    with SqliteStore(tmp_path / "lit.sqlite") as store:  # recorded as the loop records them (steps.py)
+        store.add_rollouts([RolloutRow(f"{SESSION}-{label}-{task}-g0-a1", task, recorded)
+                            for label, task, recorded in (("val0", "t9", 0), ("s0", "t1", 0), ("s1", "t2", 1),
+                                                          ("s1", "t3", 1), ("val2", "t9", 2))])
+        store.set_rollout_status(f"{SESSION}-s1-t3-g0-a1", RolloutStatus.FAILED, "boom")
     for name, done in (("step-000002", True), ("step-000004", False)):
         (tmp_path / "checkpoints" / name).mkdir(parents=True)
         if done:
@@ -72,14 +77,18 @@ def test_a_run_folder_reads_back_metrics_rollouts_and_checkpoints(run_dir: Path)
         assert [r["accuracy"] for r in run.metrics("train")] == [0.5, 0.75]
         assert [r["accuracy"] for r in run.validations()] == [0.25, 0.5]
         assert run.config["agent"]["agents"] == ["calc"]
-        assert [r.rollout_id for r in run.rollouts()] == ["s1-a", "s1-b"]  # the last step by default
-        failed = [r for r in run.rollouts(step=1) if r.status is RolloutStatus.FAILED]
-        assert [(r.rollout_id, r.error) for r in failed] == [("s1-b", "boom")]
-        assert [r.rollout_id for r in run.rollouts(step=0)] == ["s0-a"] and run.rollouts(step=9) == []
+        # the last training step by default, not the final validation recorded after it
+        assert [r.task_id for r in run.rollouts()] == ["t2", "t3"] and run.last_step() == 2
+        failed = [r for r in run.rollouts(step=2) if r.status is RolloutStatus.FAILED]
+        assert [(r.rollout_id, r.error, r.step) for r in failed] == [(f"{SESSION}-s1-t3-g0-a1", "boom", 2)]
+        assert [r.task_id for r in run.rollouts(step=1)] == ["t1"]  # steps from 1, as the console counts
+        assert run.rollouts(step=0) == [] and run.rollouts(step=9) == []
+        assert [(r.rollout_id, r.step) for r in run.rollouts(validation=True)] == [(f"{SESSION}-val2-t9-g0-a1", 2)]
+        assert [r.rollout_id for r in run.rollouts(step=0, validation=True)] == [f"{SESSION}-val0-t9-g0-a1"]
         assert run.checkpoints() == [run_dir / "checkpoints" / "step-000002"]  # the torn one is not listed
         curve = run.plot()
         assert curve.path == run_dir / "curve.png" and curve._repr_png_().startswith(b"\x89PNG")
-        assert run.spans("s0-a") == []
+        assert run.spans(f"{SESSION}-s0-t1-g0-a1") == []
 
 
 def test_open_run_refuses_a_folder_that_is_not_a_run(tmp_path: Path):

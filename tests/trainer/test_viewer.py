@@ -191,30 +191,79 @@ def test_a_rollout_without_saved_advantages_or_episode_says_so(tmp_path):
     assert "not trained on" in page and "data-adv" not in page and "data-lp" in page
 
 
-def test_lit_show_writes_the_page_and_lists_the_last_steps_rollouts(run_dir, capsys):
-    with SqliteStore(run_dir / "lit.sqlite") as store:
-        for step, g in ((0, 0), (1, 0), (1, 1)):
-            r = Rollout(f"s{step}-t1-g{g}")
-            root = r.add(sc.ROLLOUT_SPAN, None, 0, **{sc.ROLLOUT_RETURN_REWARD: float(g)})
-            r.call(root, 1, "calc", [1, 2], [3, 4])
-            r.store(store, step)
-    assert main(["show", "s1-t1-g1", "--run", str(run_dir)]) == 0
-    written = run_dir / "rollouts" / "s1-t1-g1.html"
-    assert capsys.readouterr().out.strip() == str(written)
-    assert "Rollout s1-t1-g1" in written.read_text()
-    assert main(["show", "s0-t1-g0", "--run", str(run_dir), "--output", str(run_dir / "x.html")]) == 0
-    assert "Rollout s0-t1-g0" in (run_dir / "x.html").read_text()
+SESSION = "0a1b2c3d"
+"""A run's session: rollout ids start with it, then the label of what they ran for (steps.py)."""
 
+
+def fill_run(store: SqliteStore, rollouts: list[tuple[str, int, int]]) -> list[str]:
+    """Store one rollout per (label, recorded step, reward) with the id the rollout runner gives it; the ids."""
+    ids = []
+    for k, (label, recorded, reward) in enumerate(rollouts):
+        r = Rollout(f"{SESSION}-{label}-t1-g{k}-a1")
+        root = r.add(sc.ROLLOUT_SPAN, None, 0, **{sc.ROLLOUT_RETURN_REWARD: float(reward)})
+        r.call(root, 1, "calc", [1, 2], [3, 4])
+        r.store(store, recorded)
+        ids.append(r.rollout_id)
+    return ids
+
+
+def listed(capsys) -> tuple[str, list[list[str]]]:
+    """What the last ``lit show --run`` printed: its line on stderr, and the table's rows."""
+    captured = capsys.readouterr()
+    return captured.err, [line.split() for line in captured.out.splitlines()[1:]]
+
+
+def test_lit_show_writes_the_page_and_lists_the_last_training_steps_rollouts(run_dir, capsys):
+    """Recorded as a 2-step run records them: the validation before training and training step 1 under store step
+    0, step 2 under 1, the final validation under 2. ``lit show`` counts as the console does."""
+    with SqliteStore(run_dir / "lit.sqlite") as store:
+        val0, step1, step2_a, step2_b, val2 = fill_run(store, [("val0", 0, 0), ("s0", 0, 0), ("s1", 1, 0),
+                                                               ("s1", 1, 1), ("val2", 2, 1)])
+    assert main(["show", step2_b, "--run", str(run_dir)]) == 0
+    written = run_dir / "rollouts" / f"{step2_b}.html"
+    assert capsys.readouterr().out.strip() == str(written)
+    page = written.read_text()
+    assert f"Rollout {step2_b}" in page and "training step 2, attempt 1" in page and "from 0" not in page
+    assert main(["show", val2, "--run", str(run_dir), "--output", str(run_dir / "x.html")]) == 0
+    assert "validation after step 2, attempt 1" in (run_dir / "x.html").read_text()
     capsys.readouterr()
-    assert main(["show", "--run", str(run_dir)]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert [line.split() for line in lines[1:]] == [["s1-t1-g0", "t1", "succeeded", "+0.000"],
-                                                    ["s1-t1-g1", "t1", "succeeded", "+1.000"]]
-    assert main(["show", "--run", str(run_dir), "--step", "0"]) == 0
-    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]] == ["s0-t1-g0"]
+
+    assert main(["show", "--run", str(run_dir)]) == 0  # the last training step, not the final validation
+    err, rows = listed(capsys)
+    assert rows == [[step2_a, "t1", "succeeded", "+0.000"], [step2_b, "t1", "succeeded", "+1.000"]]
+    assert err.startswith(f"rollouts of training step 2 in {run_dir}") and "--validation" in err
+    assert main(["show", "--run", str(run_dir), "--step", "1"]) == 0
+    assert [row[0] for row in listed(capsys)[1]] == [step1]  # not the validation recorded beside it
+    assert main(["show", "--run", str(run_dir), "--validation"]) == 0
+    err, rows = listed(capsys)
+    assert [row[0] for row in rows] == [val2] and err.startswith("rollouts of validation after step 2")
+    assert main(["show", "--run", str(run_dir), "--validation", "--step", "0"]) == 0
+    assert [row[0] for row in listed(capsys)[1]] == [val0]
+
+    assert main(["show", "--run", str(run_dir), "--step", "3"]) == 1
+    assert "no rollouts of training step 3" in capsys.readouterr().err  # and which is the last
     assert main(["show", "missing", "--run", str(run_dir)]) == 1
     assert main(["show", "--run", str(run_dir / "nowhere")]) == 1
     assert "no lit.sqlite" in capsys.readouterr().err
+
+
+def test_lit_show_opens_the_folder_lit_eval_wrote(tmp_path, capsys):
+    """``lit eval`` of step 4 writes eval.sqlite and eval.jsonl (and config.json) beside the run: ``lit show --run``
+    lists its rollouts without --validation (it has no training step) and writes their pages."""
+    folder = tmp_path / "runs" / "calc" / "eval" / "step-000004"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"model": "smollm2-135m"}))
+    (folder / "eval.jsonl").write_text(json.dumps({"kind": "validation", "step": 4, "accuracy": 0.5}) + "\n")
+    with SqliteStore(folder / "eval.sqlite") as store:
+        ids = fill_run(store, [("val4", 4, 0), ("val4", 4, 1)])
+    assert main(["show", "--run", str(folder)]) == 0
+    err, rows = listed(capsys)
+    assert [row[0] for row in rows] == ids and err.startswith(f"rollouts of validation after step 4 in {folder}")
+    assert main(["show", ids[1], "--run", str(folder)]) == 0
+    assert "validation after step 4" in (folder / "rollouts" / f"{ids[1]}.html").read_text()
+    with Run(folder) as run:
+        assert run.evaluation and [r["accuracy"] for r in run.validations()] == [0.5]
+        assert run.last_step() is None and run.last_step(validation=True) == 4
 
 
 def transition(rollout_id: str, task_id: str, index: int, reward: float | None = None) -> Transition:

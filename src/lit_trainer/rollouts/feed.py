@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from lit_trainer.rollouts.runner import RolloutBatch, RolloutRunner
 from lit_trainer.rollouts.tasks import sample_tasks
+from lit_trainer.steps import training_label
 
 MAX_ENGINE_RESTARTS = 3
 """How many times one step's rollouts start vLLM again after it died, before the run stops."""
@@ -91,7 +92,7 @@ class StepFeed:
     def _run(self, step: int, version: int) -> RolloutBatch:
         plan = self.plan
         tasks = sample_tasks(self.tasks, plan.seed, step, plan.tasks_per_step)
-        return self.runner.run(tasks, plan.group_size, plan.temperature, step, f"s{step}", version,
+        return self.runner.run(tasks, plan.group_size, plan.temperature, step, training_label(step), version,
                                self._enough if plan.min_step_groups else None, restarts=MAX_ENGINE_RESTARTS)
 
     def _enough(self, ended_groups: int) -> bool:

@@ -111,11 +111,12 @@ class RolloutRunner:
 
     def run(self, tasks: list[dict], group: int, temperature: float, step: int, label: str, version: int,
             enough: Callable[[int], bool] | None = None, restarts: int = 0) -> RolloutBatch:
-        """``group`` rollouts of each task, recorded under ``step`` (from 0); ``label`` names them (ids, progress
-        bar); ``version``: the weight version the engine holds as they are handed out. ``enough``
-        (``Dispatcher.run``): told how many groups ended, it may end the wait before all did; the groups still
-        running carry over to the next call, which returns them (``rollouts/carried_groups``: groups of an
-        earlier step returned by this call, ``rollouts/groups_in_flight``: groups this call left running).
+        """``group`` rollouts of each task, recorded under ``step`` (the store's count: steps.py); ``label`` names
+        them (ids, progress bar: ``steps.training_label``, ``steps.validation_label``); ``version``: the weight
+        version the engine holds as they are handed out. ``enough`` (``Dispatcher.run``): told how many groups
+        ended, it may end the wait before all did; the groups still running carry over to the next call, which
+        returns them (``rollouts/carried_groups``: groups of an earlier step returned by this call,
+        ``rollouts/groups_in_flight``: groups this call left running).
         ``restarts``: how many times a vLLM server that died is started again and the rollouts run again before
         the error goes up."""
         for restart in range(restarts + 1):
