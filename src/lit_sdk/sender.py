@@ -324,7 +324,7 @@ class SpanSender:
         try:
             # IMMEDIATE: nothing is queued for a collector that is not there (a send fails, and the batch waits
             # with us, where it is counted and bounded); heartbeats notice a collector that vanished silently.
-            for option, value in ((zmq.IMMEDIATE, 1), (zmq.LINGER, 0), (zmq.SNDHWM, 2 * self._max_inflight),
+            for option, value in ((zmq.IMMEDIATE, 1), (zmq.LINGER, 0), (zmq.SNDHWM, self._send_hwm()),
                                   (zmq.RECONNECT_IVL, 100), (zmq.RECONNECT_IVL_MAX, 2000),
                                   (zmq.HEARTBEAT_IVL, 2000), (zmq.HEARTBEAT_TIMEOUT, 10_000)):
                 sock.setsockopt(option, value)
@@ -348,6 +348,15 @@ class SpanSender:
             sock.close(linger=0)
             self._stop_callers()  # first: no span may be written to the spool once it is retired
             self._spool.retire()
+
+    def _send_hwm(self) -> int:
+        """ZeroMQ's queue for the collector, in messages: room for every batch in flight twice over (a resend may
+        follow a first send still queued), each in as many parts as a full batch takes. A full queue makes a send
+        fail as if the trainer were away (``_PROBE_S`` of waiting): with a queue of one message per batch, frames
+        in two parts stalled the sender that way about 60 times per 100k spans in bench/ingest.py. The bytes it
+        holds stay bounded by the batches in flight."""
+        largest = min(self._max_batch_bytes + 4096, protocol.MAX_FRAME_BYTES)  # a batch's spans and its frame head
+        return 2 * self._max_inflight * -(-largest // protocol.PART_BYTES)
 
     def _stop_callers(self) -> None:
         """The thread is ending: later spans are dropped, flushes return, and spans in memory only are lost."""

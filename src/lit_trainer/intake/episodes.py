@@ -224,20 +224,22 @@ def _bad_value(root: SpanRecord, calls: list[SpanRecord], rewards: list[tuple[st
         return Unusable.BAD_ATTEMPT, f"attempt {attempt!r}"
     high = min(vocab_size, _ID_LIMIT) if vocab_size is not None else _ID_LIMIT
     for call in calls:
-        attrs, where = call.attributes, f"LLM call {call.span_id}"
-        for key in (sc.LLM_PROMPT_TOKEN_IDS, sc.LLM_RESPONSE_TOKEN_IDS):
-            if not _token_ids_ok(attrs[key], high):
-                wrong = next(i for i in attrs[key] if not (isinstance(i, int) and 0 <= i < high))
-                return Unusable.BAD_TOKEN_IDS, f"{where}: token id {wrong!r} (vocabulary size {vocab_size})"
+        attrs = call.attributes
+        prompt, response = attrs[sc.LLM_PROMPT_TOKEN_IDS], attrs[sc.LLM_RESPONSE_TOKEN_IDS]
+        if not (_token_ids_ok(prompt, high) and _token_ids_ok(response, high)):
+            wrong = next(i for i in prompt + response if not (isinstance(i, int) and 0 <= i < high))
+            return (Unusable.BAD_TOKEN_IDS,
+                    f"LLM call {call.span_id}: token id {wrong!r} (vocabulary size {vocab_size})")
         logprobs = attrs.get(sc.LLM_RESPONSE_LOGPROBS)
         if isinstance(logprobs, list) and not _logprobs_ok(logprobs):
             wrong = next((x for x in logprobs if not (_is_finite(x) and x <= 0)), "sum")  # "sum": they overflow
-            return Unusable.BAD_LOGPROBS, f"{where}: logprob {wrong!r}"
+            return Unusable.BAD_LOGPROBS, f"LLM call {call.span_id}: logprob {wrong!r}"
         temperature = attrs.get(sc.LLM_TEMPERATURE)
         unsupported = attrs.get(sc.LLM_SAMPLING_UNSUPPORTED, "")
         if (temperature is not None and not (_is_finite(temperature) and temperature >= 0)) or \
                 not isinstance(unsupported, str):
-            return Unusable.BAD_SAMPLING, f"{where}: temperature {temperature!r}, other settings {unsupported!r}"
+            return (Unusable.BAD_SAMPLING,
+                    f"LLM call {call.span_id}: temperature {temperature!r}, other settings {unsupported!r}")
     return None
 
 
