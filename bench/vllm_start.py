@@ -22,9 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 import requests
 
 LAYOUTS = {
-    "one process": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-    "vLLM's processes": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+    "one process": ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, ()),
+    "vLLM's processes": ({"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, ("--distributed-executor-backend", "mp")),
+    "one process, eager": ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, ("--enforce-eager",)),
 }
+"""name: (environment, extra vLLM arguments). ``--enforce-eager`` skips torch.compile and its warm-up."""
 
 
 def measure(layout: str, tokens: int, requests_n: int, concurrency: int) -> dict:
@@ -36,8 +38,8 @@ def measure(layout: str, tokens: int, requests_n: int, concurrency: int) -> dict
     from lit_trainer.engine.weight_sync import WeightSync
     from lit_trainer.models import prepare_default_model
 
-    os.environ.update(LAYOUTS[layout])
-    extra = () if layout == "one process" else ("--distributed-executor-backend", "mp")
+    env, extra = LAYOUTS[layout]
+    os.environ.update(env)
     path = prepare_default_model().path
     model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
     t0 = time.perf_counter()
@@ -76,9 +78,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=list(LAYOUTS)[:2],
+                        help="what to compare (default: the first two)")
     args = parser.parse_args()
     for _ in range(args.rounds):
-        for layout in LAYOUTS:  # alternately: the machine's load drifts
+        for layout in args.layouts:  # alternately: the machine's load drifts
             print(json.dumps(measure(layout, args.tokens, args.requests, args.concurrency)), flush=True)
 
 

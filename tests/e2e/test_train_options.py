@@ -17,8 +17,10 @@ checkpoint is written, ``--resume`` continues to step 4, and ``lit eval --checkp
   (``train.max_staleness = 1``: each step's rollouts run during the update before it; ``train.min_step_groups = 1``:
   a group not ended when its step wants it carries over to the next).
 
-Both sample at temperature 0.7: the trainer's logprobs of the sampled tokens must match vLLM's (the first optimizer
-step of a training step sees the weights that sampled)."""
+Both train and resume on vLLM without torch.compile (``--enforce-eager``: about 24 s less per start,
+bench/vllm_start.py); ``lit eval`` serves the checkpoint with lit's compiled default. Both sample at temperature
+0.7: the trainer's logprobs of the sampled tokens must match vLLM's (the first optimizer step of a training step
+sees the weights that sampled)."""
 
 from __future__ import annotations
 
@@ -63,11 +65,11 @@ log_dir = "{logs}"
 OPTIONS = {
     "lora_kl": ["policy.lora_rank=8", "policy.learning_rate=1e-4", "loss.kl_beta=0.05", "policy.precision='bf16'",
                 "train.trackers=['tensorboard']", "inference.servers=2", "inference.cpu_kv_cache_gb=1",
-                "inference.extra_args=['--enable-log-requests']"],  # each request's id in its server's log
+                "inference.extra_args=['--enable-log-requests','--enforce-eager']"],  # each request's id in its log
     "ppo_schedule": ["loss.kl_beta=0.05", "update.ppo_epochs=2", "update.mini_batches=2",
                      "update.recompute_old_logprobs=true", "loss.is_correction='truncate'", "update.overlong='mask'",
                      "loss.normalizer='kept'", "train.max_staleness=1", "train.min_step_groups=1",
-                     "policy.shard=true"],
+                     "policy.shard=true", "inference.extra_args=['--enforce-eager']"],
 }
 
 
