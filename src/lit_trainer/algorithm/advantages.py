@@ -1,31 +1,43 @@
 """Group-relative advantages: the credit of each call, centred (and scaled) by statistics over the rollouts of the
 same task.
 
-A task's group holds the successful rollouts j = 1..n of that task. Rollout j's return under the credit mode is the
-credit of its first call, G_j = c_{j,0} (for identical credit, the episode return R_j). The advantage of call i of
-rollout j is::
+A task's group holds the successful rollouts j = 1..n of that task. With ``identical`` credit every call of rollout j
+carries its return R_j, and the advantage of each of its calls is GRPO's::
 
-    A_{j,i} = (c_{j,i} − b_j) / s
-    grpo: b_j = mean_k G_k        rloo: b_j = (Σ_{k≠j} G_k) / (n − 1)
-    s = std_k G_k + eps (Bessel-corrected, as in TRL and verl), or s = 1 with normalize_std off
+    A_{j,i} = (R_j − b_j) / s
+    grpo: b_j = mean_k R_k        rloo: b_j = (Σ_{k≠j} R_k) / (n − 1)
+    s = std_k R_k + eps (Bessel-corrected, as in TRL and verl), or s = 1 with normalize_std off
+
+With turn-level credit (``discounted``, ``intermediate``) the calls of one rollout carry different credits, and each
+call position is a group of its own (``per_call``): call i of rollout j is compared with call i of the other
+rollouts of its task that made an i-th call, M_i = {k : n_k > i}::
+
+    A_{j,i} = (c_{j,i} − b_{j,i}) / s_i      b and s as above, over c_{k,i} for k in M_i
+
+Centring every call on the first call's credit instead (lit before 2026-11-26) gave the later calls an advantage
+made of the discounted rewards between them and the first call, divided by the first call's spread: on the RAG
+example ``adv/std`` reached 19 and ``discounted`` credit did not learn (examples/rag/README.md).
 
 Defined edge cases, each counted in the metrics:
 - a group of one (``adv/singleton_groups``): no baseline can be formed from the rollout itself; A = 0.
 - a group whose returns are all equal (``adv/zero_std_groups``): it carries no learning signal; A = 0 for every
-  call, even when turn-level credits differ within a rollout, and never NaN.
+  call. Per call: a position whose credits are all equal, or that only one rollout of the group reached
+  (``adv/unpaired_calls``), gives its calls A = 0; a group counts as zero-std when every position does.
 - failed, timed-out or rewardless rollouts are not here: the episode functions take ``Episode`` objects only (an
   ``UnusableRollout`` raises), so a group of 3 launched with 1 failed is a group of 2, never [R1, R2, 0].
 
 Departures. From GRPO (DeepSeekMath): with identical credit this is GRPO's outcome advantage, broadcast to every call
-of the rollout instead of every token of one completion; with turn-level credit the group baseline b_j (a V(s_0)
-estimate) is subtracted from each call's return to go. From PPO: no learned value function. From the paper: it uses
-GRPO-style grouping; RLOO and the switch for std normalisation (Dr. GRPO drops it) are lit's options.
+of the rollout instead of every token of one completion; with turn-level credit each call position has its own
+group baseline (a V(s_i) estimate from the group's i-th calls) subtracted from the call's return to go. From PPO: no
+learned value function. From the paper: it uses GRPO-style grouping; RLOO, the std switch (Dr. GRPO drops it) and
+the per-call groups are lit's options.
 
 Credits (or Episodes) in, one float64 tensor (n_j,) per rollout out.
 """
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -95,26 +107,57 @@ def group_statistics(
 
 
 def group_advantages(
-    credits: Sequence[torch.Tensor], task_ids: Sequence[str], config: AdvantageConfig
+    credits: Sequence[torch.Tensor], task_ids: Sequence[str], config: AdvantageConfig, per_call: bool = False
 ) -> tuple[list[torch.Tensor], dict[str, float]]:
     """A_{j,i} for every call of every rollout (module docstring).
 
-    ``credits[j]`` is (n_j,), the credit of rollout j's calls in order; ``task_ids[j]`` its task. The group statistics
-    use each rollout's first credit, G_j = credits[j][0].
+    ``credits[j]`` is (n_j,), the credit of rollout j's calls in order; ``task_ids[j]`` its task. Without
+    ``per_call`` the group statistics use each rollout's first credit, G_j = credits[j][0] (identical credit: every
+    credit of a rollout is its return); with it, each call position i is grouped on its own (``_per_call``).
     """
     assert len(credits) == len(task_ids), f"{len(credits)} credit tensors, {len(task_ids)} task ids"
     for j, c in enumerate(credits):
         assert c.dim() == 1 and c.numel() > 0, f"credits[{j}] has shape {tuple(c.shape)}, want (n_j,) with n_j ≥ 1"
-    returns = torch.tensor([float(c[0]) for c in credits], dtype=torch.float64)  # (R,)
-    baseline, scale, live, metrics = group_statistics(returns, task_ids, config)
-    advantages = []
-    for j, c in enumerate(credits):
-        c = c.to(torch.float64)  # (n_j,)
-        advantages.append((c - baseline[j]) / scale[j] if live[j] else torch.zeros_like(c))
+    credits = [c.to(torch.float64) for c in credits]
+    if per_call:
+        advantages, metrics = _per_call(credits, task_ids, config)
+    else:
+        returns = torch.tensor([float(c[0]) for c in credits], dtype=torch.float64)  # (R,)
+        baseline, scale, live, metrics = group_statistics(returns, task_ids, config)
+        advantages = [(c - baseline[j]) / scale[j] if live[j] else torch.zeros_like(c) for j, c in enumerate(credits)]
     flat = torch.cat(advantages) if advantages else torch.zeros(1, dtype=torch.float64)  # (N,)
     metrics["adv/mean"] = float(flat.mean())
     metrics["adv/std"] = float(flat.std(unbiased=False))
     metrics["adv/abs_max"] = float(flat.abs().max())
+    return advantages, metrics
+
+
+def _per_call(credits: list[torch.Tensor], task_ids: Sequence[str], config: AdvantageConfig
+              ) -> tuple[list[torch.Tensor], dict[str, float]]:
+    """Advantages with each (task, call position) its own group: ``group_statistics`` over the credits of the i-th
+    calls of a task's rollouts. A group of tasks' rollouts counts as singleton or zero-std as a whole."""
+    advantages = [torch.zeros_like(c) for c in credits]
+    cells, keys, names = [], [], {}  # per call: (rollout, position), and the name of its (task, position) group
+    for j, (c, task) in enumerate(zip(credits, task_ids, strict=True)):
+        for i in range(c.numel()):
+            cells.append((j, i))
+            keys.append(names.setdefault((task, i), str(len(names))))
+    values = torch.cat(credits) if credits else torch.zeros(0, dtype=torch.float64)  # (N,)
+    baseline, scale, live, _ = group_statistics(values, keys, config)
+    for (j, i), b, s, ok in zip(cells, baseline.tolist(), scale.tolist(), live.tolist(), strict=True):
+        if ok:
+            advantages[j][i] = (credits[j][i] - b) / s
+    rollouts = collections.Counter(task_ids)  # per task
+    calls = collections.Counter(keys)  # per (task, position)
+    live_tasks = {task_ids[j] for (j, _), ok in zip(cells, live.tolist(), strict=True) if ok}
+    metrics = {
+        "adv/groups": float(len(rollouts)),
+        "adv/singleton_groups": float(sum(n == 1 for n in rollouts.values())),
+        "adv/zero_std_groups": float(sum(n > 1 and task not in live_tasks for task, n in rollouts.items())),
+        "adv/group_size_mean": len(credits) / len(rollouts) if rollouts else 0.0,
+        "adv/unpaired_calls": float(sum(calls[key] == 1 and rollouts[task_ids[j]] > 1
+                                        for (j, _), key in zip(cells, keys, strict=True))),
+    }
     return advantages, metrics
 
 
@@ -131,5 +174,6 @@ def episode_advantages(
     ids = [e.rollout_id for e in episodes]
     assert len(set(ids)) == len(ids), f"a rollout appears twice: {sorted(i for i in set(ids) if ids.count(i) > 1)}"
     credits, credit_metrics = assign_credits(episodes, credit_config)
-    advantages, metrics = group_advantages(credits, [e.task_id for e in episodes], config)
+    per_call = credit_config.mode != "identical"  # turn-level credit: each call position is a group of its own
+    advantages, metrics = group_advantages(credits, [e.task_id for e in episodes], config, per_call=per_call)
     return advantages, {**credit_metrics, **metrics}

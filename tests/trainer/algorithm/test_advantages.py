@@ -170,3 +170,58 @@ def test_one_call_episodes_reduce_to_single_turn_grpo():
     (expected_grad,) = torch.autograd.grad(expected, new)
     assert_close(loss, expected)
     assert_close(grad, expected_grad)
+
+
+def test_turn_level_credit_groups_each_call_position_on_its_own():
+    # Task t, three rollouts with 2, 2 and 1 calls. Position 0: credits 1, 3, 2 → mean 2, std 1 (Bessel).
+    # Position 1: credits 4 and 6 (rollout c has none) → mean 5, std sqrt(2). Task u: one rollout → singleton.
+    credits = [f64([1.0, 4.0]), f64([3.0, 6.0]), f64([2.0]), f64([9.0, 9.0])]
+    tasks = ["t", "t", "t", "u"]
+    adv, metrics = group_advantages(credits, tasks, AdvantageConfig(normalize_std=False), per_call=True)
+    assert_close(adv[0], f64([-1.0, -1.0]))
+    assert_close(adv[1], f64([1.0, 1.0]))
+    assert_close(adv[2], f64([0.0]))
+    assert_close(adv[3], f64([0.0, 0.0]))
+    adv, metrics = group_advantages(credits, tasks, AdvantageConfig(eps=EPS), per_call=True)
+    assert_close(adv[0], f64([-1.0 / (1 + EPS), -1.0 / (math.sqrt(2) + EPS)]))
+    assert metrics["adv/singleton_groups"] == 1 and metrics["adv/zero_std_groups"] == 0
+    # RLOO at position 1: each of the two is compared with the other alone: 4 - 6 = -2, 6 - 4 = 2.
+    adv, _ = group_advantages(credits, tasks, AdvantageConfig(estimator="rloo", normalize_std=False), per_call=True)
+    assert_close(adv[0], f64([1.0 - 2.5, -2.0]))
+
+
+def test_a_call_position_reached_once_or_with_equal_credits_gets_zero():
+    # Position 0 differs (0 vs 1); position 1 is equal (5, 5); position 2 only rollout a reached.
+    credits = [f64([0.0, 5.0, 7.0]), f64([1.0, 5.0])]
+    adv, metrics = group_advantages(credits, ["t", "t"], AdvantageConfig(normalize_std=False), per_call=True)
+    assert_close(adv[0], f64([-0.5, 0.0, 0.0]))
+    assert_close(adv[1], f64([0.5, 0.0]))
+    assert metrics["adv/unpaired_calls"] == 1 and metrics["adv/zero_std_groups"] == 0
+    # every position equal: the group is zero-std, as under identical credit
+    adv, metrics = group_advantages([f64([2.0, 3.0]), f64([2.0, 3.0])], ["t", "t"], AdvantageConfig(), per_call=True)
+    assert_close(torch.cat(adv), torch.zeros(4, dtype=torch.float64))
+    assert metrics["adv/zero_std_groups"] == 1
+
+
+def two_call_episode(rollout_id: str, first: float | None, final: float) -> Episode:
+    calls = [Transition([1], [2], [-0.5], reward, "a", rollout_id, "t", i, f"s{i}")
+             for i, reward in enumerate((first, None))]
+    return Episode(rollout_id, "t", 1, calls, final, final)  # with a final reward F, the return is F
+
+
+def test_discounted_credit_is_centred_per_call_not_on_the_first_calls_credit():
+    # The RAG failure (examples/rag/README.md): answers all equally good (F = 1), one useful search (0.1) in one
+    # rollout. Discounted (γ = 0.5) credits: a [0.1 + 0.5, 1] = [0.6, 1]; b [0 + 0.5, 1] = [0.5, 1]. Per call:
+    # position 0 centred on 0.55 → ±0.05; the answer calls are equal → 0. Centred on the first calls' credit (the
+    # old way) the answer calls got 1 - 0.55 = +0.45 each, nine times the search's own advantage.
+    episodes = [two_call_episode("a", 0.1, 1.0), two_call_episode("b", None, 1.0)]
+    adv, metrics = episode_advantages(episodes, CreditConfig(mode="discounted", gamma=0.5),
+                                      AdvantageConfig(normalize_std=False))
+    assert_close(adv[0], f64([0.05, 0.0]))
+    assert_close(adv[1], f64([-0.05, 0.0]))
+    old, _ = group_advantages([f64([0.6, 1.0]), f64([0.5, 1.0])], ["t", "t"], AdvantageConfig(normalize_std=False))
+    assert_close(old[0], f64([0.05, 0.45]))
+    # identical credit keeps GRPO over the rollouts' returns: both F = 1, no signal
+    adv, metrics = episode_advantages(episodes, CreditConfig(mode="identical"), AdvantageConfig(normalize_std=False))
+    assert_close(torch.cat(adv), torch.zeros(4, dtype=torch.float64))
+    assert metrics["adv/zero_std_groups"] == 1 and "adv/unpaired_calls" not in metrics
