@@ -58,7 +58,7 @@ output_dir = "{out}"
 [inference]
 cpu_kv_cache_gb = 1
 # vLLM without torch.compile starts about 24 s sooner (bench/vllm_start.py); the compiled default runs in the
-# notebooks, the session server (conftest.py) and test_train_options.py's lit eval
+# session server (conftest.py), test_server.py's engine-core test and test_train_options.py's lit eval
 extra_args = ["--enforce-eager"]
 [policy]
 learning_rate = 1e-5
