@@ -8,6 +8,9 @@ one weight sync of the prepared model goes in and the sync check compares vLLM's
 the best tokens/s counts. The figure: start seconds and tokens/s per layout, each round's, on the same machine in
 the same run. Target: one process starts faster and generates no slower, and the sync lands the same.
 
+``--layouts "one process" "one process, eager"`` compares lit's default with ``--enforce-eager`` (no torch.compile,
+no warm-up): the start it saves against the generation speed it costs.
+
 Run: ``.venv/bin/python bench/vllm_start.py`` (about 7 minutes on 2 cores).
 """
 
