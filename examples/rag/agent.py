@@ -127,7 +127,7 @@ async def solve(task: dict, llm: lit.LLM) -> Attempt:
     @function_tool
     async def search(query: str) -> str:
         """Search the encyclopedia for a person, company or city."""
-        found = search_corpus(query)
+        found = search_corpus(query, corpus=task.get("corpus"))  # a task may name a corpus of your own
         new = [p for p in found if p not in notes]
         attempt.searches.append(query)
         if supporting & set(new):

@@ -3,6 +3,7 @@
     make_tasks("train", 2000)      # [{"id", "question", "answer", "supporting": [two passages], "kind"}, ...]
     make_tasks("validation", 64)
     search("Glilstan Rerus")       # the TOP_K passages BM25 ranks first
+    search("Ada Lovelace", corpus="my_docs.jsonl")   # ... in a corpus of your own (``load_corpus``)
 
 Two separate worlds are generated, one per split, each with its own people, cities, countries and companies (names
 from a syllable generator, so the model cannot know any answer): a validation question never names an entity that
@@ -19,8 +20,11 @@ Each person also has a passage about their job, a distractor that shares their n
 from __future__ import annotations
 
 import functools
+import json
 import random
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 TOP_K = 2
 """Passages a search returns."""
@@ -99,25 +103,69 @@ def encyclopedia() -> list[str]:
     return [p for world in worlds().values() for p in passages(world)]
 
 
-@functools.cache
-def _index():
+@dataclass(frozen=True)
+class Corpus:
+    """Passages and their BM25 index."""
+
+    passages: list[str]
+    index: object
+
+
+def _corpus_of(passages: list[str]) -> Corpus:
     import bm25s
 
     index = bm25s.BM25()
-    index.index(bm25s.tokenize(encyclopedia(), show_progress=False), show_progress=False)
-    return index
+    index.index(bm25s.tokenize(passages, show_progress=False), show_progress=False)
+    return Corpus(passages, index)
 
 
-def search(query: str, k: int = TOP_K) -> list[str]:
-    """The ``k`` best passages for ``query`` by BM25 (fewer when fewer share a word with it)."""
+@functools.cache
+def _built_in() -> Corpus:
+    return _corpus_of(encyclopedia())
+
+
+@functools.lru_cache(maxsize=8)
+def load_corpus(path: str) -> Corpus:
+    """A corpus of your own, indexed once per process: a JSONL file of ``{"text": ...}`` lines (an optional
+    ``"title"`` goes before the text), or a folder whose ``.txt`` and ``.md`` files are split into passages at
+    blank lines. A task names it in its ``"corpus"`` field; ValueError saying what is wrong otherwise."""
+    where = Path(path).expanduser()
+    if where.is_dir():
+        files = sorted(f for f in where.rglob("*") if f.suffix in (".txt", ".md") and f.is_file())
+        passages = [" ".join(block.split()) for f in files for block in
+                    re.split(r"\n\s*\n", f.read_text(encoding="utf-8", errors="replace"))]
+    elif where.is_file():
+        passages = []
+        for number, line in enumerate(where.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                text = record["text"]
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"corpus {where}, line {number}: not a JSON object with a \"text\"") from None
+            title = record.get("title")
+            passages.append(f"{title}: {text}" if title else str(text))
+    else:
+        raise ValueError(f"the task's corpus {str(where)!r} does not exist: give a JSONL file of {{\"text\": ...}} "
+                         "lines or a folder of .txt/.md files (task field \"corpus\")")
+    passages = [p for p in passages if p.strip()]
+    if not passages:
+        raise ValueError(f"the corpus {str(where)!r} holds no passage")
+    return _corpus_of(passages)
+
+
+def search(query: str, k: int = TOP_K, corpus: str | None = None) -> list[str]:
+    """The ``k`` best passages for ``query`` by BM25 (fewer when fewer share a word with it), in the generated
+    encyclopedia or, with ``corpus``, in that one (``load_corpus``)."""
     import bm25s
 
+    source = load_corpus(corpus) if corpus else _built_in()
     tokens = bm25s.tokenize([query], show_progress=False)
     if not tokens.vocab:
         return []
-    ids, scores = _index().retrieve(tokens, k=k, show_progress=False)
-    docs = encyclopedia()
-    return [docs[i] for i, score in zip(ids[0], scores[0], strict=True) if score > 0]
+    ids, scores = source.index.retrieve(tokens, k=min(k, len(source.passages)), show_progress=False)
+    return [source.passages[i] for i, score in zip(ids[0], scores[0], strict=True) if score > 0]
 
 
 def questions(world: World) -> list[dict]:

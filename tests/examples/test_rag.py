@@ -103,3 +103,45 @@ def test_a_search_that_finds_nothing_new_earns_nothing_and_a_wrong_answer_earns_
     assert reward == pytest.approx(0.1)
     episode = build_episode(spans, agents={AGENT_NAME})
     assert [t.reward for t in episode.transitions] == [None, None, None]
+
+
+def test_search_reads_a_corpus_of_your_own_from_jsonl_or_a_folder(tmp_path):
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text('{"title": "Ada Lovelace", "text": "She wrote the first program for the Analytical Engine."}\n'
+                    '\n{"text": "Charles Babbage designed the Analytical Engine in London."}\n'
+                    '{"text": "The Jacquard loom read punched cards."}\n')
+    found = search("Who designed the Analytical Engine", corpus=str(docs))
+    assert found[0] == "Charles Babbage designed the Analytical Engine in London." and len(found) == 2
+    assert search("Lovelace", corpus=str(docs)) == [
+        "Ada Lovelace: She wrote the first program for the Analytical Engine."]
+    assert search("Lovelace") == []  # the generated encyclopedia is untouched
+    folder = tmp_path / "notes"
+    (folder / "deep").mkdir(parents=True)
+    (folder / "deep" / "loom.md").write_text("# Looms\n\nThe Jacquard loom\nread punched cards.\n\n\n")
+    (folder / "skip.csv").write_text("Jacquard,loom\n")
+    assert search("Jacquard punched", corpus=str(folder)) == ["The Jacquard loom read punched cards."]
+
+
+@pytest.mark.parametrize("content, words", [
+    (None, "does not exist"), ("", "holds no passage"), ('{"text": "fine"}\n["no", "map"]\n', "line 2"),
+    ('{"body": "no text key"}\n', "line 1")])
+def test_a_corpus_that_cannot_be_read_is_named_with_what_is_wrong(tmp_path, content, words):
+    path = tmp_path / "corpus.jsonl"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError, match=words):
+        search("anything", corpus=str(path))
+
+
+def test_a_task_that_names_a_corpus_is_answered_from_it(traced_rollout, tmp_path):
+    docs = tmp_path / "company.jsonl"
+    docs.write_text('{"text": "Orbital Pies was founded by Dana Ruiz."}\n{"text": "Dana Ruiz was born in Quito."}\n')
+    task = {"id": "mine-1", "question": "In which city was the founder of Orbital Pies born?", "answer": "Quito",
+            "corpus": str(docs), "supporting": ["Dana Ruiz was born in Quito."]}
+    script = [("search", {"query": "Orbital Pies"}), ("search", {"query": "Dana Ruiz"}), "Answer: Quito"]
+    reward, spans, llm = traced_rollout(rag_agent, task, script)
+    assert reward == 1.0
+    assert "Orbital Pies was founded by Dana Ruiz." in llm.requests[1]["messages"][-1]["content"]
+    assert "Dana Ruiz was born in Quito." in llm.requests[2]["messages"][-1]["content"]
+    episode = build_episode(spans, agents={AGENT_NAME})
+    assert [t.reward for t in episode.transitions] == [None, USEFUL_RETRIEVAL, None]  # the supporting one, found
