@@ -82,6 +82,8 @@ def prepare(episodes: Sequence[Episode], cfg: TrainConfig, step: int, dispatched
                           f"{SAMPLING_FIX}")
     advantages, adv_metrics = episode_advantages(kept, cfg.credit, cfg.advantages)
     metrics.update(adv_metrics)
+    # rollouts run for nothing: their group gave no call an advantage (all rewards equal, or a group of one)
+    metrics["rollouts/without_signal"] = float(sum(not bool(a.any()) for a in advantages))
     pairs = [(t, float(a)) for e, adv in zip(kept, advantages, strict=True)
              for t, a in zip(e.transitions, adv.tolist(), strict=True)]
     rows = [AdvantageRow(t.rollout_id, t.index, step, a) for t, a in pairs]

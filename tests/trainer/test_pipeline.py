@@ -55,7 +55,7 @@ def test_prepare_keeps_every_advantage_and_trains_on_the_groups_with_signal():
                                                                    abs=1e-5)
     assert [(t.rollout_id, t.index) for t, _ in work.pairs] == [(r.rollout_id, r.index) for r in work.advantages]
     assert work.trains and work.metrics["update/transitions"] == 6.0  # the zero ones cost nothing in the update
-    assert work.metrics["rollouts/small_groups_dropped"] == 1.0
+    assert work.metrics["rollouts/small_groups_dropped"] == 1.0 and work.metrics["rollouts/without_signal"] == 2.0
     assert work.metrics["adv/groups"] == 2.0 and work.metrics["adv/zero_std_groups"] == 1.0
     assert work.metrics["update/overlong_masked"] == 0.0 and "async/dropped_stale" not in work.metrics
 
@@ -63,7 +63,7 @@ def test_prepare_keeps_every_advantage_and_trains_on_the_groups_with_signal():
 def test_a_step_without_signal_trains_nothing_but_keeps_its_advantages():
     work = pipeline.prepare([episode("a1", "a", 1.0), episode("a2", "a", 1.0)], TrainConfig(), step=1)
     assert not work.trains and work.pairs == [] and [r.advantage for r in work.advantages] == [0.0] * 4
-    assert work.metrics["update/transitions"] == 0.0
+    assert work.metrics["update/transitions"] == 0.0 and work.metrics["rollouts/without_signal"] == 2.0
     nothing = pipeline.prepare([episode("c1", "c", 1.0)], TrainConfig(), step=1)
     assert not nothing.trains and nothing.advantages == [] and nothing.metrics == {
         "rollouts/small_groups_dropped": 1.0}
