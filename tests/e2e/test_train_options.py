@@ -18,9 +18,9 @@ checkpoint is written, ``--resume`` continues to step 4, and ``lit eval --checkp
   a group not ended when its step wants it carries over to the next).
 
 Both train and resume on vLLM without torch.compile (``--enforce-eager``: about 24 s less per start,
-bench/vllm_start.py); ``lit eval`` serves the checkpoint with lit's compiled default. Both sample at temperature
-0.7: the trainer's logprobs of the sampled tokens must match vLLM's (the first optimizer step of a training step
-sees the weights that sampled)."""
+bench/vllm_start.py); lora_kl's ``lit eval`` serves the checkpoint with lit's compiled default. Both sample at
+temperature 0.7: the trainer's logprobs of the sampled tokens must match vLLM's (the first optimizer step of a
+training step sees the weights that sampled)."""
 
 from __future__ import annotations
 
@@ -72,6 +72,9 @@ OPTIONS = {
                      "policy.shard=true", "inference.extra_args=['--enforce-eager']"],
 }
 
+
+EVAL_OPTIONS = {"lora_kl": [], "ppo_schedule": ["inference.extra_args=['--enforce-eager']"]}
+"""``lit eval``'s own options: lora_kl's serves the checkpoint with lit's compiled default, ppo_schedule's eagerly."""
 
 PROCESSES = {"lora_kl": (1, 1), "ppo_schedule": (2, 1)}
 """Trainer processes of each option's ``lit train``, then of its ``--resume`` (learner/distributed.py)."""
@@ -142,7 +145,7 @@ def test_option_trains_syncs_checkpoints_resumes_and_evaluates(name: str, prepar
     result_file = tmp_path / "eval.json"
     # an override after the options, as people type it
     evaluated = _lit("eval", str(config), "--checkpoint", str(out), "--output", str(result_file),
-                     f"train.output_dir={tmp_path / 'eval'}")
+                     f"train.output_dir={tmp_path / 'eval'}", *EVAL_OPTIONS[name])
     assert evaluated.returncode == 0, (evaluated.stdout + evaluated.stderr)[-3000:]
     result = json.loads(result_file.read_text())
     assert result["model"].endswith("step-000004/model") and result["tasks"] == 4 and result["step"] == 4
