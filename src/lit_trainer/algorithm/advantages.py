@@ -135,28 +135,25 @@ def group_advantages(
 def _per_call(credits: list[torch.Tensor], task_ids: Sequence[str], config: AdvantageConfig
               ) -> tuple[list[torch.Tensor], dict[str, float]]:
     """Advantages with each (task, call position) its own group: ``group_statistics`` over the credits of the i-th
-    calls of a task's rollouts. A group of tasks' rollouts counts as singleton or zero-std as a whole."""
-    advantages = [torch.zeros_like(c) for c in credits]
-    cells, keys, names = [], [], {}  # per call: (rollout, position), and the name of its (task, position) group
-    for j, (c, task) in enumerate(zip(credits, task_ids, strict=True)):
-        for i in range(c.numel()):
-            cells.append((j, i))
-            keys.append(names.setdefault((task, i), str(len(names))))
+    calls of a task's rollouts. A task's group counts as singleton or zero-std as a whole."""
+    owners = [j for j, c in enumerate(credits) for _ in range(c.numel())]  # per call: its rollout
+    positions = [i for c in credits for i in range(c.numel())]
+    names: dict[tuple[str, int], str] = {}
+    keys = [names.setdefault((task_ids[j], i), str(len(names))) for j, i in zip(owners, positions, strict=True)]
     values = torch.cat(credits) if credits else torch.zeros(0, dtype=torch.float64)  # (N,)
     baseline, scale, live, _ = group_statistics(values, keys, config)
-    for (j, i), b, s, ok in zip(cells, baseline.tolist(), scale.tolist(), live.tolist(), strict=True):
-        if ok:
-            advantages[j][i] = (credits[j][i] - b) / s
+    flat = torch.where(live, (values - baseline) / scale, torch.zeros_like(values))  # (N,)
+    advantages = list(flat.split([c.numel() for c in credits])) if credits else []
     rollouts = collections.Counter(task_ids)  # per task
     calls = collections.Counter(keys)  # per (task, position)
-    live_tasks = {task_ids[j] for (j, _), ok in zip(cells, live.tolist(), strict=True) if ok}
+    live_tasks = {task_ids[j] for j, ok in zip(owners, live.tolist(), strict=True) if ok}
     metrics = {
         "adv/groups": float(len(rollouts)),
         "adv/singleton_groups": float(sum(n == 1 for n in rollouts.values())),
         "adv/zero_std_groups": float(sum(n > 1 and task not in live_tasks for task, n in rollouts.items())),
         "adv/group_size_mean": len(credits) / len(rollouts) if rollouts else 0.0,
         "adv/unpaired_calls": float(sum(calls[key] == 1 and rollouts[task_ids[j]] > 1
-                                        for (j, _), key in zip(cells, keys, strict=True))),
+                                        for j, key in zip(owners, keys, strict=True))),
     }
     return advantages, metrics
 
