@@ -355,8 +355,8 @@ class SpanSender:
         fail as if the trainer were away (``_PROBE_S`` of waiting): with a queue of one message per batch, frames
         in two parts stalled the sender that way about 60 times per 100k spans in bench/ingest.py. The bytes it
         holds stay bounded by the batches in flight."""
-        largest = min(self._max_batch_bytes + 4096, protocol.MAX_FRAME_BYTES)  # a batch's spans and its frame head
-        return 2 * self._max_inflight * -(-largest // protocol.PART_BYTES)
+        head = protocol.MAX_FRAME_BYTES - self._max_span_bytes  # the longest frame head (see __init__)
+        return 2 * self._max_inflight * -(-(self._max_batch_bytes + head) // protocol.PART_BYTES)
 
     def _stop_callers(self) -> None:
         """The thread is ending: later spans are dropped, flushes return, and spans in memory only are lost."""
