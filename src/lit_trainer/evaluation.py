@@ -64,7 +64,7 @@ def evaluate(cfg: TrainConfig, checkpoint: str | Path | None = None, output: Pat
     _, val_tasks = load_tasks(cfg.data)
     check_agent(cfg)
     run.dir.mkdir(parents=True, exist_ok=True)
-    run.config.write_text(json.dumps(cfg.to_dict(), indent=2, default=str))  # the model whose tokens lit show decodes
+    run.save_config(cfg.to_dict())  # the model whose tokens lit show decodes
     log = MetricsLog(run.eval_metrics)
     with services(cfg, run.eval_store, run.spool, run.keys) as svc:
         metrics = validate(svc.runner, val_tasks, log, step, 0.0, title=what)

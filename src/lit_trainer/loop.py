@@ -18,7 +18,6 @@ Rollouts that fail after every retry give no episode, never a reward of 0; a tas
 from __future__ import annotations
 
 import functools
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -74,7 +73,7 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
     state = ckpt.restore(start, policy) if start else {"step": 0, "minutes": 0.0}
     if not policy.accelerator.is_main_process:
         return follow(policy)
-    out.config.write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
+    out.save_config(cfg.to_dict())
     # shm pushes from host memory: the gathered copy need not take room on the GPU
     weights = Weights(policy, SERVING_DTYPES.get(cfg.inference.dtype),
                       "cpu" if cfg.weight_sync.transport == "shm" else None)

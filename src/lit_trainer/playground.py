@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import json
 import secrets
 import sys
 import threading
@@ -72,7 +71,7 @@ class Playground:
             raise ValueError("the playground runs on loopback without keys: leave [security] keys_dir empty")
         self.folder.mkdir(parents=True, exist_ok=True)
         run = RunFolder(self.folder)
-        run.config.write_text(json.dumps(self.cfg.to_dict(), indent=2, default=str))
+        run.save_config(self.cfg.to_dict())
         try:
             self.store = self._stack.enter_context(SqliteStore(run.store))
             collector = self._stack.enter_context(Collector(self.store, "tcp://127.0.0.1:0"))

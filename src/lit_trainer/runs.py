@@ -103,6 +103,11 @@ class RunFolder:
     def config(self) -> Path:
         return self.dir / "config.json"
 
+    def save_config(self, settings: dict[str, Any]) -> None:
+        """Write the run's settings (``TrainConfig.to_dict()``) to ``config.json``, which ``Run`` reads back (for
+        ``lit show``: the model whose tokens it decodes, the agents whose calls it selects)."""
+        self.config.write_text(json.dumps(settings, indent=2, default=str))
+
     @property
     def metrics(self) -> Path:
         return self.dir / "metrics.jsonl"
