@@ -18,9 +18,10 @@ Rules, in order:
   failed (root error status), no selected call has token ids, or it has no reward at all.
 - Values are checked, since they come from a peer (a buggy agent is one too): a reward that is not a finite number,
   an attempt that is not a positive integer, a token id that is not an integer of the model's vocabulary
-  (``vocab_size``), a behaviour logprob that is not finite and <= 0, a temperature that is not a finite number
-  >= 0 (0: greedy), or sampling settings that are not text make the rollout unusable with that reason (``BAD_*``),
-  counted in ``rollouts/unusable_bad_*``: one bad value costs its rollout, never the run.
+  (``vocab_size``), a behaviour logprob that is not a number <= 0 (or a call's whose sum float32 cannot hold), a
+  temperature that is not a finite number >= 0 (0: greedy), or sampling settings that are not text make the
+  rollout unusable with that reason (``BAD_*``), counted in ``rollouts/unusable_bad_*``: one bad value costs its
+  rollout, never the run.
 Runtime signals for automatic intermediate rewards are counted per call: errored tool spans and other errored
 spans that started after the call and before the next selected call.
 
@@ -35,14 +36,19 @@ import math
 from array import array
 from collections.abc import Collection, Iterable
 from dataclasses import asdict, dataclass, field
+from operator import attrgetter
+
+import numpy
 
 from lit_sdk import semconv as sc
 from lit_sdk.protocol import STATUS_ERROR, SpanRecord
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Transition:
-    """One LLM call as an MDP action."""
+    """One LLM call as an MDP action. Nothing changes one once built; it is not a frozen dataclass only because
+    intake builds one per LLM call, and a frozen one's ``__init__`` sets each field through ``object.__setattr__``
+    (bench/ingest.py's episode building: about 3 µs a call, a tenth of a two-call rollout's rebuild)."""
 
     prompt_ids: list[int]
     response_ids: list[int]
@@ -108,7 +114,7 @@ class Unusable(enum.Enum):
     BAD_REWARD = "a reward is not a finite number"
     BAD_ATTEMPT = "the root span's attempt is not a positive integer"
     BAD_TOKEN_IDS = "a token id is not an integer of the model's vocabulary"
-    BAD_LOGPROBS = "a behaviour logprob is not a finite number <= 0"
+    BAD_LOGPROBS = "a behaviour logprob is not a number <= 0, or a call's sum of them is not finite in float32"
     BAD_SAMPLING = "a call's temperature is not a finite number >= 0, or its sampling settings are not text"
 
 
@@ -132,7 +138,7 @@ def build_episode(spans: Iterable[SpanRecord], agents: Collection[str] | None = 
     if root.status == STATUS_ERROR:
         return UnusableRollout(rollout_id, Unusable.FAILED, root.status_message)
     members = _descendants(root, unique)
-    timeline = sorted(members, key=lambda s: (s.start_ns, s.end_ns, s.span_id))
+    timeline = sorted(members, key=_TIME_ORDER)
     calls, skipped = _select_calls(timeline, agents)
     if not calls:
         return UnusableRollout(rollout_id, Unusable.NO_LLM_CALLS, f"{skipped} calls skipped, agents={agents}")
@@ -151,6 +157,10 @@ def build_episode(spans: Iterable[SpanRecord], agents: Collection[str] | None = 
     return Episode(rollout_id, task_id, attempt, transitions, final, episode_return, rewards, skipped)
 
 
+_TIME_ORDER = attrgetter("start_ns", "end_ns", "span_id")
+"""Calls and rewards in time order (ties: end time, then span id)."""
+
+
 def _dedupe(spans: Iterable[SpanRecord]) -> dict[str, SpanRecord]:
     unique: dict[str, SpanRecord] = {}
     for span in spans:
@@ -159,20 +169,21 @@ def _dedupe(spans: Iterable[SpanRecord]) -> dict[str, SpanRecord]:
 
 
 def _descendants(root: SpanRecord, unique: dict[str, SpanRecord]) -> list[SpanRecord]:
-    """The root's subtree: the spans reachable from it through their parent ids (orphans left out)."""
-    children: dict[str | None, list[SpanRecord]] = {}
+    """The root's subtree: the spans reachable from it through their parent ids (orphans left out). Each span's
+    chain of parents is followed up until a span already decided (the root is), and every span on the way takes
+    that answer: one step per span in a flat trace, and a chain that loops or breaks off is out."""
+    inside: dict[str | None, bool] = {root.span_id: True, None: False}
     for span in unique.values():
-        if span is not root:
-            children.setdefault(span.parent_id, []).append(span)
-    members, stack, seen = [], [root], {root.span_id}
-    while stack:
-        span = stack.pop()
-        members.append(span)
-        for child in children.get(span.span_id, ()):
-            if child.span_id not in seen:
-                seen.add(child.span_id)
-                stack.append(child)
-    return members
+        path, parent = [], span.span_id
+        while parent not in inside:
+            inside[parent] = False  # until decided: a loop back to it ends here, outside
+            path.append(parent)
+            above = unique.get(parent)
+            parent = above.parent_id if above is not None else None
+        answer = inside[parent]
+        for span_id in path:
+            inside[span_id] = answer
+    return [span for span in unique.values() if inside[span.span_id]]
 
 
 def _is_number(value: object) -> bool:
@@ -187,27 +198,43 @@ _ID_LIMIT = 2**32
 """No token id is this large (``array("I")`` holds ids below it)."""
 
 
-def _token_ids_ok(ids: list, high: int) -> bool:
-    """Every id an int in [0, high) (a bool is the 0 or 1 it is in Python), ``high`` <= ``_ID_LIMIT``. Hundreds
-    per call, so the checks run in C: ``array("I")`` refuses anything but ints in [0, 2**32), ``max`` the ids at or
-    above ``high``."""
-    if not ids:
-        return True
+def _token_ids_ok(calls: list[SpanRecord], high: int) -> bool:
+    """Every prompt and response id of the calls an int in [0, high) (a bool is the 0 or 1 it is in Python),
+    ``high`` <= ``_ID_LIMIT``. Hundreds per call, so the checks run in C: ``array("I")`` takes only ints in
+    [0, 2**32), and numpy's ``max`` over its buffer finds an id at or above a smaller ``high``."""
+    ids = array("I")
     try:
-        array("I", ids)
+        for call in calls:
+            ids.fromlist(call.attributes[sc.LLM_PROMPT_TOKEN_IDS])  # lists (_select_calls): fromlist is C's
+            ids.fromlist(call.attributes[sc.LLM_RESPONSE_TOKEN_IDS])
     except (TypeError, OverflowError):
         return False
-    return max(ids) < high
+    return high >= _ID_LIMIT or not ids or int(numpy.frombuffer(ids, numpy.uint32).max()) < high
+
+
+def _wrong_token_id(calls: list[SpanRecord], high: int) -> str:
+    """Which call has which wrong id (asked only once ``_token_ids_ok`` has refused them: one pass in Python)."""
+    for call in calls:
+        ids = call.attributes[sc.LLM_PROMPT_TOKEN_IDS] + call.attributes[sc.LLM_RESPONSE_TOKEN_IDS]
+        wrong = next((i for i in ids if not (type(i) in (int, bool) and 0 <= i < high)), None)
+        if wrong is not None:
+            return f"LLM call {call.span_id}: token id {wrong!r}"
+    return "a token id"
+
+
+_LOWEST_LOGPROB = float(numpy.finfo(numpy.float32).min)
+"""About -3.4e38: a logprob, or a sum of them, below it is -inf in float32."""
 
 
 def _logprobs_ok(logprobs: list) -> bool:
-    """Every logprob a number, finite and <= 0: a text or a list makes ``sum`` raise, a NaN or an infinity makes
-    the sum non-finite (as does an overflow of very large ones, refused too)."""
+    """Every logprob a number <= 0, and their sum finite in float32, as the trainer holds them (each one then is:
+    none is below the sum). Checked in C: a text or a list makes ``sum`` raise, a NaN makes the sum NaN, -inf or a
+    value float32 makes -inf (the importance ratio would be infinite) makes it too low; ``max`` finds one above 0."""
     try:
         total = sum(logprobs)
     except TypeError:
         return False
-    return isinstance(total, (int, float)) and math.isfinite(total) and (not logprobs or max(logprobs) <= 0)
+    return isinstance(total, (int, float)) and total >= _LOWEST_LOGPROB and (not logprobs or max(logprobs) <= 0)
 
 
 def _bad_value(root: SpanRecord, calls: list[SpanRecord], rewards: list[tuple[str, float, int]],
@@ -223,16 +250,13 @@ def _bad_value(root: SpanRecord, calls: list[SpanRecord], rewards: list[tuple[st
     if not (type(attempt) is int and attempt >= 1):
         return Unusable.BAD_ATTEMPT, f"attempt {attempt!r}"
     high = min(vocab_size, _ID_LIMIT) if vocab_size is not None else _ID_LIMIT
+    if not _token_ids_ok(calls, high):
+        return Unusable.BAD_TOKEN_IDS, f"{_wrong_token_id(calls, high)} (vocabulary size {vocab_size})"
     for call in calls:
         attrs = call.attributes
-        prompt, response = attrs[sc.LLM_PROMPT_TOKEN_IDS], attrs[sc.LLM_RESPONSE_TOKEN_IDS]
-        if not (_token_ids_ok(prompt, high) and _token_ids_ok(response, high)):
-            wrong = next(i for i in prompt + response if not (isinstance(i, int) and 0 <= i < high))
-            return (Unusable.BAD_TOKEN_IDS,
-                    f"LLM call {call.span_id}: token id {wrong!r} (vocabulary size {vocab_size})")
         logprobs = attrs.get(sc.LLM_RESPONSE_LOGPROBS)
         if isinstance(logprobs, list) and not _logprobs_ok(logprobs):
-            wrong = next((x for x in logprobs if not (_is_finite(x) and x <= 0)), "sum")  # "sum": they overflow
+            wrong = next((x for x in logprobs if not (_is_number(x) and _LOWEST_LOGPROB <= x <= 0)), "their sum")
             return Unusable.BAD_LOGPROBS, f"LLM call {call.span_id}: logprob {wrong!r}"
         temperature = attrs.get(sc.LLM_TEMPERATURE)
         unsupported = attrs.get(sc.LLM_SAMPLING_UNSUPPORTED, "")
