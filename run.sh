@@ -98,7 +98,6 @@ case "$job" in
     ;;
   test)
     # pytest's own exit code goes out unchanged: 5 (no tests collected) is a failure, not a pass.
-    # Two workers share the suite (LIT_TEST_WORKERS; 0: none), in the shares tests/conftest.py draws.
-    exec python -m pytest tests -n "${LIT_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder "$@"
+    exec python -m pytest tests "$@"
     ;;
 esac
