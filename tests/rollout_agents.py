@@ -92,9 +92,16 @@ async def reply_length_parity(task, llm):
         model=llm.model, messages=[{"role": "user", "content": task["question"]}],
         temperature=llm.temperature, max_tokens=llm.max_tokens)
     await client.close()
+    if task.get("solved"):  # a task every rollout solves: its group has nothing to teach (dynamic sampling)
+        return 1.0
     return float(len(chat.choices[0].message.content or "") % 2 == 0)
 
 
 def parity_tasks(split, n):
     return [{"id": f"{split}{i}", "question": f"Say a word that starts with the letter {chr(97 + i % 26)}."}
             for i in range(n)]
+
+
+def half_solved_parity_tasks(split, n):
+    """``parity_tasks`` of which every even one is ``solved``: reward 1 whatever the reply."""
+    return [{**task, "solved": i % 2 == 0} for i, task in enumerate(parity_tasks(split, n))]

@@ -88,10 +88,19 @@ class TrainLoopConfig:
     the next step, so that a slow group does not stall the step (``rollouts/carried_groups``,
     ``rollouts/groups_in_flight``). 0: a step waits for all its groups (none carries over)."""
 
+    extra_rollouts: int = 0
+    """Dynamic sampling (DAPO's): when fewer than ``tasks_per_step`` of a step's groups have returns that differ
+    (a group whose rollouts all got the same return teaches nothing), more tasks of the training split, none the
+    step has run, are drawn and run in groups, until the step has that many groups with differing returns or has
+    spent this many extra rollouts. The update trains on every group. 0: off. The step's ``accuracy`` and
+    ``reward`` metrics stay those of its first draw (the extra tasks are not a fair sample); ``sampling/*`` counts
+    the extra rounds, rollouts and groups, ``rollouts/without_signal`` the rollouts spent on groups that taught
+    nothing. Synchronous rollouts only (``max_staleness`` = 0)."""
+
     def __post_init__(self) -> None:
         check_trackers(self.trackers)
         at_least = {"steps": 1, "tasks_per_step": 1, "group_size": 2, "min_group_size": 1, "val_every": 0,
-                    "checkpoint_every": 0, "keep_checkpoints": 0, "check_sync_every": 0}
+                    "checkpoint_every": 0, "keep_checkpoints": 0, "check_sync_every": 0, "extra_rollouts": 0}
         for name, least in at_least.items():
             if getattr(self, name) < least:
                 why = " (GRPO compares the rollouts of a group: one alone has no advantage)" if name == "group_size" \
@@ -107,6 +116,13 @@ class TrainLoopConfig:
         if not 0 <= self.min_step_groups <= self.tasks_per_step:
             raise ValueError(f"train.min_step_groups must be between 0 (wait for every group) and "
                              f"train.tasks_per_step = {self.tasks_per_step}, got {self.min_step_groups}")
+        if self.extra_rollouts and self.extra_rollouts < self.group_size:
+            raise ValueError(f"train.extra_rollouts must be 0 (off) or at least train.group_size = "
+                             f"{self.group_size} (extra tasks run in whole groups), got {self.extra_rollouts}")
+        if self.extra_rollouts and self.max_staleness:
+            raise ValueError(f"train.extra_rollouts = {self.extra_rollouts} (dynamic sampling) waits for a step's "
+                             "groups before it draws more, which asynchronous rollouts do not: set "
+                             "train.extra_rollouts = 0 or train.max_staleness = 0")
         if self.min_step_groups and not self.max_staleness:
             raise ValueError(f"train.min_step_groups = {self.min_step_groups} lets groups carry over to the next "
                              "step, which only asynchronous rollouts do: set train.max_staleness >= 1, or "

@@ -89,7 +89,7 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
         pad_id = _pad_id(policy)
         feed = StepFeed(svc.runner, train_tasks, StepPlan(
             cfg.train.steps, cfg.train.tasks_per_step, cfg.train.group_size, cfg.train.seed, cfg.agent.temperature,
-            cfg.train.max_staleness, cfg.train.min_step_groups))
+            cfg.train.max_staleness, cfg.train.min_step_groups, cfg.train.extra_rollouts, cfg.train.min_group_size))
         print(f"lit: {STEP_LINE_LEGEND}", file=sys.stderr)
         while step < cfg.train.steps and not (cfg.train.max_minutes and minutes >= cfg.train.max_minutes):
             t0, restarts = time.perf_counter(), fleet.restarts

@@ -125,7 +125,8 @@ def read(path: Path) -> list[dict[str, Any]]:
 
 STEP_LINE_LEGEND = (
     "each step prints: reward (the mean return of its rollouts), acc (the share of them at or above "
-    "train.success_reward), rollouts succeeded/requested (failed: after every retry), kl (how far the update moved "
+    "train.success_reward), rollouts succeeded/requested (failed: after every retry; +N drawn more: the rollouts "
+    "of train.extra_rollouts' extra draws), kl (how far the update moved "
     "the policy from the one that sampled, loss/approx_kl), clip (the share of tokens whose importance ratio was "
     "clipped), gap (the mean |trainer - vLLM| logprob of the sampled tokens, in nats: near 0 when vLLM serves the "
     "trainer's weights), and the seconds of the rollouts, the update and the weight sync; every metric of every step "
@@ -140,9 +141,10 @@ def step_line(step: int, steps: int, m: dict[str, float]) -> str:
         value = m.get(key)
         return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, fmt)
 
+    more = f" +{f('sampling/extra_rollouts', '.0f')} drawn more" if m.get("sampling/extra_rollouts") else ""
     return (f"step {step}/{steps}  reward {f('reward/mean')}  acc {f('accuracy')}  "
             f"rollouts {f('rollouts/succeeded', '.0f')}/{f('rollouts/requested', '.0f')} "
-            f"(failed {f('rollouts/failed', '.0f')})  kl {f('loss/approx_kl', '.1e')}  "
+            f"(failed {f('rollouts/failed', '.0f')}){more}  kl {f('loss/approx_kl', '.1e')}  "
             f"clip {f('loss/clip_frac')}  gap {f('policy/vllm_logprob_gap', '.4f')}  "
             f"time rollout {f('time/rollout', '.0f')}s update {f('time/update', '.0f')}s "
             f"sync {f('time/sync', '.1f')}s")

@@ -16,6 +16,9 @@ checkpoint is written, ``--resume`` continues to step 4, and ``lit eval --checkp
   checkpoint written by both), and resumed by one process from their checkpoint; with asynchronous rollouts
   (``train.max_staleness = 1``: each step's rollouts run during the update before it; ``train.min_step_groups = 1``:
   a group not ended when its step wants it carries over to the next).
+- Dynamic sampling (``train.extra_rollouts``): half the tasks are solved by every rollout (``solved``: reward 1),
+  so a step whose first draw holds one has a group without signal and draws fresh tasks (steps 1, 2 and 4 of seed
+  0, the resumed step 4 too); their rollouts are stored under the step, and the update trains on every group.
 
 Both train and resume on vLLM without torch.compile (``--enforce-eager``: about 24 s less per start,
 bench/vllm_start.py); lora_kl's ``lit eval`` serves the checkpoint with lit's compiled default. Both sample at
@@ -70,13 +73,16 @@ OPTIONS = {
                      "update.recompute_old_logprobs=true", "loss.is_correction='truncate'", "update.overlong='mask'",
                      "loss.normalizer='kept'", "train.max_staleness=1", "train.min_step_groups=1",
                      "policy.shard=true", "inference.extra_args=['--enforce-eager']"],
+    "dynamic_sampling": ["train.extra_rollouts=8", "data.tasks='rollout_agents:half_solved_parity_tasks'",
+                         "inference.extra_args=['--enforce-eager']"],
 }
 
 
-EVAL_OPTIONS = {"lora_kl": [], "ppo_schedule": ["inference.extra_args=['--enforce-eager']"]}
-"""``lit eval``'s own options: lora_kl's serves the checkpoint with lit's compiled default, ppo_schedule's eagerly."""
+EVAL_OPTIONS = {"lora_kl": [], "ppo_schedule": ["inference.extra_args=['--enforce-eager']"],
+                "dynamic_sampling": ["inference.extra_args=['--enforce-eager']"]}
+"""``lit eval``'s own options: lora_kl's serves the checkpoint with lit's compiled default, the others eagerly."""
 
-PROCESSES = {"lora_kl": (1, 1), "ppo_schedule": (2, 1)}
+PROCESSES = {"lora_kl": (1, 1), "ppo_schedule": (2, 1), "dynamic_sampling": (1, 1)}
 """Trainer processes of each option's ``lit train``, then of its ``--resume`` (learner/distributed.py)."""
 
 
@@ -127,6 +133,8 @@ def test_option_trains_syncs_checkpoints_resumes_and_evaluates(name: str, prepar
         assert 0 < max(gaps) < 0.1, gaps
         assert all(r["sync/servers_checked"] == 2 for r in train), train  # the logprob gap is the worse server's
         two_servers_served(out / "lit.sqlite", tmp_path / "vllm-logs")
+    elif name == "dynamic_sampling":
+        drew_more(train, out / "lit.sqlite")
     else:
         assert all(r["update/optimizer_steps"] >= 2 for r in trained) and all("mismatch/k3" in r for r in trained)
         # asynchronous rollouts: every call carried the engine's weight version, none was more than 1 version
@@ -195,3 +203,18 @@ def two_servers_served(store_path: Path, logs: Path) -> None:
                         assert span.attributes[semconv.LLM_WEIGHT_VERSION] == str(step), (step, span)
             assert len(servers_of_task) == 2 and all(len(s) == 1 for s in servers_of_task.values()), servers_of_task
             assert len(set.union(*servers_of_task.values())) == 2, servers_of_task  # one task on each server
+
+
+def drew_more(train: list[dict], store_path: Path) -> None:
+    """Steps 1, 2 and 4 (seed 0) drew a solved task first: one group at most with signal of the 2 wanted, so one
+    extra draw of 2 fresh tasks, the 8 rollouts of the budget, stored under the step beside its first draw's."""
+    from lit_trainer.intake.store import SqliteStore
+
+    draws = {r["step"]: r["sampling/draws"] for r in train}
+    assert all(draws[s] == 1 for s in (1, 2, 4)) and draws[3] in (0, 1), draws
+    with SqliteStore(store_path) as store:
+        for r in train:
+            ids = [row.rollout_id for row in store.rollouts_of_step(r["step"] - 1)]
+            more = [i for i in ids if f"-s{r['step'] - 1}-more1-" in i]
+            assert len(more) == r["sampling/extra_rollouts"] == 8 * r["sampling/draws"], (r, ids)
+            assert r["rollouts/requested"] == 8  # the first draw's metrics: 2 tasks x 4

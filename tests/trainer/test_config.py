@@ -67,6 +67,11 @@ def test_overrides_take_toml_values_or_bare_words(tmp_path):
     ("", ["train.steps=-5"], r"train.steps must be >= 1, got -5"),
     ("", ["train.group_size=4", "train.min_group_size=5"], r"min_group_size = 5 is more than train.group_size = 4"),
     ("", ["train.max_minutes=-1"], r"train.max_minutes must be >= 0"),
+    ("", ["train.extra_rollouts=-8"], r"train.extra_rollouts must be >= 0, got -8"),
+    ("", ["train.group_size=8", "train.extra_rollouts=4"], r"extra_rollouts must be 0 \(off\) or at least "
+                                                            r"train.group_size = 8 \(extra tasks run in whole groups"),
+    ("[train]\nmax_staleness = 1\nextra_rollouts = 16\n[update]\nrecompute_old_logprobs = true\n[loss]\n"
+     "is_correction = 'truncate'\n", [], r"asynchronous rollouts do not: set train.extra_rollouts = 0"),
     ("", ["policy.precision='fp16'"], r"precision must be one of \('auto', 'fp32', 'bf16'\)"),
     ("", ["batching.max_tokens_per_micro_batch=1"], r"at least 2, or 0 \(chosen for the device\)"),
 ])

@@ -20,6 +20,9 @@ def test_step_line_formats_each_figure_and_marks_missing_ones():
     assert line == ("step 3/40  reward 0.500  acc 0.500  rollouts 63/64 (failed 1)  kl 1.2e-05  clip 0.250  "
                     "gap -  time rollout 12s update 81s sync 0.4s")  # fmt: skip
     assert "acc -" in step_line(1, 2, {"accuracy": math.nan})
+    more = step_line(3, 40, {**m, "sampling/extra_rollouts": 16.0})  # dynamic sampling drew 16 more
+    assert "rollouts 63/64 (failed 1) +16 drawn more  kl" in more
+    assert "drawn more" not in step_line(3, 40, {**m, "sampling/extra_rollouts": 0.0})
 
 
 def test_log_appends_records_and_read_skips_a_line_cut_by_a_kill(tmp_path):

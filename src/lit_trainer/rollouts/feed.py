@@ -14,15 +14,24 @@ thread's exception, if any, is raised in the loop by ``take``.
 
 A step's tasks are the same for the same seed and step, also after ``--resume`` (``sample_tasks``); if vLLM dies
 during a step's rollouts it is started again and they run again, up to ``MAX_ENGINE_RESTARTS`` times a step.
+
+Dynamic sampling (``extra_rollouts``, synchronous only): while fewer than ``tasks_per_step`` of the step's groups
+have returns that differ (``groups_with_signal``), more tasks the step has not run are drawn (as many as the share
+of groups with signal so far says are needed, within what is left of the budget) and run; the step's batch holds
+every draw's episodes and the first draw's metrics, plus ``sampling/*``.
 """
 
 from __future__ import annotations
 
+import collections
+import math
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from lit_trainer.intake.episodes import Episode
 from lit_trainer.rollouts.runner import RolloutBatch, RolloutRunner
 from lit_trainer.rollouts.tasks import sample_tasks
 from lit_trainer.steps import training_label
@@ -43,6 +52,18 @@ class StepPlan:
     temperature: float
     max_staleness: int = 0
     min_step_groups: int = 0
+    extra_rollouts: int = 0
+    min_group_size: int = 2
+
+
+def groups_with_signal(episodes: Iterable[Episode], min_group_size: int) -> set[str]:
+    """The tasks whose group GRPO learns from: at least ``min_group_size`` episodes (and two), whose returns are
+    not all the same (equal returns give every rollout of the group an advantage of 0)."""
+    returns: dict[str, list[float]] = collections.defaultdict(list)
+    for episode in episodes:
+        returns[episode.task_id].append(episode.episode_return)
+    return {task for task, values in returns.items()
+            if len(values) >= max(min_group_size, 2) and max(values) > min(values)}
 
 
 class StepFeed:
@@ -92,8 +113,41 @@ class StepFeed:
     def _run(self, step: int, version: int) -> RolloutBatch:
         plan = self.plan
         tasks = sample_tasks(self.tasks, plan.seed, step, plan.tasks_per_step)
-        return self.runner.run(tasks, plan.group_size, plan.temperature, step, training_label(step), version,
-                               self._enough if plan.min_step_groups else None, restarts=MAX_ENGINE_RESTARTS)
+        batch = self.runner.run(tasks, plan.group_size, plan.temperature, step, training_label(step), version,
+                                self._enough if plan.min_step_groups else None, restarts=MAX_ENGINE_RESTARTS)
+        if not plan.extra_rollouts or batch.all_failed():  # a broken agent: the loop stops; no more draws
+            return batch
+        return self._draw_more(step, version, tasks, batch)
+
+    def _draw_more(self, step: int, version: int, tasks: list[dict], first: RolloutBatch) -> RolloutBatch:
+        """Dynamic sampling (module docstring): ``first``, the step's draw of ``tasks``, with as many more draws
+        as it takes, or as ``extra_rollouts`` allows, for ``tasks_per_step`` groups with signal."""
+        plan = self.plan
+        ran = {task["id"] for task in tasks}
+        episodes, failures, dispatched = list(first.episodes), list(first.failures), first.dispatched_version
+        draws = spent = succeeded = 0
+        while True:
+            signal = len(groups_with_signal(episodes, plan.min_group_size))
+            needed = plan.tasks_per_step - signal
+            affordable = (plan.extra_rollouts - spent) // plan.group_size
+            fresh = [task for task in self.tasks if task["id"] not in ran]
+            if needed <= 0 or affordable <= 0 or not fresh:
+                break
+            # as many tasks as the share of groups with signal so far says it takes; all that is left without any
+            wanted = math.ceil(needed * len(ran) / signal) if signal else affordable
+            draws += 1
+            more = sample_tasks(fresh, plan.seed, step, min(wanted, affordable), draws)
+            ran.update(task["id"] for task in more)
+            batch = self.runner.run(more, plan.group_size, plan.temperature, step,
+                                    f"{training_label(step)}-more{draws}", version, restarts=MAX_ENGINE_RESTARTS)
+            episodes += batch.episodes
+            failures += batch.failures
+            dispatched = min(dispatched, batch.dispatched_version)
+            spent += len(more) * plan.group_size
+            succeeded += int(batch.metrics.get("rollouts/succeeded", 0))
+        metrics = {**first.metrics, "sampling/draws": float(draws), "sampling/extra_rollouts": float(spent),
+                   "sampling/extra_succeeded": float(succeeded), "sampling/groups_with_signal": float(signal)}
+        return RolloutBatch(episodes, metrics, dispatched, failures)
 
     def _enough(self, ended_groups: int) -> bool:
         """Whether the rollouts running ahead may stop waiting: the loop wants them, and ``min_step_groups``

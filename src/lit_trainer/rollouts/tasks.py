@@ -23,9 +23,10 @@ class DataConfig:
     """Held-out tasks to validate on."""
 
 
-def sample_tasks(tasks: list[dict], seed: int, step: int, n: int) -> list[dict]:
-    """The tasks of one step: a function of (seed, step) only, so a resumed run sees the same data."""
-    return random.Random(f"{seed}:{step}").sample(tasks, min(n, len(tasks)))
+def sample_tasks(tasks: list[dict], seed: int, step: int, n: int, draw: int = 0) -> list[dict]:
+    """The tasks of one step: a function of (seed, step) only, so a resumed run sees the same data. ``draw`` >= 1:
+    the step's extra draw of that number (dynamic sampling), from ``tasks`` (those the step has not run)."""
+    return random.Random(f"{seed}:{step}" + (f":{draw}" if draw else "")).sample(tasks, min(n, len(tasks)))
 
 
 def load_tasks(data: DataConfig) -> tuple[list[dict], list[dict]]:

@@ -17,8 +17,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from lit_trainer.rollouts.feed import MAX_ENGINE_RESTARTS, StepFeed, StepPlan
+from lit_trainer.intake.episodes import Episode
+from lit_trainer.rollouts.feed import MAX_ENGINE_RESTARTS, StepFeed, StepPlan, groups_with_signal
 from lit_trainer.rollouts.runner import RolloutBatch
+from lit_trainer.rollouts.tasks import sample_tasks
 
 DEADLINE_S = 30.0
 TASKS = [{"id": i} for i in range(4)]
@@ -157,3 +159,103 @@ def test_a_group_still_running_carries_over_to_the_next_step_instead_of_stalling
         feed.close()
         statuses = [(r.task_id, r.status) for r in store.rollouts_of_step(1)]
         assert sorted(statuses) == [("0", RolloutStatus.SUCCEEDED)] * 2 + [("1", RolloutStatus.SUCCEEDED)] * 2
+
+
+# Dynamic sampling (train.extra_rollouts). The runner stands in for the rollouts (as above): each task's group gets
+# returns fixed by the task, so which groups have signal is known; the real path runs in lit train
+# (tests/e2e/test_train_options.py, the dynamic_sampling option).
+
+def _episode(task: dict, g: int, value: float) -> Episode:
+    return Episode(f"{task['id']}-g{g}", str(task["id"]), 1, [], value, value)
+
+
+class GroupRunner:
+    """``run`` gives each rollout of a task the return ``returns(task, g)`` (g: its place in the group), records
+    the tasks and labels it was asked for, and fails every rollout when ``failing``."""
+
+    def __init__(self, returns, failing: bool = False):
+        self.returns, self.failing = returns, failing
+        self.asked: list[tuple[str, list]] = []
+
+    def run(self, tasks, group, temperature, step, label, version, enough=None, restarts=0):
+        self.asked.append((label, [t["id"] for t in tasks]))
+        n = len(tasks) * group
+        if self.failing:
+            return RolloutBatch([], {"rollouts/requested": float(n), "rollouts/succeeded": 0.0}, version,
+                                ["ValueError: broken"] * n)
+        episodes = [_episode(t, g, self.returns(t, g)) for t in tasks for g in range(group)]
+        return RolloutBatch(episodes, {"rollouts/requested": float(n), "rollouts/succeeded": float(n),
+                                       "accuracy": 0.5}, version)
+
+
+def solved_when_even(task: dict, g: int) -> float:
+    """Even tasks: every rollout solves it (no signal); odd ones: half of the group does."""
+    return 1.0 if task["id"] % 2 == 0 else float(g % 2)
+
+
+def dynamic_plan(extra: int, tasks_per_step: int = 4) -> StepPlan:
+    return StepPlan(steps=2, tasks_per_step=tasks_per_step, group_size=2, seed=0, temperature=1.0,
+                    extra_rollouts=extra)
+
+
+def test_groups_with_signal_are_those_whose_returns_differ_with_enough_episodes():
+    tasks = {"a": [1.0, 0.0], "b": [1.0, 1.0], "c": [0.0], "d": [0.5, 0.5, 0.7]}
+    episodes = [_episode({"id": k}, g, v) for k, values in tasks.items() for g, v in enumerate(values)]
+    assert groups_with_signal(episodes, 2) == {"a", "d"}
+    assert groups_with_signal(episodes, 3) == {"d"}
+    assert groups_with_signal(episodes, 1) == {"a", "d"}  # one episode alone has nothing to differ from
+
+
+def test_a_step_short_of_signal_draws_fresh_tasks_until_it_has_enough():
+    tasks = [{"id": i} for i in range(40)]
+    runner = GroupRunner(solved_when_even)
+    batch = StepFeed(runner, tasks, dynamic_plan(extra=40)).take(0)
+    first = runner.asked[0][1]
+    assert runner.asked[0][0] == "s0" and first == [t["id"] for t in sample_tasks(tasks, 0, 0, 4)]
+    drawn = [i for _, ids in runner.asked for i in ids]
+    assert len(drawn) == len(set(drawn)), "a task ran twice in one step"
+    assert [label for label, _ in runner.asked[1:]] == [f"s0-more{k}" for k in range(1, len(runner.asked))]
+    signal = {str(i) for i in drawn if i % 2}
+    assert groups_with_signal(batch.episodes, 2) == signal and len(signal) >= 4  # enough, within 40 extra
+    assert len(batch.episodes) == 2 * len(drawn)  # every draw's groups train, those without signal too (advantage 0)
+    extra = 2 * (len(drawn) - 4)
+    assert batch.metrics == {"rollouts/requested": 8.0, "rollouts/succeeded": 8.0, "accuracy": 0.5,  # first draw
+                             "sampling/draws": float(len(runner.asked) - 1), "sampling/extra_rollouts": extra,
+                             "sampling/extra_succeeded": extra, "sampling/groups_with_signal": float(len(signal)),
+                             "time/rollout": batch.metrics["time/rollout"]}
+    # seed 0, step 0 draws tasks 37, 36, 6, 16: one odd task, one group with signal of the 4 run; 3 more groups
+    # needed at that share take 3 * 4 / 1 = 12 tasks (24 rollouts, within the 40), which hold 8 odd ones
+    assert first == [37, 36, 6, 16] and [len(ids) for _, ids in runner.asked] == [4, 12] and len(signal) == 9
+    again = GroupRunner(solved_when_even)
+    StepFeed(again, tasks, dynamic_plan(extra=40)).take(0)
+    assert again.asked == runner.asked  # the same draws for the same seed and step, as after --resume
+
+
+def test_the_extra_draws_stop_at_the_budget():
+    tasks = [{"id": i} for i in range(40)]
+    runner = GroupRunner(lambda task, g: 1.0)  # every group solved: no signal anywhere
+    batch = StepFeed(runner, tasks, dynamic_plan(extra=10)).take(0)
+    # without any signal the first extra draw takes all the budget affords: 10 rollouts = 5 groups of 2
+    assert [len(ids) for _, ids in runner.asked] == [4, 5]
+    assert batch.metrics["sampling/extra_rollouts"] == 10 and batch.metrics["sampling/groups_with_signal"] == 0
+
+
+def test_the_extra_draws_stop_when_every_task_has_run():
+    tasks = [{"id": i} for i in range(6)]
+    runner = GroupRunner(lambda task, g: 1.0)
+    StepFeed(runner, tasks, dynamic_plan(extra=100)).take(0)
+    assert sorted(i for _, ids in runner.asked for i in ids) == list(range(6))
+
+
+def test_a_step_whose_rollouts_all_failed_draws_no_more():
+    runner = GroupRunner(solved_when_even, failing=True)
+    batch = StepFeed(runner, [{"id": i} for i in range(40)], dynamic_plan(extra=40)).take(0)
+    assert len(runner.asked) == 1 and batch.all_failed().startswith("all 8 rollouts failed")
+    assert "sampling/draws" not in batch.metrics
+
+
+def test_a_step_with_enough_signal_draws_no_more():
+    runner = GroupRunner(lambda task, g: float(g % 2))  # every group differs
+    batch = StepFeed(runner, [{"id": i} for i in range(40)], dynamic_plan(extra=40)).take(0)
+    assert len(runner.asked) == 1
+    assert batch.metrics["sampling/draws"] == 0 and batch.metrics["sampling/groups_with_signal"] == 4
