@@ -8,7 +8,9 @@ checkpoint is written, ``--resume`` continues to step 4, and ``lit eval --checkp
   + adapter; the trainer-vs-vLLM logprob gap of the sampled tokens stays within what bf16 explains; the
   TensorBoard tracker logs every step, the resumed one too. Served by two vLLM servers (``inference.servers = 2``,
   a core each): both serve rollouts, all of one task's group on one server, and both take every weight sync
-  (``two_servers_served``).
+  (``two_servers_served``). With dynamic sampling (``train.extra_rollouts``): half the tasks are solved by every
+  rollout (``solved``: reward 1), so a step whose first draw holds one has a group without signal and draws fresh
+  tasks (steps 1, 2 and 4 of seed 0, the resumed step 4 too), stored under the step (``drew_more``).
 - Full fine-tune with every schedule option: KL to a frozen copy, 2 PPO epochs x 2 mini-batches, recomputed old
   logprobs with truncated importance sampling, overlong responses masked, the ``kept`` normaliser; trained by two
   processes (``torchrun --nproc_per_node 2``, gloo) with the model sharded across them (``policy.shard``: the
@@ -16,9 +18,6 @@ checkpoint is written, ``--resume`` continues to step 4, and ``lit eval --checkp
   checkpoint written by both), and resumed by one process from their checkpoint; with asynchronous rollouts
   (``train.max_staleness = 1``: each step's rollouts run during the update before it; ``train.min_step_groups = 1``:
   a group not ended when its step wants it carries over to the next).
-- Dynamic sampling (``train.extra_rollouts``): half the tasks are solved by every rollout (``solved``: reward 1),
-  so a step whose first draw holds one has a group without signal and draws fresh tasks (steps 1, 2 and 4 of seed
-  0, the resumed step 4 too); their rollouts are stored under the step, and the update trains on every group.
 
 Both train and resume on vLLM without torch.compile (``--enforce-eager``: about 24 s less per start,
 bench/vllm_start.py); lora_kl's ``lit eval`` serves the checkpoint with lit's compiled default. Both sample at
@@ -68,21 +67,19 @@ log_dir = "{logs}"
 OPTIONS = {
     "lora_kl": ["policy.lora_rank=8", "policy.learning_rate=1e-4", "loss.kl_beta=0.05", "policy.precision='bf16'",
                 "train.trackers=['tensorboard']", "inference.servers=2", "inference.cpu_kv_cache_gb=1",
-                "inference.extra_args=['--enable-log-requests','--enforce-eager']"],  # each request's id in its log
+                "inference.extra_args=['--enable-log-requests','--enforce-eager']",  # each request's id in its log
+                "train.extra_rollouts=8", "data.tasks='rollout_agents:half_solved_parity_tasks'"],
     "ppo_schedule": ["loss.kl_beta=0.05", "update.ppo_epochs=2", "update.mini_batches=2",
                      "update.recompute_old_logprobs=true", "loss.is_correction='truncate'", "update.overlong='mask'",
                      "loss.normalizer='kept'", "train.max_staleness=1", "train.min_step_groups=1",
                      "policy.shard=true", "inference.extra_args=['--enforce-eager']"],
-    "dynamic_sampling": ["train.extra_rollouts=8", "data.tasks='rollout_agents:half_solved_parity_tasks'",
-                         "inference.extra_args=['--enforce-eager']"],
 }
 
 
-EVAL_OPTIONS = {"lora_kl": [], "ppo_schedule": ["inference.extra_args=['--enforce-eager']"],
-                "dynamic_sampling": ["inference.extra_args=['--enforce-eager']"]}
-"""``lit eval``'s own options: lora_kl's serves the checkpoint with lit's compiled default, the others eagerly."""
+EVAL_OPTIONS = {"lora_kl": [], "ppo_schedule": ["inference.extra_args=['--enforce-eager']"]}
+"""``lit eval``'s own options: lora_kl's serves the checkpoint with lit's compiled default, ppo_schedule's eagerly."""
 
-PROCESSES = {"lora_kl": (1, 1), "ppo_schedule": (2, 1), "dynamic_sampling": (1, 1)}
+PROCESSES = {"lora_kl": (1, 1), "ppo_schedule": (2, 1)}
 """Trainer processes of each option's ``lit train``, then of its ``--resume`` (learner/distributed.py)."""
 
 
@@ -133,7 +130,6 @@ def test_option_trains_syncs_checkpoints_resumes_and_evaluates(name: str, prepar
         assert 0 < max(gaps) < 0.1, gaps
         assert all(r["sync/servers_checked"] == 2 for r in train), train  # the logprob gap is the worse server's
         two_servers_served(out / "lit.sqlite", tmp_path / "vllm-logs")
-    elif name == "dynamic_sampling":
         drew_more(train, out / "lit.sqlite")
     else:
         assert all(r["update/optimizer_steps"] >= 2 for r in trained) and all("mismatch/k3" in r for r in trained)
@@ -178,9 +174,10 @@ def test_option_trains_syncs_checkpoints_resumes_and_evaluates(name: str, prepar
 def two_servers_served(store_path: Path, logs: Path) -> None:
     """Two vLLM servers behind each ``lit train`` (the first run's and the resumed one's), told apart by their own
     logs: vLLM logs the id of every request it receives (``--enable-log-requests``), which is the id of its
-    answer, recorded on the call's span in the store. Each step's two tasks went to the two servers, every call of
-    one task's group to the same one; each server took every weight sync of its run (its access log: 3 in the
-    first run, the resumed weights and step 4's in the second) and answered every call of step s with the weights
+    answer, recorded on the call's span in the store. Each step's first two tasks went to the two servers, and so
+    did the two of its extra draw (``drew_more``), every call of one task's group to the same one; each server
+    took every weight sync of its run (its access log: 3 in the first run, the resumed weights and step 4's in the
+    second) and answered every call of step s with the weights
     of step s (the version lit's route guard adds to its answers)."""
     from lit_sdk import semconv
     from lit_trainer.intake.store import RolloutStatus, SqliteStore
@@ -201,8 +198,9 @@ def two_servers_served(store_path: Path, logs: Path) -> None:
                     if span.name == semconv.LLM_SPAN:
                         servers_of_task[row.task_id].add(server_of[span.attributes[semconv.LLM_RESPONSE_ID]])
                         assert span.attributes[semconv.LLM_WEIGHT_VERSION] == str(step), (step, span)
-            assert len(servers_of_task) == 2 and all(len(s) == 1 for s in servers_of_task.values()), servers_of_task
-            assert len(set.union(*servers_of_task.values())) == 2, servers_of_task  # one task on each server
+            assert len(servers_of_task) in (2, 4) and all(len(s) == 1 for s in servers_of_task.values()), \
+                servers_of_task
+            assert len(set.union(*servers_of_task.values())) == 2, servers_of_task  # a task of each draw on each
 
 
 def drew_more(train: list[dict], store_path: Path) -> None:
