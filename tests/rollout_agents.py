@@ -102,6 +102,6 @@ def parity_tasks(split, n):
             for i in range(n)]
 
 
-def half_solved_parity_tasks(split, n):
-    """``parity_tasks`` of which every even one is ``solved``: reward 1 whatever the reply."""
-    return [{**task, "solved": i % 2 == 0} for i, task in enumerate(parity_tasks(split, n))]
+def some_solved_parity_tasks(split, n):
+    """``parity_tasks`` of which one in eight is ``solved`` (reward 1 whatever the reply): ``train10``, ``train18``."""
+    return [{**task, "solved": i % 8 == 2} for i, task in enumerate(parity_tasks(split, n))]
