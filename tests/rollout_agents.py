@@ -103,5 +103,6 @@ def parity_tasks(split, n):
 
 
 def some_solved_parity_tasks(split, n):
-    """``parity_tasks`` of which one in eight is ``solved`` (reward 1 whatever the reply): ``train10``, ``train18``."""
-    return [{**task, "solved": i % 8 == 2} for i, task in enumerate(parity_tasks(split, n))]
+    """``parity_tasks`` of which one in seven is ``solved`` (reward 1 whatever the reply): ``train4``, ``train11``,
+    ``train18``."""
+    return [{**task, "solved": i % 7 == 4} for i, task in enumerate(parity_tasks(split, n))]

@@ -1,6 +1,6 @@
 """Every update option end to end in ``lit train``, with nothing stood in (real vLLM, worker, ZeroMQ, SQLite): the
-config is accepted, 3 steps train and sync (vLLM's logprobs checked against the trainer's after every sync), a
-checkpoint is written, ``--resume`` continues to step 4, and ``lit eval --checkpoint`` serves the result.
+config is accepted, 2 steps train and sync (vLLM's logprobs checked against the trainer's after every sync), a
+checkpoint is written, ``--resume`` continues to step 3, and ``lit eval --checkpoint`` serves the result.
 
 - LoRA with a KL term, in bf16 (``policy.precision = "bf16"``: CPU autocast, the frozen base in bfloat16, float32
   adapters, LM head and loss): the adapter trains, merged weights reach vLLM (the sync check scores them in float32),
@@ -10,7 +10,7 @@ checkpoint is written, ``--resume`` continues to step 4, and ``lit eval --checkp
   a core each): both serve rollouts, all of one task's group on one server, and both take every weight sync
   (``two_servers_served``). With dynamic sampling (``train.extra_rollouts``): some tasks are solved by every
   rollout (``solved``: reward 1), so a step whose first draw holds one has a group without signal and draws a
-  fresh task (steps 1 and 4 of seed 0, the resumed step 4 too), stored under the step (``drew_more``).
+  fresh task (steps 1 and 3 of seed 0, the resumed step 3 too), stored under the step (``drew_more``).
 - Full fine-tune with every schedule option: KL to a frozen copy, 2 PPO epochs x 2 mini-batches, recomputed old
   logprobs with truncated importance sampling, overlong responses masked, the ``kept`` normaliser; trained by two
   processes (``torchrun --nproc_per_node 2``, gloo) with the model sharded across them (``policy.shard``: the
@@ -51,11 +51,11 @@ tasks = "rollout_agents:parity_tasks"
 train_size = 20
 val_size = 4
 [train]
-steps = 3
+steps = 2
 tasks_per_step = 2
 group_size = 4
 val_every = 0
-checkpoint_every = 1
+checkpoint_every = 0
 check_sync_every = 1
 output_dir = "{out}"
 [policy]
@@ -104,13 +104,13 @@ def test_option_trains_syncs_checkpoints_resumes_and_evaluates(name: str, prepar
     assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
     if "policy.shard=true" in options:  # learner/memory.py's plan, printed at start
         assert f"sharded over {processes} processes" in first.stderr, first.stderr[-3000:]
-    resumed = _lit("train", str(config), *options, "train.steps=4", "--resume", processes=resumed_by)
+    resumed = _lit("train", str(config), *options, "train.steps=3", "--resume", processes=resumed_by)
     log = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, log[-3000:]
-    assert "resumed from" in log and "step 4/4" in log and "step 3/4" not in log
+    assert "resumed from" in log and "step 3/3" in log and "step 2/3" not in log
 
     train = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
-    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert [r["step"] for r in train] == [1, 2, 3]
     for r in train:
         assert r["rollouts/failed"] == 0
         # a step left with nothing to train on (e.g. every response cut by max_tokens and masked) does not update
@@ -122,7 +122,7 @@ def test_option_trains_syncs_checkpoints_resumes_and_evaluates(name: str, prepar
             assert "loss/kl" in r and r["policy/grad_norm"] > 0, r
     trained = [r for r in train if r.get("update/transitions")]
     assert trained, "no step had a group with differing rewards"
-    assert all(r["update/processes"] == (processes if r["step"] < 4 else resumed_by) for r in trained), trained
+    assert all(r["update/processes"] == (processes if r["step"] < 3 else resumed_by) for r in trained), trained
     if name == "lora_kl":
         # One optimizer step per training step on the weights that sampled: the tempered logprobs agree, to what
         # the trainer's bf16 decoder costs: 0.026-0.062 nats on average here on 2026-11-26 (float32 on both sides:
@@ -138,13 +138,13 @@ def test_option_trains_syncs_checkpoints_resumes_and_evaluates(name: str, prepar
         # older than the policy trained on it, and the steps after the first of each run trained on calls sampled
         # by the previous weights (their rollouts ran during the update before). A step that took a group carried
         # over (not seen so far: the rollouts end well within the update) may have older calls, not trained on.
-        assert [r["step"] for r in train if "async/calls" in r] == [1, 2, 3, 4], train
+        assert [r["step"] for r in train if "async/calls" in r] == [1, 2, 3], train
         assert all(r["async/versioned_calls"] == r["async/calls"] > 0 for r in train), train
-        assert all(r["rollouts/groups_in_flight"] == 0 for r in train if r["step"] in (3, 4)), train  # last steps
+        assert all(r["rollouts/groups_in_flight"] == 0 for r in train if r["step"] in (2, 3)), train  # last steps
         fresh = [r for r in train if r["rollouts/carried_groups"] == 0]
         assert all(r["async/staleness_max"] <= 1 and r["async/dropped_stale"] == 0 for r in fresh), train
-        expected = [0, 1, 1]  # step 4 resumed: synchronous
-        assert all(r["async/staleness_max"] == e for r, e in zip(train[:3], expected, strict=True) if r in fresh), train
+        expected = [0, 1]  # step 3 resumed: synchronous
+        assert all(r["async/staleness_max"] == e for r, e in zip(train[:2], expected, strict=True) if r in fresh), train
         assert any(r["loss/kl"] > 0 for r in trained[1:] or trained)
 
     result_file = tmp_path / "eval.json"
@@ -153,11 +153,11 @@ def test_option_trains_syncs_checkpoints_resumes_and_evaluates(name: str, prepar
                      f"train.output_dir={tmp_path / 'eval'}", *EVAL_OPTIONS[name])
     assert evaluated.returncode == 0, (evaluated.stdout + evaluated.stderr)[-3000:]
     result = json.loads(result_file.read_text())
-    assert result["model"].endswith("step-000004/model") and result["tasks"] == 4 and result["step"] == 4
+    assert result["model"].endswith("step-000003/model") and result["tasks"] == 4 and result["step"] == 3
     assert (tmp_path / "eval" / "eval.jsonl").exists()
-    assert f"checkpoint {out / 'checkpoints' / 'step-000004'} (step 4): accuracy" in evaluated.stdout, evaluated.stdout
+    assert f"checkpoint {out / 'checkpoints' / 'step-000003'} (step 3): accuracy" in evaluated.stdout, evaluated.stdout
     assert f"its rollouts: lit show --run {tmp_path / 'eval'}" in evaluated.stderr, evaluated.stderr[-3000:]
-    for folder, listed in ((tmp_path / "eval", "validation after step 4"), (out, "training step 4")):
+    for folder, listed in ((tmp_path / "eval", "validation after step 3"), (out, "training step 3")):
         shown = _lit("show", "--run", str(folder))  # the eval's one rollout per task; the last step's by default
         assert shown.returncode == 0 and f"rollouts of {listed} in {folder}" in shown.stderr, shown.stderr[-3000:]
         assert len(shown.stdout.splitlines()) > 4, shown.stdout
@@ -169,7 +169,7 @@ def test_option_trains_syncs_checkpoints_resumes_and_evaluates(name: str, prepar
             events = EventAccumulator(str(events_file))
             events.Reload()
             steps |= {e.step for e in events.Scalars("train/reward/mean")}
-        assert steps == {1, 2, 3, 4}, steps
+        assert steps == {1, 2, 3}, steps
 
 
 def two_servers_served(store_path: Path, logs: Path) -> None:
@@ -177,7 +177,7 @@ def two_servers_served(store_path: Path, logs: Path) -> None:
     logs: vLLM logs the id of every request it receives (``--enable-log-requests``), which is the id of its
     answer, recorded on the call's span in the store. Each step's first two tasks went to the two servers (the
     task of an extra draw, ``drew_more``, to one of them), every call of one task's group to the same one; each server
-    took every weight sync of its run (its access log: 3 in the first run, the resumed weights and step 4's in the
+    took every weight sync of its run (its access log: 2 in the first run, the resumed weights and step 3's in the
     second) and answered every call of step s with the weights
     of step s (the version lit's route guard adds to its answers)."""
     from lit_sdk import semconv
@@ -188,9 +188,9 @@ def two_servers_served(store_path: Path, logs: Path) -> None:
         text = log.read_text(errors="replace")
         syncs[log.name] = text.count('"POST /update_weight_version HTTP/1.1" 200')
         server_of.update(dict.fromkeys(re.findall(r"Received request (chatcmpl-[^\s:]+)", text), log.name))
-    assert sorted(syncs.values()) == [2, 2, 3, 3], syncs  # four servers: two per run
+    assert sorted(syncs.values()) == [2, 2, 2, 2], syncs  # four servers: two per run
     with SqliteStore(store_path) as store:
-        for step in range(4):
+        for step in range(3):
             servers_of_task = collections.defaultdict(set)
             for row in store.rollouts_of_step(step):
                 if row.status is not RolloutStatus.SUCCEEDED:
@@ -205,13 +205,13 @@ def two_servers_served(store_path: Path, logs: Path) -> None:
 
 
 def drew_more(train: list[dict], store_path: Path) -> None:
-    """Steps 1 and 4 (seed 0) drew a solved task first (train18, train10): one group at most with signal of the 2
+    """Steps 1 and 3 (seed 0) drew a solved task first (train18, train11): one group at most with signal of the 2
     wanted, so one extra draw of one fresh task, the 4 rollouts of the budget, stored under the step beside its
-    first draw's. Steps 2 and 3 draw only if a group's 4 rollouts got the same parity by chance."""
+    first draw's. Step 2 draws only if a group's 4 rollouts got the same parity by chance."""
     from lit_trainer.intake.store import SqliteStore
 
     draws = {r["step"]: r["sampling/draws"] for r in train}
-    assert draws[1] == draws[4] == 1 and draws[2] in (0, 1) and draws[3] in (0, 1), draws
+    assert draws[1] == draws[3] == 1 and draws[2] in (0, 1), draws
     with SqliteStore(store_path) as store:
         for r in train:
             ids = [row.rollout_id for row in store.rollouts_of_step(r["step"] - 1)]
