@@ -187,6 +187,8 @@ BAD_VALUES = {  # #27's holes: each one raised in the trainer (assert, ValueErro
         sc.LLM_RESPONSE_LOGPROBS: [[-0.5], -0.5]})),
     "overflowing_logprobs": (Unusable.BAD_LOGPROBS, lambda t, root, call: _set(t, call, **{
         sc.LLM_RESPONSE_LOGPROBS: [-1.7e308, -1.7e308]})),
+    "logprob_float32_cannot_hold": (Unusable.BAD_LOGPROBS, lambda t, root, call: _set(t, call, **{
+        sc.LLM_RESPONSE_LOGPROBS: [-1e39, -0.5]})),  # finite in float64, -inf in the trainer's float32
     "text_temperature": (Unusable.BAD_SAMPLING, lambda t, root, call: _set(t, call, **{sc.LLM_TEMPERATURE: "hot"})),
     "negative_temperature": (Unusable.BAD_SAMPLING, lambda t, root, call: _set(t, call, **{
         sc.LLM_TEMPERATURE: -1.0})),
