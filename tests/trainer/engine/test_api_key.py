@@ -14,7 +14,7 @@ import requests
 
 from lit_sdk.protocol.security import SecurityError, generate_keys, read_api_key
 from lit_trainer.engine.config import InferenceConfig, WeightSyncConfig
-from lit_trainer.engine.launch import resolve_api_key
+from lit_trainer.engine.launch import resolve_api_key, vllm_python
 from lit_trainer.engine.logprob_check import sample_from_vllm
 from lit_trainer.engine.route_guard import HEADER
 from lit_trainer.engine.server import InferenceServer
@@ -80,7 +80,8 @@ def stand_in(tmp_path: Path) -> Path:
     pytest.importorskip("starlette")
     (tmp_path / "stand_in.py").write_text(STAND_IN)
     python = tmp_path / "fake-python"
-    python.write_text(f'#!/bin/sh\nif [ "$1" = "-c" ]; then exec {sys.executable} "$@"; fi\n'
+    probes = vllm_python(InferenceConfig())  # lit's checks for vLLM (-c) go to the real vLLM's environment
+    python.write_text(f'#!/bin/sh\nif [ "$1" = "-c" ]; then exec {probes} "$@"; fi\n'
                       f'exec {sys.executable} {tmp_path / "stand_in.py"} "$@"\n')
     python.chmod(0o755)
     (tmp_path / "model").mkdir()

