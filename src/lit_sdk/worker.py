@@ -138,9 +138,10 @@ def check_endpoint(endpoint: str) -> None:
         port = None
     if (parts.scheme == "tcp" and parts.hostname and port) or (parts.scheme == "ipc" and len(endpoint) > 6):
         return
+    why = "not an http:// URL" if parts.scheme in ("http", "https") else "with its host and port"
     raise ValueError(f"--connect {endpoint!r} is not the trainer's dispatch endpoint: give it as tcp://HOST:PORT "
                      "(lit train prints it at start: 'lit: workers connect to tcp://...'; the port is that of "
-                     "[dispatch_endpoint] endpoint), not an http:// URL")
+                     f"[dispatch_endpoint] endpoint), {why}")
 
 
 def reachable(address: str, trainer_host: str) -> str:

@@ -24,7 +24,8 @@ def test_dispatch_endpoints_are_accepted(endpoint: str):
 @pytest.mark.parametrize("endpoint", ["http://127.0.0.1:7374", "tcp://127.0.0.1", "127.0.0.1:7374", "tcp://:7374",
                                       "tcp://127.0.0.1:port", "ipc://"])
 def test_other_addresses_are_refused_with_the_form_to_use(endpoint: str):
-    with pytest.raises(ValueError, match=r"is not the trainer's dispatch endpoint: give it as tcp://HOST:PORT"):
+    why = "not an http:// URL" if endpoint.startswith("http") else "with its host and port"
+    with pytest.raises(ValueError, match=r"is not the trainer's dispatch endpoint: give it as tcp://HOST:PORT.*" + why):
         check_endpoint(endpoint)
 
 
