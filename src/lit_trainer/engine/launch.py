@@ -86,14 +86,24 @@ VLLM_ENV = "vllm"
 """The folder, inside the trainer's environment, of the environment that runs vLLM (``vllm_python``)."""
 
 
+def vllm_env() -> Path:
+    """``<sys.prefix>/vllm``: the environment of its own in which lit looks for vLLM (where ``run.sh`` puts it)."""
+    return Path(sys.prefix) / VLLM_ENV
+
+
 def vllm_python(config: InferenceConfig) -> str:
-    """The interpreter that runs vLLM: ``InferenceConfig.python``; else that of the environment ``vllm/`` inside
-    this one (``<sys.prefix>/vllm``, where ``run.sh`` installs vLLM); else this interpreter. vLLM keeps an
-    environment of its own because it needs mcp 2 and the agent frameworks' MCP tools need mcp 1."""
+    """The interpreter that runs vLLM: ``InferenceConfig.python``; else that of ``vllm_env()`` when it exists;
+    else this interpreter. vLLM keeps an environment of its own because it needs mcp 2 and the agent frameworks'
+    MCP tools need mcp 1."""
     if config.python:
         return config.python
-    own = Path(sys.prefix) / VLLM_ENV / "bin" / "python"
+    own = vllm_env() / "bin" / "python"
     return str(own) if own.exists() else sys.executable
+
+
+def install_vllm_hint() -> str:
+    """How to install vLLM where lit looks for it (``vllm_env()``), for the messages that find it missing."""
+    return vllm_install(str(vllm_env()))
 
 
 def resolve_device(config: InferenceConfig) -> str:
@@ -252,6 +262,6 @@ def check_vllm_importable(python: str) -> None:
     if not found:
         raise VLLMNotInstalledError(
             f"vLLM is not installed for {python}: give it an environment of its own, "
-            f"{vllm_install(str(Path(sys.prefix) / VLLM_ENV))}; or point InferenceConfig.python at one that has it"
+            f"{install_vllm_hint()}; or point InferenceConfig.python at one that has it"
         )
 

@@ -17,7 +17,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -26,18 +25,17 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lit_sdk.install import vllm_install
 from lit_sdk.processes import start_child, stop_child
 from lit_trainer.engine._shm import free_orphan_segments
 from lit_trainer.engine.config import InferenceConfig
 from lit_trainer.engine.launch import (
-    VLLM_ENV,
     Credentials,
     InferenceError,
     build_command,
     build_env,
     check_vllm_importable,
     cuda_device_count,
+    install_vllm_hint,
     pick_port,
     resolve_api_key,
     resolve_device,
@@ -217,7 +215,7 @@ class InferenceServer:
         if "address already in use" in lowered:
             hint = f"port {self.port} got taken (InferenceConfig.port): set port = 0 or free the port"
         elif "no module named 'vllm" in lowered or 'no module named "vllm' in lowered:
-            hint = f"vLLM is not installed there: {vllm_install(str(Path(sys.prefix) / VLLM_ENV))}"
+            hint = f"vLLM is not installed there: {install_vllm_hint()}"
         elif code == -signal.SIGKILL or any(marker in lowered for marker in _OOM_MARKERS):
             hint = (
                 "it looks out of memory: lower InferenceConfig.max_model_len, cpu_kv_cache_gb (CPU) or "
