@@ -40,7 +40,7 @@ from langchain_openai import ChatOpenAI
 from langgraph.graph import END, StateGraph
 
 import lit_sdk as lit
-from examples.sql.databases import database, run_query, schema_text
+from examples.sql.databases import database, format_schema, run_query, schema_text
 from examples.sql.sandbox import query_rows
 
 MAX_REWRITES = 1
@@ -56,7 +56,9 @@ CHECKER_SYSTEM = "You check SQLite queries. Answer yes or no."
 CHECKER_QUESTION = "Is the query wrong?"
 """Asked this way, not "is it right?": the untrained model answers "no" to nearly any yes/no question, so asked
 whether the query is right it objected to 98-100% of them and the rewriter replaced correct drafts."""
-DEMO_TABLE = "pets(name, kind, age, weight)"
+DEMO_SCHEMA = format_schema(([("pets", ["name", "kind", "age", "weight", "home"]),
+                               ("homes", ["name", "street", "rent"])], [("pets", "home", "homes", "name")]))
+"""The schema of the worked examples: two tables that no split uses."""
 SHOT_POOL = [
     ("How many pets are there?", "SELECT COUNT(*) FROM pets"),
     ("How many pets are dogs?", "SELECT COUNT(*) FROM pets WHERE kind = 'dog'"),
@@ -68,9 +70,20 @@ SHOT_POOL = [
     ("What is the highest weight of any pet?", "SELECT MAX(weight) FROM pets"),
     ("What is the total weight of the pets that are dogs?", "SELECT SUM(weight) FROM pets WHERE kind = 'dog'"),
 ]
-"""Worked examples for the writer, on a table no split uses: (question, query). Each prompt shows the
-``SHOTS_SHOWN`` whose wording is closest to the question's (example selection, as DAIL-SQL does)."""
+"""Worked examples on one table: (question, query)."""
+JOIN_SHOT_POOL = [
+    ("Which pets live in a home with a rent above 40?",
+     "SELECT pets.name FROM pets JOIN homes ON pets.home = homes.name WHERE homes.rent > 40"),
+    ("How many pets live in a home on Elm street?",
+     "SELECT COUNT(*) FROM pets JOIN homes ON pets.home = homes.name WHERE homes.street = 'Elm'"),
+    ("What is the total weight of the pets that live in a home on Oak street?",
+     "SELECT SUM(pets.weight) FROM pets JOIN homes ON pets.home = homes.name WHERE homes.street = 'Oak'"),
+]
+"""Worked examples that join the two tables through their key. A database with a foreign key gets the closest
+example of each pool, the closer one last (the small model follows the latest example it saw); one without, the
+closest one-table example alone (example selection by wording, as DAIL-SQL does)."""
 SHOTS_SHOWN = 1
+"""Examples of each pool shown."""
 _WORD = re.compile(r"[a-z]+")
 REWRITE_SHOT = ("How many pets are dogs?", "SELECT name FROM pets WHERE kind = 'dog'",
                 "its result (Rex; Bo) does not answer the question", "SELECT COUNT(*) FROM pets WHERE kind = 'dog'")
@@ -126,39 +139,47 @@ def show_rows(rows: list[tuple]) -> str:
 
 def closest_shots(question: str, pool: list[tuple[str, str]] = SHOT_POOL, k: int = SHOTS_SHOWN
                   ) -> list[tuple[str, str]]:
-    """The ``k`` examples whose words overlap the question's most (Jaccard), the closest last: the small model
-    follows the latest example it saw."""
-    words = set(_WORD.findall(question.lower()))
+    """The ``k`` examples whose words overlap the question's most (Jaccard), the closest last."""
+    return sorted(pool, key=lambda shot: _overlap(question, shot[0]))[-k:]
 
-    def overlap(shot: tuple[str, str]) -> float:
-        other = set(_WORD.findall(shot[0].lower()))
-        return len(words & other) / len(words | other)
 
-    return sorted(pool, key=overlap)[-k:]
+def _overlap(question: str, other: str) -> float:
+    words, others = set(_WORD.findall(question.lower())), set(_WORD.findall(other.lower()))
+    return len(words & others) / len(words | others)
 
 
 Shots = list[tuple[str, str]] | int
-"""Worked examples: a fixed list, or how many of the closest to show."""
+"""Worked examples: a fixed list, or how many of the closest of each pool to show."""
+
+
+def writer_shots(db: str, question: str, shots: Shots = SHOTS_SHOWN) -> list[tuple[str, str]]:
+    """The worked examples the writer sees for ``question`` (see ``JOIN_SHOT_POOL``)."""
+    if not isinstance(shots, int):
+        return shots
+    chosen = closest_shots(question, k=shots)
+    if "\nKey: " in schema_text(db):
+        chosen += closest_shots(question, JOIN_SHOT_POOL, shots)
+    return sorted(chosen, key=lambda shot: _overlap(question, shot[0]))
 
 
 def writer_messages(db: str, question: str, shots: Shots = SHOTS_SHOWN) -> list[BaseMessage]:
     messages: list[BaseMessage] = [SystemMessage(WRITER_SYSTEM)]
-    for q, sql in closest_shots(question, k=shots) if isinstance(shots, int) else shots:
-        messages += [HumanMessage(f"Table: {DEMO_TABLE}\nQuestion: {q}"), AIMessage(sql)]
-    return [*messages, HumanMessage(f"Table: {schema_text(db)}\nQuestion: {question}")]
+    for q, sql in writer_shots(db, question, shots):
+        messages += [HumanMessage(f"{DEMO_SCHEMA}\nQuestion: {q}"), AIMessage(sql)]
+    return [*messages, HumanMessage(f"{schema_text(db)}\nQuestion: {question}")]
 
 
 def rewriter_messages(db: str, question: str, query: str, objection: str) -> list[BaseMessage]:
     q, wrong, why, fixed = REWRITE_SHOT
     return [SystemMessage(REWRITER_SYSTEM),
-            HumanMessage(f"Table: {DEMO_TABLE}\nQuestion: {q}\nQuery: {wrong}\nProblem: {why}"), AIMessage(fixed),
-            HumanMessage(f"Table: {schema_text(db)}\nQuestion: {question}\nQuery: {query or '(none)'}\n"
+            HumanMessage(f"{DEMO_SCHEMA}\nQuestion: {q}\nQuery: {wrong}\nProblem: {why}"), AIMessage(fixed),
+            HumanMessage(f"{schema_text(db)}\nQuestion: {question}\nQuery: {query or '(none)'}\n"
                          f"Problem: {objection}")]
 
 
 def checker_messages(db: str, question: str, query: str, rows: list[tuple]) -> list[BaseMessage]:
     return [SystemMessage(CHECKER_SYSTEM),
-            HumanMessage(f"Table: {schema_text(db)}\nQuestion: {question}\nQuery: {query}\n"
+            HumanMessage(f"{schema_text(db)}\nQuestion: {question}\nQuery: {query}\n"
                          f"Result: {show_rows(rows)}\n{CHECKER_QUESTION}")]
 
 

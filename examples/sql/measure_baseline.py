@@ -39,7 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import lit_sdk as lit
 from examples import baseline
 from examples.sql.agent import SHOT_POOL, Attempt, Shots, solve
-from examples.sql.tasks import make_tasks
+from examples.sql.tasks import JOIN_FORMS, make_tasks
+
+JOIN_KINDS = {f.__name__ for f in JOIN_FORMS}
 
 FIXED = [SHOT_POOL[i] for i in (1, 3, 6, 5)]
 VARIANTS: dict[str, Shots] = {
@@ -47,7 +49,7 @@ VARIANTS: dict[str, Shots] = {
     "closest_two": 2,
     "fixed_two": FIXED[:2],
     "fixed_four": FIXED,
-    "all_nine": SHOT_POOL,
+    "all_one_table": SHOT_POOL,
 }
 """Worked examples for the writer compared; ``closest_one`` is what ``sql_agent`` runs."""
 
@@ -70,7 +72,8 @@ async def measure(base_url: str, model: str, args: argparse.Namespace) -> None:
     greedy = lit.LLM(base_url=base_url, model=model, temperature=0.0, max_tokens=args.max_tokens)
     sampled = lit.LLM(base_url=base_url, model=model, temperature=args.temperature, max_tokens=args.max_tokens)
     validation = make_tasks("validation", args.validation)
-    train = make_tasks("train", 2000)[:: max(1, 220 // args.train_tasks)][: args.train_tasks]
+    pool = make_tasks("train", 2000)
+    train = pool[:: max(1, len(pool) // args.train_tasks)][: args.train_tasks]
 
     t0 = time.perf_counter()
     shots = VARIANTS[args.variant]
@@ -89,6 +92,10 @@ async def measure(base_url: str, model: str, args: argparse.Namespace) -> None:
     for task, a in zip(validation, val, strict=True):
         by_kind[task["kind"]].append(a.reward)
     print("  by form: " + ", ".join(f"{k} {statistics.fmean(v):.2f}" for k, v in by_kind.items()))
+    joins = [r for k, v in by_kind.items() if k in JOIN_KINDS for r in v]
+    others = [r for k, v in by_kind.items() if k not in JOIN_KINDS for r in v]
+    print(f"  join questions {statistics.fmean(joins):.3f} ({len(joins)}), "
+          f"one-table questions {statistics.fmean(others):.3f} ({len(others)})")
     print(f"\n== temperature {args.temperature}, {len(train)} train tasks x {args.samples} ({sam_s:.0f} s) ==")
     for key, value in describe(sam).items():
         print(f"  {key:26s} {value:8.3f}")

@@ -5,8 +5,9 @@
 
 Training questions are about ``TRAIN_DOMAINS``, validation questions about ``HELD_OUT_DOMAINS``: no table, column or
 value of a validation question ever appears in training. Both use the same question forms (counting, filtering,
-extremes, aggregates), so the held-out metric asks whether the model learned to write SQL for a schema it has never
-seen. Each task's ``kind`` is its question form. Deterministic: a seeded ``random.Random`` per split.
+extremes, aggregates on the main table; and three that need a join with the lookup table, ``JOIN_FORMS``), so the
+held-out metric asks whether the model learned to write SQL for a schema it has never seen. Each task's ``kind`` is
+its question form. Deterministic: a seeded ``random.Random`` per split.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from examples.sql.databases import DOMAINS, HELD_OUT_DOMAINS, TRAIN_DOMAINS, Domain, rows_of
+from examples.sql.databases import DOMAINS, HELD_OUT_DOMAINS, TRAIN_DOMAINS, Domain, lookup_rows, rows_of
 
 SEEDS = {"train": 4321, "validation": 8765}
 
@@ -77,8 +78,45 @@ def total_where(rng: random.Random, d: Domain) -> Question:
             f"SELECT SUM({n.column}) FROM {d.table} WHERE {c.column} = '{v}'")
 
 
+def _join(d: Domain) -> str:
+    return (f"FROM {d.table} JOIN {d.lookup.table} ON {d.table}.{d.categories[0].column} = "
+            f"{d.lookup.table}.name WHERE")
+
+
+def _lookup_condition(rng: random.Random, d: Domain, numbers: bool = True) -> tuple[str, str]:
+    """(how the question says it, the WHERE condition) on a column of the lookup table: its text column, or (when
+    ``numbers``) its number column above a value that leaves one to three of the four lookup rows."""
+    lookup = d.lookup
+    if numbers and rng.random() < 0.5:
+        values = sorted(r[lookup.number.column] for r in lookup_rows(d))
+        threshold = values[rng.randint(0, len(values) - 2)]
+        return (lookup.number_phrase.format(v=threshold),
+                f"{lookup.table}.{lookup.number.column} > {threshold}")
+    v = rng.choice(lookup.texts)
+    return lookup.text_phrase.format(v=v), f"{lookup.table}.{lookup.text} = '{v}'"
+
+
+def join_names(rng: random.Random, d: Domain) -> Question:
+    said, condition = _lookup_condition(rng, d)
+    return f"Which {d.plural} {said}?", f"SELECT {d.table}.name {_join(d)} {condition}"
+
+
+def join_count(rng: random.Random, d: Domain) -> Question:
+    said, condition = _lookup_condition(rng, d)
+    return f"How many {d.plural} {said}?", f"SELECT COUNT(*) {_join(d)} {condition}"
+
+
+def join_total(rng: random.Random, d: Domain) -> Question:
+    n = rng.choice(d.numbers)
+    said, condition = _lookup_condition(rng, d, numbers=False)
+    return (f"What is the total {n.column} of the {d.plural} that {said}?",
+            f"SELECT SUM({d.table}.{n.column}) {_join(d)} {condition}")
+
+
+JOIN_FORMS: list[Callable[[random.Random, Domain], Question]] = [join_names, join_count, join_total]
+"""The forms whose questions need both tables."""
 FORMS: list[Callable[[random.Random, Domain], Question]] = [
-    count_all, count_where, names_where, highest, lowest, above, average, maximum, total_where]
+    count_all, count_where, names_where, highest, lowest, above, average, maximum, total_where, *JOIN_FORMS]
 
 
 def make_tasks(split: str, n: int) -> list[dict]:

@@ -7,9 +7,27 @@ import sqlite3
 
 import pytest
 
-from examples.sql.agent import MAX_REWRITES, closest_shots, execution_match, extract_sql, sql_agent
-from examples.sql.databases import DOMAINS, HELD_OUT_DOMAINS, TRAIN_DOMAINS, columns, rows_of, run_query
-from examples.sql.tasks import FORMS, make_tasks
+from examples.sql.agent import (
+    JOIN_SHOT_POOL,
+    MAX_REWRITES,
+    closest_shots,
+    execution_match,
+    extract_sql,
+    sql_agent,
+    writer_messages,
+)
+from examples.sql.databases import (
+    DOMAINS,
+    HELD_OUT_DOMAINS,
+    TRAIN_DOMAINS,
+    columns,
+    lookup_columns,
+    lookup_rows,
+    rows_of,
+    run_query,
+    schema_text,
+)
+from examples.sql.tasks import FORMS, JOIN_FORMS, make_tasks
 from lit_sdk import semconv as sc
 from lit_trainer.intake.episodes import Episode, build_episode
 
@@ -17,8 +35,8 @@ from lit_trainer.intake.episodes import Episode, build_episode
 def vocabulary(table: str) -> set[str]:
     """Every table, column and value name of a domain."""
     domain = DOMAINS[table]
-    words = {table, *(c for c, _ in columns(domain))}
-    words |= {v for c in domain.categories for v in c.values} | set(domain.names)
+    words = {table, domain.lookup.table, *(c for c, _ in columns(domain) + lookup_columns(domain))}
+    words |= {v for c in domain.categories for v in c.values} | set(domain.names) | set(domain.lookup.texts)
     return words - {"name"}
 
 
@@ -40,6 +58,33 @@ def test_tasks_are_deterministic_distinct_and_every_gold_query_runs():
     assert {t["kind"] for t in val} == {f.__name__ for f in FORMS}
     for task in train + val:
         assert run_query(task["db"], task["gold"]), task  # every gold answer is a non-empty result
+
+
+def test_each_database_has_a_lookup_table_behind_a_foreign_key_and_join_questions_need_it():
+    assert schema_text("students") == ("Table students: name, city, age, score\n"
+                                       "Table cities: name, country, population\n"
+                                       "Key: students.city = cities.name")
+    for domain in DOMAINS.values():
+        lookups = lookup_rows(domain)
+        assert [r["name"] for r in lookups] == list(domain.categories[0].values)
+        assert len({r[domain.lookup.text] for r in lookups}) == 4
+        assert len({r[domain.lookup.number.column] for r in lookups}) == 4
+    joins = [t for t in make_tasks("validation", 64) if t["kind"] in {f.__name__ for f in JOIN_FORMS}]
+    assert len(joins) >= 16
+    for task in joins:  # the main table alone cannot answer: the condition is on the lookup table's columns
+        lookup = DOMAINS[task["db"]].lookup.table
+        assert f"JOIN {lookup} ON" in task["gold"] and f"WHERE {lookup}." in task["gold"], task
+        with pytest.raises(sqlite3.Error, match="no such column"):
+            run_query(task["db"], task["gold"].split(" JOIN ")[0] + " WHERE " + task["gold"].split(" WHERE ")[1])
+
+
+def test_the_writer_sees_a_join_example_on_a_database_with_a_key():
+    question = "How many movies have a rating with viewers above 30?"
+    messages = writer_messages("movies", question)
+    shown = [m.content for m in messages[2::2]]  # the worked examples' answers
+    assert len(shown) == 2 and sum(" JOIN homes ON " in sql for sql in shown) == 1
+    assert messages[-1].content == f"{schema_text('movies')}\nQuestion: {question}"
+    assert {sql for _, sql in JOIN_SHOT_POOL} & set(shown)
 
 
 def test_numbers_are_distinct_so_extremes_have_one_answer():
