@@ -80,6 +80,9 @@ def test_another_local_user_gets_no_keys_and_no_work(tmp_path):
             seen = other_user(folder, dispatcher.endpoint)
             workers, refused = dict(dispatcher.workers), dispatcher.refused_peers
         assert seen == ["keys: permission denied", "no answer"]
-        assert workers == {} and refused.get("no_key", 0) >= 1  # refused at the handshake: its hello never came
+        # Refused at the handshake, its hello never came. Which side drops the connection first is a race: the
+        # trainer's side reports the mechanism mismatch ("no_key"), or the other side hung up first ("handshake";
+        # 2 runs in 6 here).
+        assert workers == {} and refused.get("no_key", 0) + refused.get("handshake", 0) >= 1, refused
     finally:
         shutil.rmtree(shared)
