@@ -17,8 +17,10 @@ All three roles use the served model (the policy being trained). ``examples/sql/
 writer's and the rewriter's calls (``agents = ["writer", "rewriter"]``): the checker's judgement shapes the episode
 but is never a training target, as in Agent Lightning's SQL experiment. lit names each call after its LangGraph node.
 
-Design (``measure_baseline.py`` has the numbers): worked examples as earlier chat turns on a table that no split
-uses (``pets``), the query alone as the answer, and the table as ``name(col, col, ...)``.
+Design (``measure_baseline.py`` has the numbers): worked examples as earlier chat turns on two tables that no split
+uses (``pets`` and ``homes``), one of them a join when the database has a foreign key; the query alone as the
+answer; the schema read from the database, a line per table and per key (``databases.format_schema``), so any
+SQLite file works: the generated ones or the user's (``spider.py``).
 
 Reward: execution match, the rows of the final query against the gold query's, as multisets (row order ignored,
 numbers compared to 4 decimals). A query that fails, tries to write, runs past a limit of the sandbox, or is empty
