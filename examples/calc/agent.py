@@ -137,7 +137,8 @@ def make_client(llm: lit.LLM) -> OpenAIChatCompletionClient:
 
 
 async def solve(task: dict, llm: lit.LLM, *, system_message: str = SYSTEM_MESSAGE, reflect: bool = False,
-                tools: bool = True, shots: list[tuple[str, str]] = SHOTS, compact: bool = True) -> Attempt:
+                tools: bool = True, shots: list[tuple[str, str]] = SHOTS, compact: bool = True,
+                tool_iterations: int = 1) -> Attempt:
     """Run the agent once on ``task`` and grade it. The keywords exist for ``measure_baseline.py``'s variants;
     ``calc_agent`` uses the defaults."""
     client = make_client(llm)
@@ -145,6 +146,7 @@ async def solve(task: dict, llm: lit.LLM, *, system_message: str = SYSTEM_MESSAG
         tool = (CompactTool if compact else FunctionTool)(calculator, calculator.__doc__ or "")
         agent = AssistantAgent("calc", model_client=client, tools=[tool] if tools else None,
                                system_message=system_message, reflect_on_tool_use=reflect,
+                               max_tool_iterations=tool_iterations,
                                model_context=UnboundedChatCompletionContext(demonstration(shots)))
         result = await agent.run(task=task["question"])
     finally:
