@@ -42,7 +42,7 @@ from langchain_openai import ChatOpenAI
 from langgraph.graph import END, StateGraph
 
 import lit_sdk as lit
-from examples.sql.databases import database, format_schema, run_query, schema_text
+from examples.sql.databases import database, format_schema, run_query, schema, schema_text
 from examples.sql.sandbox import query_rows
 
 MAX_REWRITES = 1
@@ -159,7 +159,8 @@ def writer_shots(db: str, question: str, shots: Shots = SHOTS_SHOWN) -> list[tup
     if not isinstance(shots, int):
         return shots
     chosen = closest_shots(question, k=shots)
-    if "\nKey: " in schema_text(db):
+    _, keys = schema(db)
+    if keys:
         chosen += closest_shots(question, JOIN_SHOT_POOL, shots)
     return sorted(chosen, key=lambda shot: _overlap(question, shot[0]))
 

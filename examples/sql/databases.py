@@ -233,9 +233,9 @@ def read_schema(path: Path) -> Schema:
     with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
         names = [r[0] for r in db.execute(
             "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' ORDER BY rowid")]
-        tables = [(t, [r[1] for r in db.execute("SELECT * FROM pragma_table_info(?)", (t,))]) for t in names]
-        primary = {t: next((r[1] for r in db.execute("SELECT * FROM pragma_table_info(?)", (t,)) if r[5]), None)
-                   for t in names}
+        info = {t: db.execute("SELECT name, pk FROM pragma_table_info(?)", (t,)).fetchall() for t in names}
+        tables = [(t, [column for column, _ in info[t]]) for t in names]
+        primary = {t: next((column for column, pk in info[t] if pk), None) for t in names}
         keys = []
         for t in names:
             for row in db.execute("SELECT * FROM pragma_foreign_key_list(?)", (t,)):
@@ -245,16 +245,26 @@ def read_schema(path: Path) -> Schema:
     return tables, keys
 
 
-_schemas: dict[tuple[Path, float], str] = {}
+_schemas: dict[tuple[Path, float], tuple[Schema, str]] = {}
+
+
+def schema(db: str) -> Schema:
+    """The tables, columns and foreign keys of a task's database (``read_schema``)."""
+    return _schema_of(db)[0]
 
 
 def schema_text(db: str) -> str:
-    """The schema of a task's database as the prompts show it (``format_schema``), read from the file once per
-    process (again when the file changes)."""
+    """The schema of a task's database as the prompts show it (``format_schema``)."""
+    return _schema_of(db)[1]
+
+
+def _schema_of(db: str) -> tuple[Schema, str]:
+    """The schema and its text, read from the file once per process (again when the file changes)."""
     path = database(db)
     key = (path, path.stat().st_mtime)
     if key not in _schemas:
-        _schemas[key] = format_schema(read_schema(path))
+        read = read_schema(path)
+        _schemas[key] = read, format_schema(read)
     return _schemas[key]
 
 

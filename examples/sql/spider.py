@@ -116,12 +116,14 @@ def splits(source: Path, questions: Path | None, held_out: float) -> tuple[list[
 
 def to_tasks(items: list[dict], source: Path, split: str) -> tuple[list[dict], list[str]]:
     """The split's tasks, and a line for each question left out because its gold query fails."""
-    tasks, dropped = [], []
+    tasks, dropped, paths = [], [], {}
     for i, item in enumerate(items):
-        path = str(find_database(source, item["db_id"]).resolve())
+        if item["db_id"] not in paths:  # found and checked once per database, not per question
+            paths[item["db_id"]] = str(database(str(find_database(source, item["db_id"]).resolve())))
+        path = paths[item["db_id"]]
         gold = " ".join(item["query"].split())
         try:
-            run_readonly(database(path), gold)
+            run_readonly(path, gold)
         except sqlite3.Error as exc:
             dropped.append(f"{split} question {i} ({item['db_id']}): {exc}")
             continue
