@@ -7,6 +7,13 @@ from __future__ import annotations
 import select
 import socket
 import struct
+from collections.abc import Callable
+
+from waiting import wait_until
+
+FLOOD_BATCH = 50
+"""Connections a flood opens at once: under a listener's backlog (ZeroMQ's default 100). Past it, on a loaded
+machine, the rest wait for SYN retries (1, 3, 7, 15, 31 s) and were still connecting when a test's 30 s ran out."""
 
 
 def flood(endpoint: str, n: int) -> list[socket.socket]:
@@ -18,6 +25,18 @@ def flood(endpoint: str, n: int) -> list[socket.socket]:
         sock.setblocking(False)
         sock.connect_ex((host, int(port)))
         socks.append(sock)
+    return socks
+
+
+def flood_until(endpoint: str, full: Callable[[], object], accepted: Callable[[], int], most: int = 700
+                ) -> list[socket.socket]:
+    """Idle connections to ``endpoint``, ``FLOOD_BATCH`` at a time, each batch ``accepted()`` (the flood's
+    connections the listener has taken so far) before the next, until ``full()`` or ``most`` are open."""
+    socks: list[socket.socket] = []
+    while len(socks) < most and not full():
+        socks += flood(endpoint, min(FLOOD_BATCH, most - len(socks)))
+        sent = len(socks)
+        wait_until(lambda n=sent: full() or accepted() >= n, f"the listener accepting {sent} idle connections")
     return socks
 
 

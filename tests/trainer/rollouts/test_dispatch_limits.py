@@ -3,7 +3,8 @@ process's descriptors (shared with the collector), and the handshake timeout.
 
 A dispatcher that needs a low open-files limit runs in a child process beside a collector, as in the trainer
 (``trainer_process``); the worker there is a real ``lit worker`` process, whose rollouts succeed only when their
-spans reached that collector. Hostile peers are raw TCP connections that never say a word (``raw_peers.flood``).
+spans reached that collector. Hostile peers are raw TCP connections that never say a word (``raw_peers.flood``,
+``raw_peers.flood_until``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from raw_peers import closed_by_peer, flood, send_message, zmtp_connect
+from raw_peers import closed_by_peer, flood, flood_until, send_message, zmtp_connect
 from test_dispatch_faults import FakeWorker, hello, make_dispatcher, requests, run_in_thread  # noqa: F401 (a fixture)
 from waiting import wait_until
 
@@ -31,7 +32,7 @@ from lit_trainer.intake.store import RolloutStatus
 
 TESTS = Path(__file__).parents[2]
 NOFILE = 512
-"""The open-files limit of the trainer process that a flood of 700 connections meets."""
+"""The open-files limit of the trainer process that a flood of up to 700 connections meets."""
 WORKER_S = 20.0
 """How long ``run`` waits for the worker during the flood (``no_worker_timeout_s``): below the 30 s after which
 ZeroMQ's own default handshake timeout would have closed the flood."""
@@ -127,10 +128,17 @@ def test_a_flood_of_idle_connections_on_the_dispatch_port_leaves_room_for_worker
         keys_dir = tmp_path / "keys"
         security.generate_keys(keys_dir)
     child = trainer_process(tmp_path / "lit.db", NOFILE, keys_dir, no_worker_timeout_s=WORKER_S, handshake_s=60.0)
-    flooders, worker = flood(child.endpoint, 700), None
+    flooders, worker = [], None
     try:
-        wait_until(lambda: child.ask("counts")["evicted"] or child.open_fds() > NOFILE - RESERVE_FDS,
-                   "the flood filling the dispatcher's room (connections closed), or without a cap the reserve")
+        def full():
+            return child.ask("counts")["evicted"] or child.open_fds() > NOFILE - RESERVE_FDS
+
+        def accepted():
+            counts = child.ask("counts")
+            return counts["connections"] + counts["evicted"]
+
+        flooders = flood_until(child.endpoint, full, accepted)
+        wait_until(full, "the flood filling the dispatcher's room (connections closed), or without a cap the reserve")
         worker = start_worker(child.endpoint, tmp_path, keys_dir)
         outcomes = child.ask("run 6")
         counts = child.ask("counts")
