@@ -3,11 +3,16 @@
 
     reward = await rag_agent(task, llm)   # 0.9 x answer F1 + 0.1 x format
 
-One rollout is up to three LLM calls of the agent ``researcher``, each a ``Runner.run`` of one turn:
+One rollout is up to ``max_searches`` + 1 LLM calls of the agent ``researcher`` (three by default), each a
+``Runner.run`` of one turn:
 
-1. and 2. The agent sees the question and its notes (every passage its searches found so far) and calls
-   ``search`` (the run stops at the tool: ``tool_use_behavior="stop_on_first_tool"``), or answers.
-3. After two searches, the same agent without the tool writes the answer: ``Answer: <answer>``.
+1. to ``max_searches``. The agent sees the question and its notes (every passage its searches found so far) and
+   chooses: it calls ``search`` (the run stops at the tool: ``tool_use_behavior="stop_on_first_tool"``), or it
+   answers, which ends the rollout.
+2. After ``max_searches`` searches, the same agent without the tool writes the answer: ``Answer: <answer>``.
+
+``max_searches`` is ``MAX_SEARCHES`` (2: every generated question needs two), or the task's own ``"max_searches"``
+for questions that need more hops.
 
 Design (``measure_baseline.py`` has the numbers). Each call shows worked turns of one question about another world
 (``DEMO``) in the exact ``<tool_call>`` form lit's chat template renders, then the real question with its notes.
@@ -40,8 +45,11 @@ from examples.rag.corpus import search as search_corpus
 
 AGENT_NAME = "researcher"
 INSTRUCTIONS = "Answer the question. Search for each person, company or city you need, then give the answer."
-SEARCHES = 2
-"""Searches before the answer call: every question here needs two."""
+MAX_SEARCHES = 2
+"""The most searches before the answer call, unless a task says ``"max_searches"``: every generated question needs
+two. The agent may answer sooner."""
+SEARCH_LIMIT = 10
+"""The most a task may ask for (each search is one more LLM call of ~350 prompt tokens)."""
 USEFUL_RETRIEVAL = 0.1
 """Intermediate reward for a search that finds a supporting passage not already in the notes."""
 DEMO = ("In which country was Mira Kolt born?",
@@ -113,13 +121,24 @@ class Attempt:
     searches: list[str] = field(default_factory=list)
     useful: int = 0
     """Searches that found a supporting passage new to the notes."""
+    answered_early: bool = False
+    """The agent answered while it could still search."""
     llm_calls: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
 
+def max_searches(task: dict) -> int:
+    """The task's ``"max_searches"`` (a whole number from 1 to ``SEARCH_LIMIT``), else ``MAX_SEARCHES``."""
+    value = task.get("max_searches", MAX_SEARCHES)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= SEARCH_LIMIT:
+        raise ValueError(f"the task's max_searches must be a whole number from 1 to {SEARCH_LIMIT}, got {value!r}")
+    return value
+
+
 async def solve(task: dict, llm: lit.LLM) -> Attempt:
     """Run the agent once on ``task`` and grade its answer."""
+    limit = max_searches(task)
     attempt = Attempt()
     notes: list[str] = []
     supporting = set(task.get("supporting", ()))
@@ -144,8 +163,8 @@ async def solve(task: dict, llm: lit.LLM) -> Attempt:
     answerer = searcher.clone(tools=[])
     search_turns, answer_turns = demonstration()
     try:
-        for call in range(SEARCHES + 1):
-            final = call == SEARCHES
+        for call in range(limit + 1):
+            final = call == limit
             before = len(attempt.searches)
             turns = answer_turns if final else search_turns
             user = {"role": "user", "content": prompt(task["question"], notes, final)}
@@ -159,6 +178,7 @@ async def solve(task: dict, llm: lit.LLM) -> Attempt:
                 attempt.completion_tokens += response.usage.output_tokens
             if len(attempt.searches) == before:  # it answered instead of searching
                 attempt.final = str(result.final_output or "")
+                attempt.answered_early = not final
                 break
     finally:
         await client.close()

@@ -2,10 +2,12 @@
 
     python examples/rag/measure_baseline.py                          # starts vLLM (smollm2-135m)
     python examples/rag/measure_baseline.py --base-url http://127.0.0.1:8000/v1 --model policy
+    python examples/rag/measure_baseline.py --max-searches 3        # let the agent search up to 3 times
 
 Greedy on validation questions, then ``--samples`` rollouts per train question at ``--temperature``: mean reward
-(0.9 x F1 + 0.1 x format), F1, format, exact answers, searches and useful searches per rollout, the share of groups
-whose rewards differ (only those give GRPO a gradient), tokens per call and seconds per rollout. Runs the agent
+(0.9 x F1 + 0.1 x format), F1, format, exact answers, searches and useful searches per rollout, the share that
+answered while it could still search, the share of groups whose rewards differ (only those give GRPO a gradient),
+tokens per call and seconds per rollout. Runs the agent
 plainly, without ``lit.instrument`` (``lit.reward`` is then ignored).
 
 Measured on the 2-core CPU machine (vLLM CPU fp32, 16 rollouts at a time, max_tokens 48; 32 validation questions
@@ -48,6 +50,7 @@ def describe(attempts: list[Attempt]) -> dict[str, float]:
         "exact": statistics.fmean(a.f1 == 1.0 for a in attempts),
         "searches_per_rollout": statistics.fmean(len(a.searches) for a in attempts),
         "useful_per_rollout": statistics.fmean(a.useful for a in attempts),
+        "answered_early": statistics.fmean(a.answered_early for a in attempts),
         "calls_per_rollout": calls / len(attempts),
         "prompt_tokens_per_call": sum(a.prompt_tokens for a in attempts) / calls,
         "response_tokens_per_call": sum(a.completion_tokens for a in attempts) / calls,
@@ -61,6 +64,8 @@ async def measure(base_url: str, model: str, args: argparse.Namespace) -> None:
     greedy = lit.LLM(base_url=base_url, model=model, temperature=0.0, max_tokens=args.max_tokens)
     sampled = lit.LLM(base_url=base_url, model=model, temperature=args.temperature, max_tokens=args.max_tokens)
     validation, train = make_tasks("validation", args.validation), make_tasks("train", args.train_tasks)
+    if args.max_searches is not None:  # the agent's limit on searches, as a task's "max_searches" sets it
+        validation, train = ([{**t, "max_searches": args.max_searches} for t in tasks] for tasks in (validation, train))
     t0 = time.perf_counter()
     val = await baseline.run_all(validation, lambda t: solve(t, greedy), args.concurrency)
     val_s = time.perf_counter() - t0
@@ -83,6 +88,8 @@ async def measure(base_url: str, model: str, args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = baseline.arguments(__doc__.split("\n")[0])
+    parser.add_argument("--max-searches", type=int, default=None,
+                        help="the most searches before the answer call (default: agent.MAX_SEARCHES)")
     baseline.main(measure, parser.parse_args())
 
 

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from examples.rag.agent import AGENT_NAME, USEFUL_RETRIEVAL, f1, grade, rag_agent
+from examples.rag.agent import AGENT_NAME, MAX_SEARCHES, USEFUL_RETRIEVAL, f1, grade, max_searches, rag_agent
 from examples.rag.corpus import encyclopedia, make_tasks, search, worlds
 from lit_sdk import semconv as sc
 from lit_trainer.intake.episodes import Episode, build_episode
@@ -145,3 +145,30 @@ def test_a_task_that_names_a_corpus_is_answered_from_it(traced_rollout, tmp_path
     assert "Dana Ruiz was born in Quito." in llm.requests[2]["messages"][-1]["content"]
     episode = build_episode(spans, agents={AGENT_NAME})
     assert [t.reward for t in episode.transitions] == [None, USEFUL_RETRIEVAL, None]  # the supporting one, found
+
+
+def test_the_agent_may_answer_before_its_last_search(traced_rollout):
+    """The number of searches is the agent's choice up to the limit: an answer after one search ends the rollout."""
+    task = make_tasks("validation", 1)[0]
+    script = [("search", {"query": "anything"}), f"Answer: {task['answer']}"]
+    reward, spans, llm = traced_rollout(rag_agent, task, script)
+    assert reward == 1.0 and len(llm.requests) == 2
+    assert [bool(r.get("tools")) for r in llm.requests] == [True, True]  # it could have searched again
+    episode = build_episode(spans, agents={AGENT_NAME})
+    assert isinstance(episode, Episode) and len(episode.transitions) == 2 and episode.final_reward == 1.0
+
+
+def test_a_task_may_allow_more_searches(traced_rollout):
+    task = {**make_tasks("validation", 1)[0], "max_searches": 3}
+    script = [("search", {"query": "a"}), ("search", {"query": "b"}), ("search", {"query": "c"}),
+              f"Answer: {task['answer']}"]
+    reward, spans, llm = traced_rollout(rag_agent, task, script)
+    assert reward == 1.0 and [bool(r.get("tools")) for r in llm.requests] == [True, True, True, False]
+    assert len(build_episode(spans, agents={AGENT_NAME}).transitions) == 4
+
+
+@pytest.mark.parametrize("value", [0, 11, 2.5, "3", True])
+def test_a_wrong_max_searches_is_named(value):
+    with pytest.raises(ValueError, match=f"max_searches must be a whole number from 1 to 10, got {value!r}"):
+        max_searches({"max_searches": value})
+    assert max_searches({}) == MAX_SEARCHES == 2
