@@ -2,7 +2,7 @@
 three held-out curves in one figure.
 
     python examples/rag/compare_credit.py                         # 3 runs of examples/rag/config.toml, then the PNG
-    python examples/rag/compare_credit.py --minutes 15 --plot-only
+    python examples/rag/compare_credit.py --plot-only             # the PNG again from the finished runs
 
 Each run is ``lit train examples/rag/config.toml credit.mode=MODE train.max_minutes=MINUTES
 train.output_dir=runs/rag-credit-MODE``, one after the other (each needs the whole machine); everything else,
@@ -26,7 +26,7 @@ HERE = Path(__file__).resolve().parent
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=str(HERE / "config.toml"))
-    parser.add_argument("--minutes", type=float, default=14.0, help="train.max_minutes of each run")
+    parser.add_argument("--minutes", type=float, default=30.0, help="train.max_minutes of each run")
     parser.add_argument("--runs", default="runs", help="folder of the three output_dirs")
     parser.add_argument("--png", default=str(HERE / "credit_curves.png"))
     parser.add_argument("--plot-only", action="store_true", help="draw the figure from finished runs")
