@@ -138,16 +138,17 @@ def make_client(llm: lit.LLM) -> OpenAIChatCompletionClient:
 
 async def solve(task: dict, llm: lit.LLM, *, system_message: str = SYSTEM_MESSAGE, reflect: bool = False,
                 tools: bool = True, shots: list[tuple[str, str]] = SHOTS, compact: bool = True,
-                tool_iterations: int = 1) -> Attempt:
+                tool_iterations: int = 1, history: list[LLMMessage] | None = None) -> Attempt:
     """Run the agent once on ``task`` and grade it. The keywords exist for ``measure_baseline.py``'s variants;
-    ``calc_agent`` uses the defaults."""
+    ``calc_agent`` uses the defaults. ``history`` replaces the worked turns made from ``shots``."""
     client = make_client(llm)
     try:
         tool = (CompactTool if compact else FunctionTool)(calculator, calculator.__doc__ or "")
         agent = AssistantAgent("calc", model_client=client, tools=[tool] if tools else None,
                                system_message=system_message, reflect_on_tool_use=reflect,
                                max_tool_iterations=tool_iterations,
-                               model_context=UnboundedChatCompletionContext(demonstration(shots)))
+                               model_context=UnboundedChatCompletionContext(
+                                   demonstration(shots) if history is None else list(history)))
         result = await agent.run(task=task["question"])
     finally:
         await client.close()
