@@ -87,7 +87,7 @@ from tasks import TWO_STEP_EVERY, make_tasks
 import lit_sdk as lit
 
 FORMS = [
-    ("Ana has 20 coins, gets 15 more, then spends 8. How many coins does Ana have?", "20+15-8"),
+    SHOTS[0],
     ("Ben buys 4 boxes of 13 pens and already had 9. How many pens does Ben have?", "4*13+9"),
     ("Kim has 5 jars with 16 beads each and drops 7. How many beads are left?", "5*16-7"),
     ("Leo puts 28 red and 14 blue caps equally into 6 cups. How many caps are in each cup?", "(28+14)/6"),
@@ -97,11 +97,11 @@ FORMS = [
 ``tasks.py`` draws for its form (a last number below 10, a quotient below 11), so none is a validation problem."""
 
 
-def stepwise_history(steps: list[tuple[str, list[str], int]]) -> list[LLMMessage]:
-    """Worked turns that make one calculator call per step, each followed by its result, then answer in text:
-    (question, expressions, answer). Real tool calls and results, as AutoGen sends them in its tool loop."""
+def stepwise_history(steps: list[tuple[str, list[str]]]) -> list[LLMMessage]:
+    """Worked turns that make one calculator call per step, each followed by its result, then answer in text with
+    the last result: (question, expressions). Real tool calls and results, as AutoGen sends them in its tool loop."""
     messages: list[LLMMessage] = []
-    for n, (question, expressions, answer) in enumerate(steps):
+    for n, (question, expressions) in enumerate(steps):
         messages.append(UserMessage(content=question, source="user"))
         for k, expression in enumerate(expressions):
             call_id = f"call_{n}_{k}"
@@ -111,17 +111,16 @@ def stepwise_history(steps: list[tuple[str, list[str], int]]) -> list[LLMMessage
                                  source="calc"),
                 FunctionExecutionResultMessage(content=[FunctionExecutionResult(
                     content=calculator(expression), call_id=call_id, name="calculator", is_error=False)])]
-        messages.append(AssistantMessage(content=f"The answer is {answer}.", source="calc"))
+        messages.append(AssistantMessage(content=f"The answer is {calculator(expressions[-1])}.", source="calc"))
     return messages
 
 
-STEPWISE = [("Ana has 20 coins, gets 15 more, then spends 8. How many coins does Ana have?", ["20+15", "35-8"], 27),
-            ("Tom has 3 bags with 12 apples each. How many apples does Tom have?", ["3*12"], 36)]
+STEPWISE = [(SHOTS[0][0], ["20+15", "35-8"]), (SHOTS[1][0], ["3*12"])]
 """The two worked examples of ``SHOTS``, solved one operation per calculator call."""
 STEPWISE_FORMS = [STEPWISE[0],
-                  (FORMS[1][0], ["4*13", "52+9"], 61),
-                  (FORMS[2][0], ["5*16", "80-7"], 73),
-                  (FORMS[3][0], ["28+14", "42/6"], 7),
+                  (FORMS[1][0], ["4*13", "52+9"]),
+                  (FORMS[2][0], ["5*16", "80-7"]),
+                  (FORMS[3][0], ["28+14", "42/6"]),
                   STEPWISE[1]]
 """``FORMS`` solved one operation per calculator call."""
 

@@ -7,8 +7,8 @@
 Greedy on validation questions, then ``--samples`` rollouts per train question at ``--temperature``: mean reward
 (0.9 x F1 + 0.1 x format), F1, format, exact answers, searches and useful searches per rollout, the share that
 answered while it could still search, the share of groups whose rewards differ (only those give GRPO a gradient),
-tokens per call and seconds per rollout. Runs the agent
-plainly, without ``lit.instrument`` (``lit.reward`` is then ignored).
+tokens per call and seconds per rollout. Runs the agent plainly, without ``lit.instrument`` (``lit.reward`` is then
+ignored).
 
 Measured on the 2-core CPU machine (vLLM CPU fp32, 16 rollouts at a time, max_tokens 48; 32 validation questions
 greedy, 12 train questions x 8 at T=0.7), one design after another:
