@@ -8,17 +8,18 @@ update on the same batch: micro-batching, token-space logprobs, the LightningRL 
 entropy), gradient accumulation, clipping and the AdamW step. Both are timed as the median of ``--reps`` runs after
 a warm-up. Full fine-tune and LoRA (rank 16) are measured separately.
 
-Figure 2 (``--figure paths``). A whole update (full fine-tune, entropy off) with ``Policy.token_logprobs`` replaced
-by ``logprobs.plain_token_logprobs`` (the full (B, T, V) logits of every padded row: the update before
+Figure 2 (``--figure paths``). A whole update (full fine-tune, entropy off) with ``Policy.token_logprobs`` replaced by
+``logprobs.plain_token_logprobs`` (the full (B, T, V) logits of every padded row: the update before
 ``logprobs.token_logprobs``) or by ``logprobs.token_logprobs``, each in a fresh process, so that its peak resident
-memory (VmHWM: model, gradients, AdamW state and the update's peak together) is its own. Two batches: the
-calc example's step (``examples/calc``: 8 tasks x 8 rollouts, each group sharing its task's real prompt, rendered
-with lit's chat template and the agent's system message, worked examples and tool, about 358 tokens; responses are
+memory (VmHWM: model, gradients, AdamW state and the update's peak together) is its own. Two batches: the calc example's
+step (``examples/calc``: 8 tasks x 8 rollouts, each group sharing its task's real prompt, rendered with lit's chat
+template and the agent's system message, worked examples and tool, about 567 tokens since the agent shows five worked
+examples (2026-11-27; about 358 with the two it had before, when bench/README.md's figure was taken); responses are
 calculator calls as the agent writes them, about 34 tokens; temperature 0.7; micro-batch budget 4096 as in
 ``examples/calc/config.toml``) and figure 1's 8x256 batch (distinct prompts: nothing to share). The plain path's
-micro-batches count rows x padded length (``make_micro_batches(share_prompts=False)``), the new path's the tokens
-it computes (each prompt once), under the same budget. Extra rows show the new path's memory with a budget of 1024
-(one prompt group per micro-batch) and with ``policy.gradient_checkpointing``.
+micro-batches count rows x padded length (``make_micro_batches(share_prompts=False)``), the new path's the tokens it
+computes (each prompt once), under the same budget. Extra rows show the new path's memory with a budget of 1024 (one
+prompt group per micro-batch) and with ``policy.gradient_checkpointing``.
 
     .venv/bin/python bench/update_throughput.py [--reps 3] [--path-reps 1] [--figure all|overhead|paths]
 

@@ -8,11 +8,14 @@ lit trains the model behind it without changing this code.
 Design (measured with ``measure_baseline.py``; its docstring has the numbers): one LLM call per rollout. The model
 either calls ``calculator`` and the tool's result is the answer (``reflect_on_tool_use=False``: a second call could
 only copy the number, and would double the tokens to generate and train on), or it answers in text and the last
-number in its text is the answer. Two worked examples sit in the chat history as earlier user/assistant turns whose
-assistant text is the ``<tool_call>`` exactly as lit's ChatML template renders one, with no tool result after it:
-the 135M model copies the latest pattern it saw, so it then calls the tool almost always (greedy 100%), whereas a
-tool result shown last makes it write ``<tool_response>`` itself (0-2% tool use), and instructions alone give 0%.
-What it still gets wrong, and what RL has to teach, is which numbers and which operator to put in the expression.
+number in its text is the answer. Five worked examples sit in the chat history as earlier user/assistant turns, one
+of each two-step form written as a single expression and a one-step one; their assistant text is the
+``<tool_call>`` exactly as lit's ChatML template renders one, with no tool result after it: the 135M model copies
+the latest pattern it saw, so it then calls the tool almost always, whereas a tool result shown last makes it write
+``<tool_response>`` itself (0-2% tool use), and instructions alone give 0%. Every two-step form shown as one
+expression doubles the untrained model's accuracy against two examples (greedy 12.5 -> 25%, two-step 0 -> 12.5%),
+and solving them one operation per calculator call (several calls, results shown) does worse. What it still gets
+wrong, and what RL has to teach, is which numbers and which operator to put in the expression.
 
 A tool call that fails (bad expression, unknown tool, bad JSON) or a reply without a number is a wrong answer
 (reward 0). Errors of the infrastructure (connection refused, HTTP errors from the server) propagate, so the
@@ -40,9 +43,14 @@ import lit_sdk as lit
 SYSTEM_MESSAGE = "Solve the problem with the calculator tool."
 SHOTS = [
     ("Ana has 20 coins, gets 15 more, then spends 8. How many coins does Ana have?", "20+15-8"),
+    ("Ben buys 4 boxes of 13 pens and already had 9. How many pens does Ben have?", "4*13+9"),
+    ("Kim has 5 jars with 16 beads each and drops 7. How many beads are left?", "5*16-7"),
+    ("Leo puts 28 red and 14 blue caps equally into 6 cups. How many caps are in each cup?", "(28+14)/6"),
     ("Tom has 3 bags with 12 apples each. How many apples does Tom have?", "3*12"),
 ]
-"""Worked examples shown as earlier turns of the chat: (question, calculator expression)."""
+"""Worked examples shown as earlier turns of the chat: (question, calculator expression). One of each two-step
+form as a single expression, then a one-step one. Each has a number outside what ``tasks.py`` draws for its form
+(a last number below 10, a quotient below 11), so none is a validation problem."""
 MODEL_INFO = {"vision": False, "function_calling": True, "json_output": False, "family": "unknown",
               "structured_output": False}
 """What AutoGen needs to know of a model it has no entry for (the vLLM-served policy)."""

@@ -86,15 +86,10 @@ from tasks import TWO_STEP_EVERY, make_tasks
 
 import lit_sdk as lit
 
-FORMS = [
-    SHOTS[0],
-    ("Ben buys 4 boxes of 13 pens and already had 9. How many pens does Ben have?", "4*13+9"),
-    ("Kim has 5 jars with 16 beads each and drops 7. How many beads are left?", "5*16-7"),
-    ("Leo puts 28 red and 14 blue caps equally into 6 cups. How many caps are in each cup?", "(28+14)/6"),
-    SHOTS[1],
-]
-"""A worked example of each two-step form, then the one-step one. Every example has a number outside what
-``tasks.py`` draws for its form (a last number below 10, a quotient below 11), so none is a validation problem."""
+TWO_SHOTS = [SHOTS[0], SHOTS[-1]]
+"""The agent's worked examples before 2026-11-27: the first two-step form and the one-step one."""
+FORMS = SHOTS
+"""A worked example of each two-step form, then the one-step one: the agent's own (``all_forms``)."""
 
 
 def stepwise_history(steps: list[tuple[str, list[str]]]) -> list[LLMMessage]:
@@ -115,8 +110,8 @@ def stepwise_history(steps: list[tuple[str, list[str]]]) -> list[LLMMessage]:
     return messages
 
 
-STEPWISE = [(SHOTS[0][0], ["20+15", "35-8"]), (SHOTS[1][0], ["3*12"])]
-"""The two worked examples of ``SHOTS``, solved one operation per calculator call."""
+STEPWISE = [(TWO_SHOTS[0][0], ["20+15", "35-8"]), (TWO_SHOTS[1][0], ["3*12"])]
+"""The two worked examples of ``TWO_SHOTS``, solved one operation per calculator call."""
 STEPWISE_FORMS = [STEPWISE[0],
                   (FORMS[1][0], ["4*13", "52+9"]),
                   (FORMS[2][0], ["5*16", "80-7"]),
@@ -127,18 +122,18 @@ STEPWISE_FORMS = [STEPWISE[0],
 VARIANTS: dict[str, dict] = {
     "direct": {"tools": False, "shots": [], "system_message": "Solve the problem. End with the answer as a number."},
     "no_shot": {"shots": []},
-    "one_shot": {"shots": SHOTS[1:]},
-    "two_shots": {},  # the agent's own design
-    "two_shots_full_schema": {"compact": False},
-    "two_shots_reflect": {"reflect": True},
-    "multi_call": {"tool_iterations": 3},  # after each result, the model calls again or answers in text
-    "all_forms": {"shots": FORMS},  # one worked example per two-step form
+    "one_shot": {"shots": TWO_SHOTS[1:]},
+    "two_shots": {"shots": TWO_SHOTS},
+    "two_shots_full_schema": {"shots": TWO_SHOTS, "compact": False},
+    "two_shots_reflect": {"shots": TWO_SHOTS, "reflect": True},
+    "multi_call": {"shots": TWO_SHOTS, "tool_iterations": 3},  # after each result, call again or answer in text
+    "all_forms": {},  # the agent's own design: one worked example per two-step form
     "stepwise_demo": {"tool_iterations": 3, "history": stepwise_history(STEPWISE)},  # two calls, then the answer
     "stepwise_forms": {"tool_iterations": 3, "history": stepwise_history(STEPWISE_FORMS)},
     "three_shots": {
-        "shots": [*SHOTS, ("Mia puts 36 pens equally into 4 boxes. How many pens are in each box?", "36/4")]},
+        "shots": [*TWO_SHOTS, ("Mia puts 36 pens equally into 4 boxes. How many pens are in each box?", "36/4")]},
 }
-"""Designs compared; ``two_shots`` is what ``calc_agent`` runs."""
+"""Designs compared; ``all_forms`` is what ``calc_agent`` runs (``two_shots`` until 2026-11-27)."""
 
 
 async def run_all(tasks: list[dict], llm: lit.LLM, variant: dict, concurrency: int) -> list[Attempt]:
@@ -211,7 +206,7 @@ async def check_entry_point(base_url: str, model: str, args: argparse.Namespace)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--variant", default="two_shots", help=f"one of {sorted(VARIANTS)}, a comma list, or all")
+    parser.add_argument("--variant", default="all_forms", help=f"one of {sorted(VARIANTS)}, a comma list, or all")
     parser.add_argument("--base-url", default="", help="use this running server instead of starting one")
     parser.add_argument("--model", default="policy", help="model name on --base-url")
     parser.add_argument("--validation", type=int, default=64, help="validation tasks (greedy)")

@@ -59,6 +59,20 @@ def test_out_of_template_wordings_never_occur_in_train():
     assert in_template <= train_wordings
 
 
+def word_runs(wording: str, n: int = 6) -> set[tuple[str, ...]]:
+    text = skeleton(wording.format(name="Ana", thing="apples", a=1, b=2, c=3, total=4))
+    words = re.findall(r"[a-z_#]+", text.lower())
+    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+
+def test_held_out_wordings_share_no_six_word_run_with_a_training_wording():
+    """Not near-duplicates either: a held-out wording has no run of six words (numbers, names and objects blanked)
+    that a training wording has."""
+    train = set().union(*(word_runs(w) for w in TEMPLATES.values()))
+    shared = {op: word_runs(w) & train for op, w in HELD_OUT.items()}
+    assert not any(shared.values()), shared
+
+
 def test_kinds_alternate_by_blocks_and_keep_three_one_step_to_one_two_step():
     train, val = make_tasks("train", 2000), make_tasks("validation", 64)
     assert {t["kind"] for t in train} == {"in_template"}
