@@ -58,7 +58,9 @@ greedy accuracy, reaches two-step problems untrained (12.5%) and gives twice as 
 more prompt tokens. ``stepwise_demo`` (the same two examples solved one operation per call, with the tool results
 shown and a text answer after them) leaves the greedy model answering in text without the tool; with every form
 shown stepwise it calls the tool 83% of the time greedy, but composes two calls less often than ``all_forms``
-writes one expression. ``calc_agent`` is unchanged: a change of design needs the training run measured again.
+writes one expression. ``calc_agent`` runs ``all_forms`` since: trained 15 minutes from the same seed
+(``lit train examples/calc/config.toml train.max_minutes=15``), it reached 82.8% held-out (two-step 50%) where
+``two_shots`` had reached 73.4% (two-step 37.5%) the same day.
 """
 
 from __future__ import annotations
