@@ -49,8 +49,9 @@ SHOTS = [
     ("Tom has 3 bags with 12 apples each. How many apples does Tom have?", "3*12"),
 ]
 """Worked examples shown as earlier turns of the chat: (question, calculator expression). One of each two-step
-form as a single expression, then a one-step one. Each has a number outside what ``tasks.py`` draws for its form
-(a last number below 10, a quotient below 11), so none is a validation problem."""
+form as a single expression, then a one-step one. Each two-step one has a number outside what ``tasks.py`` draws
+for its form (a last number below 10, a quotient below 11); the one-step one is a training problem; none is a
+validation problem (tests/examples/test_calc.py)."""
 MODEL_INFO = {"vision": False, "function_calling": True, "json_output": False, "family": "unknown",
               "structured_output": False}
 """What AutoGen needs to know of a model it has no entry for (the vLLM-served policy)."""

@@ -9,7 +9,7 @@ import pytest
 from fake_llm import FakeLLM
 
 import lit_sdk as lit
-from examples.calc.agent import calc_agent, calculator, evaluate, final_number
+from examples.calc.agent import SHOTS, calc_agent, calculator, evaluate, final_number
 from examples.calc.tasks import HELD_OUT, KINDS, NAMES, TEMPLATES, THINGS, TWO_STEP, TWO_STEP_EVERY, make_tasks
 
 
@@ -57,6 +57,13 @@ def test_out_of_template_wordings_never_occur_in_train():
     in_template = {skeleton(t["question"]) for t in val if t["kind"] == "in_template"}
     assert len(held_out) == len(HELD_OUT) and not held_out & train_wordings
     assert in_template <= train_wordings
+
+
+def test_no_worked_example_is_a_validation_problem():
+    """The agent's worked examples are in every prompt: none may be a validation problem with other names or
+    objects, which would hand the model its answer."""
+    shots = {tuple(sorted(int(x) for x in NUMBER.findall(question))) for question, _ in SHOTS}
+    assert not shots & {numbers_signature(t)[1] for t in make_tasks("validation", 64)}
 
 
 def word_runs(wording: str, n: int = 6) -> set[tuple[str, ...]]:
