@@ -19,14 +19,14 @@ tasks x 8 samples; tasks half one-step, half two-step; max_tokens 64). greedy = 
     direct (no tool)          6%     2% | 2%     12% | 12%      -            52     60
     no_shot (tool, no demo)   5%     2% | 2%      6% | 12%     0% | 0%      227     59
     one_shot                 12%     5% | 2%     25% | 12%    55% | 19%     289     42-49
-    two_shots (chosen)       14%     6% | 3%     25% | 19%    86% | 41%     361     37-47
+    two_shots (chosen then)  14%     6% | 3%     25% | 19%    86% | 41%     361     37-47
     two_shots_full_schema    17%    12% | 3%     25% | 19%    84% | 38%     378     38-48
     two_shots_reflect        12%     2% | 0%     19% | 0%     87% | 46%     313*    32* (1.5-1.9 calls)
     three_shots (+ a "/")    14%     5% | 5%     12% | 25%    89% | 56%     425     36-44
 
 Earlier designs, with the same 2-line system message: the worked example written into the system message, or shown
 as a real tool call followed by its tool result: tool use 0-2%, accuracy 0-4% (the model copies the last tag it saw
-and writes ``<tool_response>`` itself). Chosen design on the final 3:1 one-step:two-step mix, max_tokens 48, 64
+and writes ``<tool_response>`` itself). ``two_shots`` on the final 3:1 one-step:two-step mix, max_tokens 48, 64
 validation and 32 train tasks x 8: greedy 18.8% (one-step 25%, two-step 0%), all greedy calls use the tool;
 temperature 0.7: accuracy 16.0%, mixed groups 53%, tool 79%, tool errors 16%; temperature 1.0: accuracy 3.5%, mixed
 25%, tool 43%, errors 25%. 358 prompt + 36-40 response tokens per rollout; 256 rollouts in 46-52 s (0.18-0.20 s
