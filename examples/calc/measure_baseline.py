@@ -90,8 +90,6 @@ import lit_sdk as lit
 
 TWO_SHOTS = [SHOTS[0], SHOTS[-1]]
 """The agent's worked examples before 2026-11-27: the first two-step form and the one-step one."""
-FORMS = SHOTS
-"""A worked example of each two-step form, then the one-step one: the agent's own (``all_forms``)."""
 
 
 def stepwise_history(steps: list[tuple[str, list[str]]]) -> list[LLMMessage]:
@@ -115,11 +113,11 @@ def stepwise_history(steps: list[tuple[str, list[str]]]) -> list[LLMMessage]:
 STEPWISE = [(TWO_SHOTS[0][0], ["20+15", "35-8"]), (TWO_SHOTS[1][0], ["3*12"])]
 """The two worked examples of ``TWO_SHOTS``, solved one operation per calculator call."""
 STEPWISE_FORMS = [STEPWISE[0],
-                  (FORMS[1][0], ["4*13", "52+9"]),
-                  (FORMS[2][0], ["5*16", "80-7"]),
-                  (FORMS[3][0], ["28+14", "42/6"]),
+                  (SHOTS[1][0], ["4*13", "52+9"]),
+                  (SHOTS[2][0], ["5*16", "80-7"]),
+                  (SHOTS[3][0], ["28+14", "42/6"]),
                   STEPWISE[1]]
-"""``FORMS`` solved one operation per calculator call."""
+"""The agent's ``SHOTS`` (every two-step form) solved one operation per calculator call."""
 
 VARIANTS: dict[str, dict] = {
     "direct": {"tools": False, "shots": [], "system_message": "Solve the problem. End with the answer as a number."},
