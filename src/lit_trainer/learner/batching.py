@@ -7,9 +7,12 @@ response token. Prompt tokens and padding are masked: only the tokens the policy
 shifts logits by one to produce the same token-space logprobs; see ``logprobs.token_logprobs``.)
 
 Rows with the same prompt (a GRPO group's rollouts of one task) go into the same micro-batch, next to each other:
-``logprobs.token_logprobs`` runs such a prompt once for all of them. The token budget counts what that forward
-computes: each distinct prompt once plus every row's response, padded to the micro-batch's longest group (a group
-of one row is just that row, so distinct prompts count as before: rows x padded length). A group over the budget is
+``logprobs.token_logprobs`` runs such a prompt once for all of them. Groups are taken in the order of their
+prompts, so groups whose prompts start alike (one agent's calls: its system prompt and worked examples, then the
+task) share micro-batches, where the start they have in common runs once too (``layout_tokens``). The token budget
+counts what that forward computes: the cheaper of the groups padded to the longest (each distinct prompt once plus
+its rows' responses; a group of one row is just that row) and one sequence of the common start plus each group's
+rest. A group over the budget is
 cut into parts that fit, each running the prompt again; a group whose prompt with one response is already over it
 stays whole (its parts would not fit either, and each would run a long prompt again), and so does a row alone: such
 a micro-batch is ``over_budget``, and the policy runs it with gradient checkpointing to stay in memory.
@@ -125,9 +128,11 @@ def make_micro_batches(
     *,
     share_prompts: bool = True,
 ) -> list[MicroBatch]:
-    """Pack transitions (with one advantage each) into micro-batches: rows with the same prompt together, groups of
-    similar size together. A group costs its prompt once plus its rows' responses (module docstring); a micro-batch
-    costs its groups x its costliest group. ``share_prompts=False`` costs every row whole (rows x padded length),
+    """Pack transitions (with one advantage each) into micro-batches: rows with the same prompt together, groups in
+    the order of their prompts. A group costs its prompt once plus its rows' responses (module docstring); a
+    micro-batch costs its groups x its costliest group, or, packed as one sequence, the common start of their
+    prompts once plus each group's rest (``layout_tokens``: the cheaper). ``share_prompts=False`` costs every row
+    whole (rows x padded length), in order of length,
     for a forward pass that runs each row in full (``logprobs.plain_token_logprobs``). A budget of 0 is a CPU's
     (``budget_for``)."""
     assert len(transitions) == len(advantages), f"{len(transitions)} transitions, {len(advantages)} advantages"
@@ -135,24 +140,57 @@ def make_micro_batches(
     rows = [_row(t, config) for t in transitions]
     if share_prompts:
         units = _prompt_groups(rows, config.max_tokens_per_micro_batch)
+        order = sorted(range(len(units)), key=lambda u: rows[units[u][0]][0][: rows[units[u][0]][1]])  # by prompt
     else:
         units = [[i] for i in range(len(rows))]
+        order = sorted(range(len(units)), key=lambda u: _cost(units[u], rows))
+    prompts = [rows[unit[0]][0][: rows[unit[0]][1]] for unit in units]
     costs = [_cost(unit, rows) for unit in units]
-    order = sorted(range(len(units)), key=lambda u: costs[u])
     batches: list[tuple[list[int], int]] = []  # (rows, tokens its forward computes)
-    current, count, longest = [], 0, 0
+    current: list[int] = []  # units
+    tokens = prefix = 0  # of the current micro-batch: its forward's tokens, its prompts' common prefix
     for u in order:
-        if current and max(longest, costs[u]) * (count + 1) > config.max_tokens_per_micro_batch:
-            batches.append((current, longest * count))
-            current, count, longest = [], 0, 0
-        current += units[u]
-        count += 1
-        longest = max(longest, costs[u])
+        if current:
+            shared = min(prefix, common_prefix([prompts[current[0]], prompts[u]])) if share_prompts else 0
+            with_u = layout_tokens([costs[v] for v in [*current, u]], shared, share_prompts)[0]
+            if with_u > config.max_tokens_per_micro_batch:
+                batches.append(([i for v in current for i in units[v]], tokens))
+                current = []
+        if not current:
+            shared, with_u = len(prompts[u]), costs[u]
+        current.append(u)
+        tokens, prefix = with_u, shared
     if current:
-        batches.append((current, longest * count))
+        batches.append(([i for v in current for i in units[v]], tokens))
     adv = torch.as_tensor(advantages, dtype=torch.float32)  # (N,)
     return [_collate(group, rows, adv, pad_id, over_budget=tokens > config.max_tokens_per_micro_batch)
             for group, tokens in batches]
+
+
+def common_prefix(prompts: Sequence[Sequence[int]]) -> int:
+    """The length of the longest prefix every prompt starts with."""
+    if not prompts:
+        return 0
+    n = min(len(p) for p in prompts)
+    first = prompts[0]
+    for i in range(n):
+        if any(p[i] != first[i] for p in prompts[1:]):
+            return i
+    return n
+
+
+def layout_tokens(costs: Sequence[int], prefix: int, share_prompts: bool = True) -> tuple[int, bool]:
+    """Tokens the forward pass computes for prompt groups of ``costs`` tokens each (a group: its prompt once plus
+    its rows' responses) whose prompts start with a common ``prefix`` of tokens, and whether it packs them into one
+    sequence. Apart, each group is a sequence padded to the longest: groups x longest. Together, one sequence holds
+    the common prefix once, then each group's rest of its prompt and its rows' responses: prefix + sum(cost -
+    prefix). The cheaper layout is taken (``logprobs.pack_rows`` makes the same choice). Without ``share_prompts``
+    each group is one row, padded."""
+    apart = len(costs) * max(costs, default=0)
+    if not share_prompts or len(costs) < 2:
+        return apart, False
+    together = prefix + sum(c - prefix for c in costs)
+    return (together, True) if together < apart else (apart, False)
 
 
 def _prompt_groups(rows: list, budget: int) -> list[list[int]]:

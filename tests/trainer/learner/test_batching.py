@@ -14,7 +14,9 @@ from lit_trainer.learner.batching import (
     MicroBatch,
     PromptTooLong,
     budget_for,
+    common_prefix,
     keep_usable,
+    layout_tokens,
     make_micro_batches,
 )
 
@@ -40,8 +42,9 @@ def test_rows_are_prompt_then_response_with_masks_and_logprobs_in_token_space():
 
 
 def test_token_budget_splits_micro_batches():
-    # Lengths 4, 4, 6, 10; budget 12: [4,4] (8 <= 12, adding 6 would make 3x6 = 18), [6] (6, adding 10 -> 20), [10].
-    ts = [tr([1] * 2, [2] * 2), tr([1] * 8, [2] * 2), tr([1] * 3, [2] * 1), tr([1] * 5, [2] * 1)]
+    # Lengths 4, 4, 6, 10, prompts sharing no first token (so each micro-batch is its groups padded), in prompt
+    # order; budget 12: [4,4] (8 <= 12, adding 6 would make 3x6 = 18), [6] (6, adding 10 -> 20), [10].
+    ts = [tr([1] * 2, [9] * 2), tr([4] * 8, [9] * 2), tr([2] * 3, [9] * 1), tr([3] * 5, [9] * 1)]
     batches = make_micro_batches(ts, [0.0] * 4, BatchingConfig(max_tokens_per_micro_batch=12), PAD)
     assert [mb.index for mb in batches] == [[0, 2], [3], [1]]
     assert all(mb.input_ids.numel() <= 12 for mb in batches)
@@ -103,10 +106,29 @@ def test_rows_with_one_prompt_go_together_and_the_budget_counts_the_prompt_once(
     assert all(mb.input_ids.numel() <= 12 for mb in whole)
 
 
+def test_groups_whose_prompts_start_alike_share_one_micro_batch_and_count_the_common_start_once():
+    # An agent's calls share their system prompt and worked examples, then differ in the question: groups a and b
+    # (prompts of 8 tokens, the first 6 common) with two 2-token responses each. Apart: 2 groups x 12 = 24 tokens;
+    # packed as one sequence: 6 + (12 - 6) + (12 - 6) = 18.
+    system = [3, 1, 4, 1, 5, 9]
+    a, b = system + [2, 6], system + [5, 3]
+    ts = [tr(a, [7, 7], index=0), tr(b, [8, 8], index=1), tr(a, [7, 8], index=2), tr(b, [8, 7], index=3)]
+    assert layout_tokens([12, 12], common_prefix([a, b])) == (18, True)
+    (both,) = make_micro_batches(ts, [1.0] * 4, BatchingConfig(max_tokens_per_micro_batch=18), PAD)
+    assert both.index == [0, 2, 1, 3] and not both.over_budget
+    # One token less and they no longer fit together: each group alone (12 tokens)
+    apart = make_micro_batches(ts, [1.0] * 4, BatchingConfig(max_tokens_per_micro_batch=17), PAD)
+    assert [mb.index for mb in apart] == [[0, 2], [1, 3]]
+    # Prompts with nothing in common: one sequence costs what the padded groups do (24), and they stay apart
+    assert layout_tokens([12, 12], 0) == (24, False)
+    assert layout_tokens([12, 4], 0) == (16, True)  # apart 2 x 12 = 24: one unpadded sequence is cheaper
+    assert common_prefix([a, b, system[:3]]) == 3 and common_prefix([]) == 0
+
+
 def test_a_group_over_the_budget_is_split_into_parts_that_each_run_the_prompt():
     ts = [tr([1, 2, 3, 4], [5, 6, 7]) for _ in range(5)]  # the whole group costs 4 + 5 * 3 = 19 tokens
     batches = make_micro_batches(ts, [1.0] * 5, BatchingConfig(max_tokens_per_micro_batch=10), PAD)
-    assert [mb.index for mb in batches] == [[4], [0, 1], [2, 3]]  # parts of 7, 10 and 10 tokens
+    assert [mb.index for mb in batches] == [[0, 1], [2, 3], [4]]  # parts of 10, 10 and 7 tokens
 
 
 def test_a_group_whose_one_row_is_over_the_budget_stays_whole_and_is_recomputed():
@@ -115,7 +137,7 @@ def test_a_group_whose_one_row_is_over_the_budget_stays_whole_and_is_recomputed(
     long = [tr([1] * 20, [5, 6, 7, 8], index=i) for i in range(3)]
     short = [tr([2, 3], [4, 5], index=3 + i) for i in range(2)]  # a group of 2 + 2 * 2 = 6 tokens: fits
     batches = make_micro_batches(long + short, [1.0] * 5, BatchingConfig(max_tokens_per_micro_batch=16), PAD)
-    assert [(mb.index, mb.over_budget) for mb in batches] == [([3, 4], False), ([0, 1, 2], True)]
+    assert [(mb.index, mb.over_budget) for mb in batches] == [([0, 1, 2], True), ([3, 4], False)]
     # A row over the budget counted whole is over it too
     (alone,) = make_micro_batches(long[:1], [1.0], BatchingConfig(max_tokens_per_micro_batch=16), PAD,
                                   share_prompts=False)

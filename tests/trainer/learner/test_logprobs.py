@@ -95,9 +95,64 @@ def test_shared_prompts_run_once():
     batch = mixed_batch()
     packed = pack_rows(batch)
     # Groups: the 6-token prompt with responses 1, 4, 7; the 3-token one with 5, 2; the 7-token and 9-token rows.
-    lengths = sorted(int((packed.segment[g] >= -1).sum()) for g in range(packed.input_ids.shape[0]))
-    assert lengths == sorted([6 + 0 + 3 + 6, 3 + 4 + 1, 7 + 2, 9 + 3])
+    # Their prompts share no first token, and one unpadded sequence (44 tokens) is cheaper than 4 padded to 15.
+    costs = [6 + 0 + 3 + 6, 3 + 4 + 1, 7 + 2, 9 + 3]
+    assert packed.input_ids.shape == (1, sum(costs)) and int((packed.group == -1).sum()) == 0
     assert packed.source.numel() == batch.n_response_tokens
+
+
+def alike_batch(seed: int = 4) -> MicroBatch:
+    """Prompt groups that start alike, as an agent's calls do (system prompt and worked examples, then the task):
+    a common 6-token start, then 2, 3 or 0 more tokens (the last group's prompt is the common start itself, so its
+    first response token is predicted from inside the shared part); responses of 1-5 tokens, temperatures 0.7, 1
+    and greedy."""
+    rng = random.Random(seed)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(1, VOCAB) for _ in range(n)]
+
+    start = ids(6)
+    prompts = [start + ids(2), start + ids(3), start]
+    rows = [(prompts[0], 2, 0.7), (prompts[1], 5, 1.0), (prompts[0], 4, 0.7), (prompts[2], 3, 0.0),
+            (prompts[1], 1, 1.0), (prompts[2], 5, 0.7)]
+    ts = [Transition(prompt, ids(r), [-1.0] * r, None, "a", f"r{i}", "t", 0, "s", temperature=temp)
+          for i, (prompt, r, temp) in enumerate(rows)]
+    (mb,) = make_micro_batches(ts, [1.0] * len(ts), BatchingConfig(max_tokens_per_micro_batch=10_000), pad_id=0)
+    return mb
+
+
+def test_groups_that_start_alike_run_their_common_start_once():
+    batch = alike_batch()
+    packed = pack_rows(batch)
+    # One sequence: the common start (6), then group 0 (2 more prompt tokens, responses of 2 and 4 less their last
+    # tokens), group 1 (3; 5 and 1), group 2 (0; 3 and 5): 6 + 2 + 1 + 3 + 3 + 4 + 0 + 0 + 2 + 4 = 25 tokens
+    # instead of 3 groups padded to 14.
+    assert packed.input_ids.shape == (1, 25)
+    assert packed.group[0, :6].tolist() == [-1] * 6 and packed.position_ids[0, :6].tolist() == list(range(6))
+    assert packed.source.numel() == batch.n_response_tokens
+    with torch.no_grad():
+        for attention in ("sdpa", "eager"):
+            model = tiny_llama(attention=attention)
+            expected, expected_entropy = plain_token_logprobs(model, batch, with_entropy=True)
+            got, entropy = token_logprobs(model, batch, with_entropy=True)
+            assert_close(got, expected, atol=1e-5, rtol=1e-5)
+            assert_close(entropy, expected_entropy, atol=1e-5, rtol=1e-5)
+    assert_same_gradients(tiny_llama(), batch)
+    checkpointed = tiny_llama()
+    checkpointed.gradient_checkpointing_enable()
+    assert_same_gradients(checkpointed, batch)
+
+
+def test_groups_that_start_differently_and_cost_the_same_stay_apart_with_the_same_gradients():
+    # Two groups of 4-token prompts (first tokens 1 and 2) with two 3-token responses each: 10 tokens each to
+    # budget (pack_rows drops each response's last token: 8 packed), as one sequence 20 = 2 x 10 padded, so each
+    # group keeps its own sequence.
+    ts = [Transition([g, 5, 6, 7], [8 + g, 9, 10], [-1.0] * 3, None, "a", f"r{g}{k}", "t", 0, "s", temperature=0.7)
+          for g in (1, 2) for k in range(2)]
+    (batch,) = make_micro_batches(ts, [1.0] * 4, BatchingConfig(max_tokens_per_micro_batch=20), pad_id=0)
+    packed = pack_rows(batch)
+    assert packed.input_ids.shape == (2, 8) and int((packed.group == -1).sum()) == 0
+    assert_same_gradients(tiny_llama(), batch)
 
 
 def test_gradients_equal_the_plain_path():
