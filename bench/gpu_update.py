@@ -45,7 +45,6 @@ so that it ends in under 6 minutes whatever the card.
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import datetime
 import gc
@@ -216,11 +215,10 @@ def lit_work(batches: Sequence[MicroBatch]) -> Work:
         layout = logprobs.pack_rows(mb)
         positions += layout.input_ids.numel()
         head += layout.source.numel()
-        for segments in layout.segment.tolist():  # -1: the prompt; b >= 0: row b's response; < -1: padding
-            sizes = collections.Counter(segments)
-            prompt = sizes.pop(-1, 0)
-            pairs += prompt * (prompt + 1) // 2
-            pairs += sum(n * prompt + n * (n + 1) // 2 for segment, n in sizes.items() if segment >= 0)
+        real = (layout.segment >= -1)[:, :, None]  # (G, L, 1): the queries that are tokens, not padding
+        for g in range(layout.input_ids.shape[0]):  # the (query, key) pairs the packed mask lets attend
+            mask = logprobs._group_mask(layout.segment[g:g + 1], layout.group[g:g + 1], torch.float32, "sdpa")
+            pairs += int((mask[:, 0] & real[g:g + 1]).sum())
     return Work(len(batches), sum(mb.over_budget for mb in batches),
                 sum(mb.n_response_tokens for mb in batches), positions, head, pairs)
 

@@ -15,10 +15,11 @@ memory (VmHWM: model, gradients, AdamW state and the update's peak together) is 
 step (``examples/calc``: 8 tasks x 8 rollouts, each group sharing its task's real prompt, rendered with lit's chat
 template and the agent's system message, worked examples and tool, about 567 tokens since the agent shows five worked
 examples (2026-11-27; about 358 with the two it had before, when bench/README.md's figure was taken); responses are
-calculator calls as the agent writes them, about 34 tokens; temperature 0.7; micro-batch budget 4096 as in
+calculator calls as the agent writes them, about 34 tokens; temperature 0.7; micro-batch budget 2048 as in
 ``examples/calc/config.toml``) and figure 1's 8x256 batch (distinct prompts: nothing to share). The plain path's
 micro-batches count rows x padded length (``make_micro_batches(share_prompts=False)``), the new path's the tokens it
-computes (each prompt once), under the same budget. Extra rows show the new path's memory with a budget of 1024 (one
+computes (each prompt once, and the start the calc prompts have in common once per micro-batch: 4 groups at 2048),
+under the same budget. Extra rows show the new path's memory with a budget of 1024 (one
 prompt group per micro-batch) and with ``policy.gradient_checkpointing``.
 
     .venv/bin/python bench/update_throughput.py [--reps 3] [--path-reps 1] [--figure all|overhead|paths]
@@ -48,7 +49,7 @@ from lit_trainer.learner.batching import BatchingConfig, MicroBatch, make_micro_
 from lit_trainer.learner.policy import Policy, PolicyConfig
 
 ROWS, PROMPT, RESPONSE = 8, 128, 128
-CALC_TASKS, CALC_GROUP, CALC_TEMPERATURE, CALC_BUDGET = 8, 8, 0.7, 4096
+CALC_TASKS, CALC_GROUP, CALC_TEMPERATURE, CALC_BUDGET = 8, 8, 0.7, 2048
 """The calc example's step: tasks_per_step, group_size, temperature, max_tokens_per_micro_batch of its config."""
 PATHS = {"plain": logprobs.plain_token_logprobs, "new": logprobs.token_logprobs}
 
@@ -175,7 +176,7 @@ PATH_RUNS = [  # (batch, path, micro-batch budget, gradient checkpointing)
     ("calc", "plain", CALC_BUDGET, False),
     ("calc", "new", CALC_BUDGET, False),
     ("calc", "new", CALC_BUDGET, True),
-    ("calc", "new", 1024, False),  # one prompt group per micro-batch
+    ("calc", "new", 1024, False),  # one prompt group per micro-batch: nothing shared across groups
     ("calc", "new", 1024, True),
     ("8x256", "plain", ROWS * (PROMPT + RESPONSE), False),
     ("8x256", "new", ROWS * (PROMPT + RESPONSE), False),
