@@ -78,6 +78,9 @@ def main() -> None:
                     "packed": (logprobs._trunk_and_head(policy.unwrapped()) or (None, None, False))[2],
                     "bytes": sharding.local_bytes(policy.model, policy.optimizer),
                     "planned": policy.memory.weights + policy.memory.optimizer}, args.out)
+    if torch.distributed.is_initialized():  # every rank waits for the main one's file, then leaves the group:
+        torch.distributed.barrier()  # a rank that exits with gloo's threads still up can abort ("terminate called
+        torch.distributed.destroy_process_group()  # without an active exception", once in a fresh-clone run)
 
 
 if __name__ == "__main__":
