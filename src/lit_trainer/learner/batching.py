@@ -140,12 +140,11 @@ def make_micro_batches(
     rows = [_row(t, config) for t in transitions]
     if share_prompts:
         units = _prompt_groups(rows, config.max_tokens_per_micro_batch)
-        order = sorted(range(len(units)), key=lambda u: rows[units[u][0]][0][: rows[units[u][0]][1]])  # by prompt
     else:
         units = [[i] for i in range(len(rows))]
-        order = sorted(range(len(units)), key=lambda u: _cost(units[u], rows))
     prompts = [rows[unit[0]][0][: rows[unit[0]][1]] for unit in units]
     costs = [_cost(unit, rows) for unit in units]
+    order = sorted(range(len(units)), key=lambda u: prompts[u] if share_prompts else costs[u])
     batches: list[tuple[list[int], int]] = []  # (rows, tokens its forward computes)
     current: list[int] = []  # units
     tokens = prefix = 0  # of the current micro-batch: its forward's tokens, its prompts' common prefix

@@ -175,13 +175,13 @@ def pack_rows(batch: MicroBatch) -> PackedRows:
     costs = [len(prompt) + sum(lengths[b] - 1 - len(prompt) for b in rows) for prompt, rows in groups.items()]
     common = common_prefix(list(groups))
     together = layout_tokens(costs, common)[1]
+    start = common if together else 0  # each prompt's first token that its group's part of a sequence holds
     sequences: list[tuple[list[int], list[int], list[int], list[int]]] = []  # tokens, positions, segments, groups
     if together:
         sequences.append((list(next(iter(groups))[:common]), list(range(common)), [-1] * common, [-1] * common))
     source, target, dest = [], [], []
     for g, (prompt, rows) in enumerate(groups.items()):
         p = len(prompt)
-        start = common if together else 0  # the prompt's first token this sequence holds
         if not together:
             sequences.append(([], [], [], []))
         tokens, positions, segments, owners = sequences[-1]
