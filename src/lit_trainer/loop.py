@@ -72,7 +72,9 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
                     reference=str(base_dir) if cfg.loss.kl_beta > 0 else None)  # KL to the initial weights
     state = ckpt.restore(start, policy) if start else {"step": 0, "minutes": 0.0}
     if not policy.accelerator.is_main_process:
-        return follow(policy)
+        follow(policy)
+        distributed.leave()
+        return {}
     out.save_config(cfg.to_dict())
     # shm pushes from host memory: the gathered copy need not take room on the GPU
     weights = Weights(policy, SERVING_DTYPES.get(cfg.inference.dtype),
@@ -126,6 +128,7 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
         feed.close()
         log.close()
     distributed.broadcast(None)  # the other processes' follow() ends
+    distributed.leave()
     png = plot_curve(out.metrics, out.curve, title=f"{cfg.agent.function} on {cfg.model}")
     if png:
         print(f"lit: curve written to {png}", file=sys.stderr)
@@ -148,7 +151,7 @@ def together(policy: Any, fn: Callable[..., T], *args: Any, main_only: dict[str,
     return fn(policy, *args, **(main_only or {}))
 
 
-def follow(policy: Any) -> dict[str, Any]:
+def follow(policy: Any) -> None:
     """A process other than the main one (``torchrun --nproc_per_node N``): it runs what the main process asks of
     every process (``together``: its share of each update; with the policy sharded, also the weights' gathering,
     the sync check's scoring and the checkpoint), until the main process broadcasts None at the end of the run.
@@ -156,7 +159,6 @@ def follow(policy: Any) -> dict[str, Any]:
     while (call := distributed.broadcast()) is not None:
         fn, args = call
         fn(policy, *args)
-    return {}
 
 
 def save_checkpoint(policy: Any, output_dir: Path, step: int, base_dir: Path, extra: dict[str, Any],

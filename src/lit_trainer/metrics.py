@@ -93,8 +93,11 @@ class MetricsLog:
             self.accelerator.log({f"{kind}/{k}": v for k, v in metrics.items()}, step=step)
 
     def close(self) -> None:
+        """Finish the trackers. Not accelerate's ``end_training``: it also destroys the process group, which the
+        main process still needs under torchrun to tell the others the run is over (loop.py)."""
         if self.accelerator is not None:
-            self.accelerator.end_training()
+            for tracker in self.accelerator.trackers:
+                tracker.finish()
 
 
 def _drop_cut_line(path: Path) -> None:

@@ -15,9 +15,10 @@ checkpoint is written, ``--resume`` continues to step 3, and ``lit eval --checkp
   logprobs with truncated importance sampling, overlong responses masked, the ``kept`` normaliser; trained by two
   processes (``torchrun --nproc_per_node 2``, gloo) with the model sharded across them (``policy.shard``: the
   decoder layers and the KL reference's, FSDP2; the weights gathered for each push, the sync check scored and the
-  checkpoint written by both), and resumed by one process from their checkpoint; with asynchronous rollouts
-  (``train.max_staleness = 1``: each step's rollouts run during the update before it; ``train.min_step_groups = 1``:
-  a group not ended when its step wants it carries over to the next).
+  checkpoint written by both; the main process logs to TensorBoard, and its tracker's end must not take down the
+  process group before the other process hears the run is over), and resumed by one process from their
+  checkpoint; with asynchronous rollouts (``train.max_staleness = 1``: each step's rollouts run during the update
+  before it; ``train.min_step_groups = 1``: a group not ended when its step wants it carries over to the next).
 
 Both train, resume and evaluate on vLLM without torch.compile (``--enforce-eager``: about 24 s less per start,
 bench/vllm_start.py; lit's compiled default starts in the session's server and test_server.py's). Both sample at
@@ -72,7 +73,8 @@ OPTIONS = {
     "ppo_schedule": ["loss.kl_beta=0.05", "update.ppo_epochs=2", "update.mini_batches=2",
                      "update.recompute_old_logprobs=true", "loss.is_correction='truncate'", "update.overlong='mask'",
                      "loss.normalizer='kept'", "train.max_staleness=1", "train.min_step_groups=1",
-                     "policy.shard=true", "inference.extra_args=['--enforce-eager']"],
+                     "policy.shard=true", "train.trackers=['tensorboard']",
+                     "inference.extra_args=['--enforce-eager']"],
 }
 
 

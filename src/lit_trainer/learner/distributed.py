@@ -130,6 +130,16 @@ def broadcast(obj: Any = None) -> Any:
     return box[0]
 
 
+def leave() -> None:
+    """Every process waits for the others, then leaves the process group: ``lit train``'s last act in each process
+    (loop.py). A process that exits with the group still up can abort in gloo's threads ("terminate called without
+    an active exception") or warn under NCCL that ``destroy_process_group()`` was never called. Nothing to do in
+    one process."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized() and \
         torch.distributed.get_world_size() > 1

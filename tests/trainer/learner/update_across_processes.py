@@ -17,7 +17,7 @@ import torch
 
 from lit_trainer.algorithm.loss import LossConfig
 from lit_trainer.intake.episodes import Transition
-from lit_trainer.learner import checkpoint, logprobs, sharding
+from lit_trainer.learner import checkpoint, distributed, logprobs, sharding
 from lit_trainer.learner.batching import BatchingConfig
 from lit_trainer.learner.policy import Policy, PolicyConfig
 from lit_trainer.learner.schedule import UpdateConfig, run_update
@@ -78,9 +78,7 @@ def main() -> None:
                     "packed": (logprobs._trunk_and_head(policy.unwrapped()) or (None, None, False))[2],
                     "bytes": sharding.local_bytes(policy.model, policy.optimizer),
                     "planned": policy.memory.weights + policy.memory.optimizer}, args.out)
-    if torch.distributed.is_initialized():  # every rank waits for the main one's file, then leaves the group:
-        torch.distributed.barrier()  # a rank that exits with gloo's threads still up can abort ("terminate called
-        torch.distributed.destroy_process_group()  # without an active exception", once in a fresh-clone run)
+    distributed.leave()  # every rank waits for the main one's file, then leaves the group, as lit train does
 
 
 if __name__ == "__main__":
