@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 from lit_trainer.engine.config import InferenceConfig
@@ -50,10 +51,12 @@ def untied_view(model_dir: Path, views: Path) -> Path | None:
     keep computing logits with the old embedding. Served untied (``--hf-overrides tie_word_embeddings=false``),
     the head loads ``lm_head.weight`` like any layer. The view holds symlinks to the model's files plus
     ``lm_head.safetensors`` (a copy of the embedding), made once; weight sync writes ``lm_head.weight`` too.
+    Views of model folders that no longer exist are deleted first (``prune_views``).
     """
     config = json.loads((model_dir / "config.json").read_text())
     if not config.get("tie_word_embeddings", False):
         return None
+    prune_views(views)
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -74,3 +77,15 @@ def untied_view(model_dir: Path, views: Path) -> Path | None:
                 os.replace(tmp, head)
                 return view
     raise ValueError(f"{model_dir} ties its embeddings but no '*embed_tokens.weight' was found to untie")
+
+
+def prune_views(views: Path) -> list[Path]:
+    """Delete the views whose model folder is gone (their ``config.json`` link points nowhere): each holds a copy of
+    its model's embedding (55-110 MB for SmolLM2-135M), and every checkpoint a run resumes from, or a test's
+    temporary model, makes one. A view still being made (no link yet) and one whose model exists are kept. The
+    views deleted."""
+    gone = [view for view in sorted(views.iterdir()) if (view / "config.json").is_symlink()
+            and not (view / "config.json").exists()] if views.is_dir() else []
+    for view in gone:
+        shutil.rmtree(view, ignore_errors=True)
+    return gone

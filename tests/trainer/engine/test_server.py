@@ -34,7 +34,7 @@ from lit_trainer.engine.launch import (
     resolve_device,
     vllm_python,
 )
-from lit_trainer.engine.served_model import TOOL_TEMPLATE, chat_template_for, untied_view
+from lit_trainer.engine.served_model import TOOL_TEMPLATE, chat_template_for, prune_views, untied_view
 from lit_trainer.engine.server import InferenceServer, ServerDiedError, StartupTimeoutError
 
 HARNESS = textwrap.dedent(
@@ -217,6 +217,32 @@ def test_tied_model_is_served_untied_with_its_own_head(tmp_path: Path):
     assert json.loads(cmd[cmd.index("--hf-overrides") + 1]) == {"tie_word_embeddings": False}
     (model / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
     assert untied_view(model, tmp_path / "other-views") is None
+
+
+def test_views_of_models_that_are_gone_are_deleted_when_a_view_is_made(tmp_path: Path):
+    """Each view copies its model's embedding; a run resumed from checkpoint after checkpoint (or a test's temporary
+    model) would leave one behind per model folder, forever, without this."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    def tied(name: str) -> Path:
+        model = _fake_model(tmp_path / name)
+        (model / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+        save_file({"model.embed_tokens.weight": torch.randn(8, 4)}, str(model / "model.safetensors"))
+        return model
+
+    views = tmp_path / "views"
+    old, kept = untied_view(tied("step-5"), views), untied_view(tied("step-10"), views)
+    half_made = views / "0123456789abcdef"  # another process between mkdir and its first link: not touched
+    half_made.mkdir()
+    shutil.rmtree(tmp_path / "step-5")  # the run pruned that checkpoint
+    assert old.is_dir()
+    new = untied_view(tied("step-15"), views)
+    assert sorted(views.iterdir()) == sorted([kept, new, half_made])
+    assert (kept / "lm_head.safetensors").is_file()
+    assert prune_views(views) == [] and prune_views(tmp_path / "no-views-yet") == []
 
 
 def test_vllm_runs_from_its_own_environment_inside_lits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
