@@ -62,7 +62,8 @@ class TrainLoopConfig:
     checkpoint_every: int = 5
     """Write a checkpoint every this many steps, and after the last (0: only after the last)."""
     keep_checkpoints: int = 2
-    """Older checkpoints than the last this many are deleted."""
+    """Older checkpoints than the last this many are deleted (0: none is). A save writes the new one before it deletes
+    the oldest, so this many plus one are on the disk at the peak; ``lit train`` checks the room first."""
     check_sync_every: int = 10
     """After the weight sync of step 1 and of every this many steps, compare vLLM's logprobs on two of the step's
     prompts with the trainer's (``sync/logprob_gap_max``) and stop if they differ by more than

@@ -70,6 +70,11 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
     policy_cfg = replace(cfg.policy, model=str(start.model_dir)) if start and not cfg.policy.lora_rank else cfg.policy
     policy = Policy(policy_cfg, cfg.train.trackers, project_dir=str(out.dir),
                     reference=str(base_dir) if cfg.loss.kl_beta > 0 else None)  # KL to the initial weights
+    room = ckpt.check_room(out, ckpt.size_estimate(policy.memory.parameters, policy.memory.trained),
+                           cfg.train.keep_checkpoints,
+                           ckpt.saves_left(start.step if start else 0, cfg.train.steps, cfg.train.checkpoint_every))
+    if room and policy.accelerator.is_main_process:  # before vLLM starts: one checkpoint fits, or it raised
+        print(f"lit: warning: {room}", file=sys.stderr)
     state = ckpt.restore(start, policy) if start else {"step": 0, "minutes": 0.0}
     if not policy.accelerator.is_main_process:
         follow(policy)

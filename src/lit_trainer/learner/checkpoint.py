@@ -20,12 +20,16 @@ records each tensor's full shape, a checkpoint resumes on any number of processe
 processes can be continued by 1, and the reverse.
 
 A checkpoint is written into a temporary folder and renamed into place, so a kill mid-save leaves the previous
-checkpoint as the latest.
+checkpoint as the latest. Room on the disk: ``lit train`` checks before it loads anything that one checkpoint fits
+(``check_room``: the model in float32 plus AdamW's state, 1.6 GB for SmolLM2-135M) and warns when all it will keep
+at once may not; a save that still runs out of room removes its unfinished folder and stops the run with
+``NoRoomForCheckpoint``, the latest complete checkpoint and the store untouched.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import random
 import shutil
 import warnings
@@ -39,6 +43,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from lit_trainer.learner import lora
+from lit_trainer.learner.memory import GB
 from lit_trainer.learner.policy import Policy
 from lit_trainer.runs import Checkpoint, RunFolder
 
@@ -55,6 +60,37 @@ def save(output_dir: str | Path, step: int, policy: Policy, base_model_dir: Path
     checkpoint = run.checkpoint(step)
     staging = Checkpoint(checkpoint.path.with_name(f".tmp-{checkpoint.path.name}"), step)
     main = policy.accelerator.is_main_process
+    try:
+        _write(staging, step, policy, base_model_dir, extra, main)
+    except BaseException as exc:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+        if main:  # an unfinished folder is of no use and may hold GBs
+            shutil.rmtree(staging.path, ignore_errors=True)
+        size = size_estimate(policy.memory.parameters, policy.memory.trained)
+        if not isinstance(exc, (KeyboardInterrupt, SystemExit)) and _out_of_room(exc, run.dir, size):
+            latest = run.latest_checkpoint()
+            kept = f"The latest complete checkpoint (step {latest.step}) and" if latest else "No checkpoint was " \
+                "complete yet, but"
+            raise NoRoomForCheckpoint(
+                f"the checkpoint of step {step} did not fit on the disk of {run.dir} "
+                f"({_reason(exc) or 'the disk is full'}; {_amount(shutil.disk_usage(run.dir).free)} free there "
+                f"now that the unfinished one is removed, and a checkpoint of this policy takes about "
+                f"{_amount(size)}). {kept} the store of every rollout are intact. Make room (or lower "
+                "train.keep_checkpoints, or move train.output_dir to a larger disk), then continue the run with "
+                "`lit train CONFIG --resume`") from exc
+        raise
+    if not main:
+        return checkpoint
+    shutil.rmtree(checkpoint.path, ignore_errors=True)
+    staging.path.rename(checkpoint.path)
+    complete = run.checkpoints()
+    for old in complete[:-keep] if keep > 0 else []:
+        shutil.rmtree(old.path, ignore_errors=True)
+    return checkpoint
+
+
+def _write(staging: Checkpoint, step: int, policy: Policy, base_model_dir: Path, extra: dict[str, Any],
+           main: bool) -> None:
+    """Everything of the checkpoint into ``staging``, ``DONE`` last (the main process's part, or another's)."""
     if main:  # before the first collective below: the other processes write into it only after that
         shutil.rmtree(staging.path, ignore_errors=True)
         staging.model_dir.mkdir(parents=True)
@@ -71,7 +107,7 @@ def save(output_dir: str | Path, step: int, policy: Policy, base_model_dir: Path
         dcp.save({"optimizer": get_optimizer_state_dict(policy.model, policy.optimizer)["state"]},
                  checkpoint_id=staging.optimizer_dir, no_dist=not policy.sharded)
     if not main:
-        return checkpoint
+        return
     for name in TOKENIZER_FILES:
         if (base_model_dir / name).exists():
             shutil.copy2(base_model_dir / name, staging.model_dir / name)
@@ -82,12 +118,106 @@ def save(output_dir: str | Path, step: int, policy: Policy, base_model_dir: Path
     }
     torch.save(state, staging.state_file)
     staging.done_file.write_text(f"step {step}\n")  # last: the folder is complete
-    shutil.rmtree(checkpoint.path, ignore_errors=True)
-    staging.path.rename(checkpoint.path)
-    complete = run.checkpoints()
-    for old in complete[:-keep] if keep > 0 else []:
-        shutil.rmtree(old.path, ignore_errors=True)
-    return checkpoint
+
+
+class NoRoomForCheckpoint(RuntimeError):
+    """A checkpoint does not fit on the disk of the run's folder; the message says how much and what to do."""
+
+
+ROOM_ERRORS = {errno.ENOSPC: "No space left on device", errno.EDQUOT: "Disk quota exceeded",
+               errno.EFBIG: "File too large"}
+"""The errors of a write that ran out of room (the disk, the user's quota, a file size limit), with the text that
+stands for them where a library reports them only in words (safetensors: "File too large (os error 27)")."""
+
+
+def size_estimate(parameters: int, trained: int) -> int:
+    """About the bytes of one checkpoint of a policy of ``parameters`` with ``trained`` of them trained: the whole
+    model in float32 (LoRA: merged) and AdamW's two float32 moments per trained parameter; the tokenizer, the
+    adapter and the trainer state are small beside them."""
+    return parameters * 4 + trained * 8
+
+
+def saves_left(step: int, steps: int, every: int) -> int:
+    """How many checkpoints a run at ``step`` of ``steps`` still writes: one every ``every`` steps (0: none) and one
+    at its last step."""
+    periodic = [s for s in range(step + 1, steps + 1) if every and s % every == 0]
+    return len(periodic) + (0 if periodic and periodic[-1] == steps else 1) if step < steps else 0
+
+
+def room_needed(size: int, keep: int, existing: int, saves: int) -> int:
+    """The bytes a run's checkpoints will take on top of what its ``existing`` ones take now, when it writes
+    ``saves`` more of ``size`` bytes each and keeps the newest ``keep`` (0: all). A save writes the new checkpoint
+    before it deletes the oldest, so ``keep`` of them plus the one being written are on the disk at the peak."""
+    if saves <= 0:
+        return 0
+    peak = existing + saves if keep <= 0 else min(keep, existing + saves - 1) + 1
+    return max(size, (peak - existing) * size)
+
+
+def check_room(run: RunFolder, size: int, keep: int, saves: int) -> str | None:
+    """Before a run loads anything: ``NoRoomForCheckpoint`` when not even one checkpoint of ``size`` bytes fits on
+    the disk of its folder; a warning (text) when the most it will hold at once (``room_needed``) may not."""
+    if saves <= 0:
+        return None
+    free = shutil.disk_usage(run.dir).free
+    if free < size:
+        raise NoRoomForCheckpoint(
+            f"{run.dir} is on a disk with {_amount(free)} free, and one checkpoint of this policy takes about "
+            f"{_amount(size)} (the model in float32 and the optimizer state): make room there, or choose a "
+            "train.output_dir on a larger disk")
+    need = room_needed(size, keep, len(run.checkpoints()), saves)
+    if free >= need:
+        return None
+    kept = f"keeps the newest {keep} (train.keep_checkpoints) and writes each new one before it deletes the " \
+        "oldest" if keep > 0 else "keeps all of them (train.keep_checkpoints = 0)"
+    return (f"this run writes {saves} more checkpoint{'s' if saves > 1 else ''} of about {_amount(size)} and "
+            f"{kept}: up to {_amount(need)} more, and the disk of {run.dir} has {_amount(free)} free. If it "
+            "runs out, the run stops with an error and its latest complete checkpoint stays; lower "
+            "train.keep_checkpoints or make room to avoid that")
+
+
+def _amount(size: int) -> str:
+    """Bytes in words: GB from 0.1 GB up, MB below."""
+    return f"{size / GB:.2f} GB" if size >= GB / 10 else f"{size / 1e6:.1f} MB"
+
+
+def _failures(exc: BaseException) -> list[BaseException]:
+    """``exc``, its causes and contexts, and the per-process failures torch.distributed.checkpoint gathers."""
+    seen: list[BaseException] = []
+    todo: list[object] = [exc]
+    while todo:
+        item = todo.pop()
+        if not isinstance(item, BaseException) or any(item is s for s in seen):
+            continue
+        seen.append(item)
+        todo += [item.__cause__, item.__context__]
+        failures = getattr(item, "failures", None)  # CheckpointException's: {rank: (exception, traceback)}
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) and f else f for f in failures.values()]
+    return seen
+
+
+def _out_of_room(exc: BaseException, folder: Path, size: int) -> bool:
+    """Whether a failed save ran out of room: an error of ``ROOM_ERRORS`` (as an errno or in the words libraries
+    use), or less than a checkpoint's ``size`` free (torch's own writer reports a full disk only as "unexpected
+    pos")."""
+    if _reason(exc) is not None:
+        return True
+    try:
+        return shutil.disk_usage(folder).free < size
+    except OSError:
+        return False
+
+
+def _reason(exc: BaseException) -> str | None:
+    """The words of the first room error among ``exc``'s failures; None if there is none."""
+    for item in _failures(exc):
+        if isinstance(item, OSError) and item.errno in ROOM_ERRORS:
+            return ROOM_ERRORS[item.errno]
+        for words in ROOM_ERRORS.values():
+            if words.lower() in str(item).lower():
+                return words
+    return None
 
 
 def restore(checkpoint: Checkpoint, policy: Policy) -> dict[str, Any]:

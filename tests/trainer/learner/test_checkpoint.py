@@ -110,3 +110,72 @@ def test_lora_and_full_checkpoints_are_not_mixed_up(lora_config: PolicyConfig, t
         ckpt.restore(lora_ckpt, Policy(replace(lora_config, model=str(lora_ckpt.model_dir))))
     with pytest.raises(ValueError, match="r: saved 4, model 8"):
         ckpt.restore(lora_ckpt, Policy(replace(lora_config, lora_rank=8)))
+
+
+def test_room_needed_counts_the_checkpoints_kept_and_the_one_being_written():
+    assert ckpt.size_estimate(100, 100) == 1200 and ckpt.size_estimate(100, 3) == 424  # float32 model + AdamW
+    assert ckpt.saves_left(0, 40, 5) == 8  # 5, 10, ..., 40
+    assert ckpt.saves_left(0, 42, 5) == 9  # and the last step
+    assert ckpt.saves_left(12, 20, 5) == 2 and ckpt.saves_left(0, 3, 0) == 1 and ckpt.saves_left(40, 40, 5) == 0
+    assert ckpt.room_needed(10, keep=2, existing=0, saves=8) == 30  # two kept + the one being written
+    assert ckpt.room_needed(10, keep=2, existing=2, saves=1) == 10
+    assert ckpt.room_needed(10, keep=2, existing=0, saves=1) == 10
+    assert ckpt.room_needed(10, keep=0, existing=1, saves=3) == 30  # all kept
+    assert ckpt.room_needed(10, keep=1, existing=3, saves=2) == 10  # fewer kept than now: the first save still
+    assert ckpt.room_needed(10, keep=2, existing=1, saves=0) == 0
+
+
+def test_check_room_refuses_a_run_whose_first_checkpoint_cannot_fit_and_warns_when_all_may_not(tmp_path: Path):
+    import shutil
+
+    from lit_trainer.runs import RunFolder
+
+    run = RunFolder(tmp_path)
+    free = shutil.disk_usage(tmp_path).free
+    with pytest.raises(ckpt.NoRoomForCheckpoint, match=r"one checkpoint of this policy takes about .* GB .* "
+                                                       r"choose a train.output_dir on a larger disk"):
+        ckpt.check_room(run, free + 10**12, keep=2, saves=1)
+    assert ckpt.check_room(run, 10**6, keep=2, saves=8) is None
+    warning = ckpt.check_room(run, free // 2, keep=2, saves=8)  # 3 at the peak: 1.5 x the free space
+    assert warning is not None and "keeps the newest 2 (train.keep_checkpoints)" in warning
+    assert "8 more checkpoints" in warning and "lower train.keep_checkpoints" in warning
+    assert ckpt.check_room(run, free + 10**12, keep=2, saves=0) is None  # writes none
+
+
+SAVE_OVER_A_FILE_SIZE_LIMIT = """
+import json, resource, signal, sys
+from pathlib import Path
+from lit_trainer.learner import checkpoint as ckpt
+from lit_trainer.learner.policy import Policy, PolicyConfig
+out, model, limit = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+policy = Policy(PolicyConfig(model=str(model)))
+ckpt.save(out, 1, policy, model, {})
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG instead of a kill
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+try:
+    ckpt.save(out, 2, policy, model, {})
+except ckpt.NoRoomForCheckpoint as exc:
+    print(json.dumps({"error": str(exc)}))
+"""
+
+
+@pytest.mark.parametrize("limit", [20_000, 150_000], ids=["model-file", "optimizer-file"])
+def test_a_save_that_runs_out_of_room_removes_its_folder_and_says_what_to_do(tiny_model: Path, tmp_path: Path,
+                                                                            limit: int):
+    """A real write failure: the save runs in a process whose files may not grow past ``limit`` bytes
+    (RLIMIT_FSIZE; to the writer that is a full disk: the OS refuses the write), after a first checkpoint written
+    without the limit. The tiny model's weights (93 kB, safetensors) fail at 20 kB; at 150 kB they fit and the
+    optimizer state (281 kB, torch.distributed.checkpoint, whose error is a BaseException) fails."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", SAVE_OVER_A_FILE_SIZE_LIMIT, str(tmp_path), str(tiny_model),
+                           str(limit)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    error = json.loads(done.stdout.strip().splitlines()[-1])["error"]
+    assert "the checkpoint of step 2 did not fit on the disk" in error and "File too large" in error
+    assert "The latest complete checkpoint (step 1) and the store of every rollout are intact" in error
+    assert "`lit train CONFIG --resume`" in error
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000001"]  # no .tmp- left
+    assert resolve_checkpoint(tmp_path).step == 1
