@@ -130,3 +130,21 @@ def test_a_failed_install_from_the_index_falls_back_to_pypi(tmp_path, index):
     assert f"[lit] the install from {index} failed: installing torch 2.13.0 from PyPI\n" in out
     assert calls[1:3] == [f"{PIP} --timeout 10 --retries 0 --index-url {index} torch==2.13.0", f"{PIP} torch==2.13.0"]
     _lit_install_and_tests(calls)
+
+
+def test_too_little_room_on_the_disk_is_said_before_anything_is_installed_or_run(tmp_path, index):
+    """The room is measured for real (df), against a threshold no disk meets; nothing is installed, no test runs."""
+    big = {"LIT_MIN_FREE_GB": "1000000"}
+    with pytest.raises(AssertionError, match=r"\[lit\] error: setting up lit's environments \(.*venv; more with "
+                                             r"CUDA builds\) needs about 1000000 GB free, and the disk of .* has "
+                                             r"[0-9.]+ GB: make room, or put them on another disk with LIT_VENV="):
+        _run_sh(tmp_path, index, **big)
+    assert not (tmp_path / "calls.log").exists()
+    _run_sh(tmp_path, index)  # set up with the default threshold, which this disk meets
+    with pytest.raises(AssertionError, match=r"the test suite \(its temporary folder\) needs about 1000000 GB free"
+                                             r".*point TMPDIR at a folder on another disk"):
+        _run_sh(tmp_path, index, **big)
+    assert not (tmp_path / "calls.log").exists()  # no pytest call
+    assert _run_sh(tmp_path, index, LIT_MIN_FREE_GB="0")[1] == ["pytest tests"]
+    with pytest.raises(AssertionError, match="LIT_MIN_FREE_GB must be a whole number of GB"):
+        _run_sh(tmp_path, index, LIT_MIN_FREE_GB="lots")
