@@ -20,7 +20,7 @@ records each tensor's full shape, a checkpoint resumes on any number of processe
 processes can be continued by 1, and the reverse.
 
 A checkpoint is written into a temporary folder and renamed into place, so a kill mid-save leaves the previous
-checkpoint as the latest. Room on the disk: ``lit train`` checks before it loads anything that one checkpoint fits
+checkpoint as the latest. Room on the disk: ``lit train`` checks before vLLM starts that one checkpoint fits
 (``check_room``: the model in float32 plus AdamW's state, 1.6 GB for SmolLM2-135M) and warns when all it will keep
 at once may not; a save that still runs out of room removes its unfinished folder and stops the run with
 ``NoRoomForCheckpoint``, the latest complete checkpoint and the store untouched.
@@ -155,7 +155,7 @@ def room_needed(size: int, keep: int, existing: int, saves: int) -> int:
 
 
 def check_room(run: RunFolder, size: int, keep: int, saves: int) -> str | None:
-    """Before a run loads anything: ``NoRoomForCheckpoint`` when not even one checkpoint of ``size`` bytes fits on
+    """Before a run starts vLLM: ``NoRoomForCheckpoint`` when not even one checkpoint of ``size`` bytes fits on
     the disk of its folder; a warning (text) when the most it will hold at once (``room_needed``) may not."""
     if saves <= 0:
         return None
