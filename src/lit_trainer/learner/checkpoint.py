@@ -66,13 +66,14 @@ def save(output_dir: str | Path, step: int, policy: Policy, base_model_dir: Path
         if main:  # an unfinished folder is of no use and may hold GBs
             shutil.rmtree(staging.path, ignore_errors=True)
         size = size_estimate(policy.memory.parameters, policy.memory.trained)
-        if not isinstance(exc, (KeyboardInterrupt, SystemExit)) and _out_of_room(exc, run.dir, size):
+        reason = None if isinstance(exc, (KeyboardInterrupt, SystemExit)) else _room_error(exc, run.dir, size)
+        if reason is not None:
             latest = run.latest_checkpoint()
             kept = f"The latest complete checkpoint (step {latest.step}) and" if latest else "No checkpoint was " \
                 "complete yet, but"
             raise NoRoomForCheckpoint(
                 f"the checkpoint of step {step} did not fit on the disk of {run.dir} "
-                f"({_reason(exc) or 'the disk is full'}; {_amount(shutil.disk_usage(run.dir).free)} free there "
+                f"({reason}; {_amount(shutil.disk_usage(run.dir).free)} free there "
                 f"now that the unfinished one is removed, and a checkpoint of this policy takes about "
                 f"{_amount(size)}). {kept} the store of every rollout are intact. Make room (or lower "
                 "train.keep_checkpoints, or move train.output_dir to a larger disk), then continue the run with "
@@ -140,8 +141,11 @@ def size_estimate(parameters: int, trained: int) -> int:
 def saves_left(step: int, steps: int, every: int) -> int:
     """How many checkpoints a run at ``step`` of ``steps`` still writes: one every ``every`` steps (0: none) and one
     at its last step."""
-    periodic = [s for s in range(step + 1, steps + 1) if every and s % every == 0]
-    return len(periodic) + (0 if periodic and periodic[-1] == steps else 1) if step < steps else 0
+    if step >= steps:
+        return 0
+    periodic = sum(1 for s in range(step + 1, steps + 1) if every and s % every == 0)
+    last_is_periodic = every > 0 and steps % every == 0
+    return periodic + (0 if last_is_periodic else 1)
 
 
 def room_needed(size: int, keep: int, existing: int, saves: int) -> int:
@@ -197,16 +201,17 @@ def _failures(exc: BaseException) -> list[BaseException]:
     return seen
 
 
-def _out_of_room(exc: BaseException, folder: Path, size: int) -> bool:
-    """Whether a failed save ran out of room: an error of ``ROOM_ERRORS`` (as an errno or in the words libraries
-    use), or less than a checkpoint's ``size`` free (torch's own writer reports a full disk only as "unexpected
-    pos")."""
-    if _reason(exc) is not None:
-        return True
-    try:
-        return shutil.disk_usage(folder).free < size
-    except OSError:
-        return False
+def _room_error(exc: BaseException, folder: Path, size: int) -> str | None:
+    """Why a failed save ran out of room, in words; None if it did not: an error of ``ROOM_ERRORS`` (as an errno
+    or in the words libraries use), or less than a checkpoint's ``size`` free (torch's own writer reports a full
+    disk only as "unexpected pos")."""
+    reason = _reason(exc)
+    if reason is not None:
+        return reason
+    with contextlib.suppress(OSError):
+        if shutil.disk_usage(folder).free < size:
+            return "the disk is full"
+    return None
 
 
 def _reason(exc: BaseException) -> str | None:
