@@ -17,6 +17,12 @@ expression doubles the untrained model's accuracy against two examples (greedy 1
 and solving them one operation per calculator call (several calls, results shown) does worse. What it still gets
 wrong, and what RL has to teach, is which numbers and which operator to put in the expression.
 
+The question reaches the model with its numbers listed on a line after it (``with_numbers``; the worked examples'
+questions too): "...then uses 65. How many marbles does the class still have?\nNumbers: 58, 19, 65". Trained 15
+minutes from the same seed, this took held-out accuracy from 82.8 % to 93.8 %, and problems in wordings never
+trained on from 71.9 % to 93.8 % (examples/README.md has the runs): the trained model's commonest mistake there had
+been to leave a number out (``58+19``).
+
 A tool call that fails (bad expression, unknown tool, bad JSON) or a reply without a number is a wrong answer
 (reward 0). Errors of the infrastructure (connection refused, HTTP errors from the server) propagate, so the
 trainer retries the rollout. Knows nothing of the trainer; ``lit.trace`` is a pass-through without
@@ -108,6 +114,11 @@ class Attempt:
     completion_tokens: int
 
 
+def with_numbers(question: str) -> str:
+    """The question as the model sees it: its numbers listed on a line of their own after it."""
+    return f"{question}\nNumbers: {', '.join(NUMBER.findall(question))}"
+
+
 def final_number(text: str) -> float | None:
     """The last number in ``text`` (the final answer), or None."""
     numbers = NUMBER.findall(text)
@@ -125,7 +136,7 @@ def demonstration(shots: list[tuple[str, str]]) -> list[LLMMessage]:
     last would teach it to write ``<tool_response>`` itself (measured: tool use 0-2% instead of 97-100%)."""
     messages: list[LLMMessage] = []
     for question, expression in shots:
-        messages += [UserMessage(content=question, source="user"),
+        messages += [UserMessage(content=with_numbers(question), source="user"),
                      AssistantMessage(content=tool_call_text(expression), source="calc")]
     return messages
 
@@ -158,7 +169,7 @@ async def solve(task: dict, llm: lit.LLM, *, system_message: str = SYSTEM_MESSAG
                                max_tool_iterations=tool_iterations,
                                model_context=UnboundedChatCompletionContext(
                                    demonstration(shots) if history is None else list(history)))
-        result = await agent.run(task=task["question"])
+        result = await agent.run(task=with_numbers(task["question"]))
     finally:
         await client.close()
     final = result.messages[-1]

@@ -9,7 +9,7 @@ import pytest
 from fake_llm import FakeLLM
 
 import lit_sdk as lit
-from examples.calc.agent import SHOTS, calc_agent, calculator, evaluate, final_number
+from examples.calc.agent import SHOTS, calc_agent, calculator, evaluate, final_number, with_numbers
 from examples.calc.tasks import HELD_OUT, KINDS, NAMES, TEMPLATES, THINGS, TWO_STEP, TWO_STEP_EVERY, make_tasks
 
 
@@ -121,18 +121,27 @@ def run(task, base_url):
     return asyncio.run(calc_agent(task, lit.LLM(base_url, "policy", temperature=0.0, max_tokens=48)))
 
 
+def test_the_question_reaches_the_model_with_its_numbers_listed():
+    assert with_numbers("Ana has 20 coins, gets 15 more, then spends 8. How many?") == (
+        "Ana has 20 coins, gets 15 more, then spends 8. How many?\nNumbers: 20, 15, 8")
+    assert with_numbers("How many?") == "How many?\nNumbers: "
+
+
 @pytest.mark.parametrize(("tool_args", "answer", "reward"), [
     ({"expression": "3*12"}, 36, 1.0),
     ({"expression": "3*12"}, 35, 0.0),
     ({"expression": "__import__('os').system('true')"}, 0, 0.0),  # a refused expression is a wrong answer
 ])
 def test_the_agent_grades_the_tool_result(tool_args, answer, reward):
+    question = "Tom has 3 bags with 12 apples each. How many?"
     with FakeLLM(tool_args=tool_args) as llm:
-        got = run({"id": "t", "question": "Tom has 3 bags with 12 apples each. How many?", "answer": answer},
-                  llm.base_url)
+        got = run({"id": "t", "question": question, "answer": answer}, llm.base_url)
         assert got == reward
         [request] = llm.requests  # one LLM call per rollout, with the calculator offered
         assert [t["function"]["name"] for t in request["tools"]] == ["calculator"]
+        messages = request["messages"]  # the question and every worked example's, each with its numbers listed
+        assert messages[-1]["content"] == f"{question}\nNumbers: 3, 12"
+        assert sum(m["role"] == "user" and "\nNumbers: " in m["content"] for m in messages) == len(SHOTS) + 1
 
 
 def test_an_unreachable_server_raises_so_the_trainer_retries():
