@@ -18,10 +18,10 @@ and solving them one operation per calculator call (several calls, results shown
 wrong, and what RL has to teach, is which numbers and which operator to put in the expression.
 
 The question reaches the model with its numbers listed on a line after it (``with_numbers``; the worked examples'
-questions too): "...then uses 65. How many marbles does the class still have?\nNumbers: 58, 19, 65". Trained 15
-minutes from the same seed, this took held-out accuracy from 82.8 % to 93.8 %, and problems in wordings never
-trained on from 71.9 % to 93.8 % (examples/README.md has the runs): the trained model's commonest mistake there had
-been to leave a number out (``58+19``).
+questions too): "...then uses 65. How many marbles does the class still have?\nNumbers: 58, 19, 65". The trained
+model's commonest mistake on problems in wordings never trained on had been to leave a number out (``58+19``); in
+15-minute runs from the same seed on the same day, they went from 68.8 % right without the line to 87.5-93.8 % in
+three runs with it, and held-out accuracy from 81.2 % to 87.5-93.8 % (examples/README.md has the runs).
 
 A tool call that fails (bad expression, unknown tool, bad JSON) or a reply without a number is a wrong answer
 (reward 0). Errors of the infrastructure (connection refused, HTTP errors from the server) propagate, so the
