@@ -8,14 +8,15 @@ lit trains the model behind it without changing this code.
 Design (measured with ``measure_baseline.py``; its docstring has the numbers): one LLM call per rollout. The model
 either calls ``calculator`` and the tool's result is the answer (``reflect_on_tool_use=False``: a second call could
 only copy the number, and would double the tokens to generate and train on), or it answers in text and the last
-number in its text is the answer. Five worked examples sit in the chat history as earlier user/assistant turns, one
-of each two-step form written as a single expression and a one-step one; their assistant text is the
-``<tool_call>`` exactly as lit's ChatML template renders one, with no tool result after it: the 135M model copies
-the latest pattern it saw, so it then calls the tool almost always, whereas a tool result shown last makes it write
-``<tool_response>`` itself (0-2% tool use), and instructions alone give 0%. Every two-step form shown as one
-expression doubles the untrained model's accuracy against two examples (greedy 12.5 -> 25%, two-step 0 -> 12.5%),
-and solving them one operation per calculator call (several calls, results shown) does worse. What it still gets
-wrong, and what RL has to teach, is which numbers and which operator to put in the expression.
+number in its text is the answer. Seven worked examples sit in the chat history as earlier user/assistant turns: one
+of each two-step form written as a single expression, a multiplication, a division and ``(a+b)/c`` again; their
+assistant text is the ``<tool_call>`` exactly as lit's ChatML template renders one, with no tool result after it:
+the 135M model copies the latest pattern it saw, so it then calls the tool almost always, whereas a tool result
+shown last makes it write ``<tool_response>`` itself (0-2% tool use), and instructions alone give 0%. Every two-step
+form shown as one expression doubles the untrained model's accuracy against two examples (greedy 12.5 -> 25%,
+two-step 0 -> 12.5%), and solving them one operation per calculator call (several calls, results shown) does worse;
+the division and the second ``(a+b)/c`` took it from 29.7 to 56.2% (``SHOTS``). What it still gets wrong, and what
+RL has to teach, is which numbers and which operator to put in the expression.
 
 The question reaches the model with its numbers listed on a line after it (``with_numbers``; the worked examples'
 questions too): "...then uses 65. How many marbles does the class still have?\nNumbers: 58, 19, 65". The trained
@@ -53,11 +54,16 @@ SHOTS = [
     ("Kim has 5 jars with 16 beads each and drops 7. How many beads are left?", "5*16-7"),
     ("Leo puts 28 red and 14 blue caps equally into 6 cups. How many caps are in each cup?", "(28+14)/6"),
     ("Tom has 3 bags with 12 apples each. How many apples does Tom have?", "3*12"),
+    ("Sam shares 84 shells equally among 7 friends. How many shells does each friend get?", "84/7"),
+    ("Mia has 27 red and 18 blue pens and puts them equally into 5 cups. How many pens are in each cup?", "(27+18)/5"),
 ]
 """Worked examples shown as earlier turns of the chat: (question, calculator expression). One of each two-step
-form as a single expression, then a one-step one. Each two-step one has a number outside what ``tasks.py`` draws
-for its form (a last number below 10, a quotient below 11); the one-step one is a training problem; none is a
-validation problem (tests/examples/test_calc.py)."""
+form as a single expression, a multiplication, a division, and last the form the untrained model almost never
+writes, ``(a+b)/c``, once more. Without the division the model used ``/`` almost never, one-step divisions were
+right in 0-2 % of sampled rollouts, and untrained greedy accuracy was 29.7 % instead of 56.2 %
+(``measure_baseline.py``). Each two-step one has a number outside what ``tasks.py`` draws for its form (a last
+number below 10, a quotient below 11); the one-step ones are training problems; none is a validation problem
+(tests/examples/test_calc.py)."""
 MODEL_INFO = {"vision": False, "function_calling": True, "json_output": False, "family": "unknown",
               "structured_output": False}
 """What AutoGen needs to know of a model it has no entry for (the vLLM-served policy)."""

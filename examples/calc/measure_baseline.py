@@ -67,6 +67,16 @@ agent does so since 2026-11-27, so every variant above now runs with it), same m
 other on one server, against ``all_forms`` without the line: greedy 25.0% -> 29.7% (in-template 31.2%, out of
 template 18.8% -> 28.1%; two-step 12.5% for both), sampled at T=0.7 9.4% -> 12.9% right, mixed groups 41% -> 47%.
 Trained 15 minutes from the same seed it makes the larger difference (examples/README.md).
+
+Two more worked examples after the five, a division and ``(a+b)/c`` again (``all_forms`` since the night of
+2026-11-27; ``five_shots`` is the agent before), same machine and settings, one after the other on one server:
+
+    variant      greedy  1-step  2-step  in | out of template  T=0.7 acc  mixed  tool errors  prompt
+    five_shots    29.7%   35.4%   12.5%   31.2% | 28.1%          10.9%     41%      15%        636
+    all_forms     56.2%   72.9%    6.2%   65.6% | 46.9%          23.0%     69%      12%        797
+
+The five examples had no division but ``(28+14)/6``, and sampled one-step divisions were right 0-2% of the time.
+Trained, two-step problems are where it counts: examples/README.md, "Seven worked examples".
 """
 
 from __future__ import annotations
@@ -94,7 +104,7 @@ from tasks import TWO_STEP_EVERY, make_tasks
 
 import lit_sdk as lit
 
-TWO_SHOTS = [SHOTS[0], SHOTS[-1]]
+TWO_SHOTS = [SHOTS[0], SHOTS[4]]
 """The agent's worked examples before 2026-11-27: the first two-step form and the one-step one."""
 
 
@@ -133,13 +143,15 @@ VARIANTS: dict[str, dict] = {
     "two_shots_full_schema": {"shots": TWO_SHOTS, "compact": False},
     "two_shots_reflect": {"shots": TWO_SHOTS, "reflect": True},
     "multi_call": {"shots": TWO_SHOTS, "tool_iterations": 3},  # after each result, call again or answer in text
-    "all_forms": {},  # the agent's own design: one worked example per two-step form
+    "all_forms": {},  # the agent's own design: every two-step form, a multiplication, a division, (a+b)/c again
+    "five_shots": {"shots": SHOTS[:5]},  # the agent until the night of 2026-11-27: no division, (a+b)/c once
     "stepwise_demo": {"tool_iterations": 3, "history": stepwise_history(STEPWISE)},  # two calls, then the answer
     "stepwise_forms": {"tool_iterations": 3, "history": stepwise_history(STEPWISE_FORMS)},
     "three_shots": {
         "shots": [*TWO_SHOTS, ("Mia puts 36 pens equally into 4 boxes. How many pens are in each box?", "36/4")]},
 }
-"""Designs compared; ``all_forms`` is what ``calc_agent`` runs (``two_shots`` until 2026-11-27)."""
+"""Designs compared; ``all_forms`` is what ``calc_agent`` runs (``two_shots`` until 2026-11-27, ``five_shots``
+until that night)."""
 
 
 async def run_all(tasks: list[dict], llm: lit.LLM, variant: dict, concurrency: int) -> list[Attempt]:

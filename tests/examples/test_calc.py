@@ -10,7 +10,17 @@ from fake_llm import FakeLLM
 
 import lit_sdk as lit
 from examples.calc.agent import SHOTS, calc_agent, calculator, evaluate, final_number, with_numbers
-from examples.calc.tasks import HELD_OUT, KINDS, NAMES, TEMPLATES, THINGS, TWO_STEP, TWO_STEP_EVERY, make_tasks
+from examples.calc.tasks import (
+    HELD_OUT,
+    KINDS,
+    NAMES,
+    TEMPLATES,
+    THINGS,
+    TWO_STEP,
+    TWO_STEP_EVERY,
+    make_tasks,
+    split_of,
+)
 
 
 def test_tasks_are_deterministic_integral_and_the_splits_are_disjoint():
@@ -69,6 +79,24 @@ def test_no_worked_example_is_a_validation_problem():
     objects, which would hand the model its answer."""
     shots = {numbers_of(question) for question, _ in SHOTS}
     assert not shots & {numbers_of(t["question"]) for t in make_tasks("validation", 64)}
+
+
+ONE_STEP_OPERATIONS = {"+": "add", "-": "subtract", "*": "multiply", "/": "divide"}
+
+
+def test_one_step_worked_examples_are_training_problems_and_two_step_ones_no_problem_at_all():
+    """A one-step worked example is a problem training shows anyway; a two-step one has a number its form never
+    draws, so it is neither a training nor a validation problem."""
+    problems = {numbers_signature(t) for t in make_tasks("train", 2000) + make_tasks("validation", 64)}
+    one_step = [(q, e) for q, e in SHOTS if len(re.findall(r"[-+*/]", e)) == 1]
+    assert {ONE_STEP_OPERATIONS[re.search(r"[-+*/]", e).group()] for _, e in one_step} == {"multiply", "divide"}
+    for question, expression in one_step:
+        operation = ONE_STEP_OPERATIONS[re.search(r"[-+*/]", expression).group()]
+        numbers = dict(enumerate(numbers_of(question)))
+        assert split_of(operation, {str(k): v for k, v in numbers.items()}) == "train", question
+    two_step = [(q, e) for q, e in SHOTS if (q, e) not in one_step]
+    assert len(two_step) == 5
+    assert not {(op.__name__, numbers_of(q)) for q, _ in two_step for op in TWO_STEP} & problems
 
 
 def word_runs(wording: str, n: int = 6) -> set[tuple[str, ...]]:
