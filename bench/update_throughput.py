@@ -13,8 +13,9 @@ Figure 2 (``--figure paths``). A whole update (full fine-tune, entropy off) with
 ``logprobs.token_logprobs``) or by ``logprobs.token_logprobs``, each in a fresh process, so that its peak resident
 memory (VmHWM: model, gradients, AdamW state and the update's peak together) is its own. Two batches: the calc example's
 step (``examples/calc``: 8 tasks x 8 rollouts, each group sharing its task's real prompt, rendered with lit's chat
-template and the agent's system message, worked examples and tool, about 567 tokens since the agent shows five worked
-examples (2026-11-27; about 358 with the two it had before, when bench/README.md's figure was taken); responses are
+template and the agent's system message, worked examples and tool, each question with its numbers line, about 800
+tokens since the agent shows seven worked examples (the night of 2026-11-27; about 567 with five and no numbers
+line, about 358 with the two it had before, when bench/README.md's figure was taken); responses are
 calculator calls as the agent writes them, about 34 tokens; temperature 0.7; micro-batch budget 2048 as in
 ``examples/calc/config.toml``) and figure 1's 8x256 batch (distinct prompts: nothing to share). The plain path's
 micro-batches count rows x padded length (``make_micro_batches(share_prompts=False)``), the new path's the tokens it
@@ -69,7 +70,7 @@ def make_calc_batch(seed: int = 0) -> list[Transition]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from transformers import AutoTokenizer
 
-    from examples.calc.agent import SHOTS, SYSTEM_MESSAGE, calculator, tool_call_text
+    from examples.calc.agent import SHOTS, SYSTEM_MESSAGE, calculator, tool_call_text, with_numbers
     from examples.calc.tasks import make_tasks
     from lit_trainer.engine.served_model import TOOL_TEMPLATE
     from lit_trainer.models import resolve_model
@@ -83,9 +84,9 @@ def make_calc_batch(seed: int = 0) -> list[Transition]:
     for task in make_tasks("train", CALC_TASKS):
         messages = [{"role": "system", "content": SYSTEM_MESSAGE}]
         for question, expression in SHOTS:
-            messages += [{"role": "user", "content": question},
+            messages += [{"role": "user", "content": with_numbers(question)},
                          {"role": "assistant", "content": tool_call_text(expression)}]
-        messages.append({"role": "user", "content": task["question"]})
+        messages.append({"role": "user", "content": with_numbers(task["question"])})
         prompt = tokenizer.apply_chat_template(messages, tools=[tool], chat_template=TOOL_TEMPLATE.read_text(),
                                                add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
         for i in range(CALC_GROUP):
