@@ -88,15 +88,14 @@ def test_one_step_worked_examples_are_training_problems_and_two_step_ones_no_pro
     """A one-step worked example is a problem training shows anyway; a two-step one has a number its form never
     draws, so it is neither a training nor a validation problem."""
     problems = {numbers_signature(t) for t in make_tasks("train", 2000) + make_tasks("validation", 64)}
-    one_step = [(q, e) for q, e in SHOTS if len(re.findall(r"[-+*/]", e)) == 1]
-    assert {ONE_STEP_OPERATIONS[re.search(r"[-+*/]", e).group()] for _, e in one_step} == {"multiply", "divide"}
-    for question, expression in one_step:
-        operation = ONE_STEP_OPERATIONS[re.search(r"[-+*/]", expression).group()]
-        numbers = dict(enumerate(numbers_of(question)))
-        assert split_of(operation, {str(k): v for k, v in numbers.items()}) == "train", question
-    two_step = [(q, e) for q, e in SHOTS if (q, e) not in one_step]
+    operators = {question: re.findall(r"[-+*/]", expression) for question, expression in SHOTS}
+    one_step = {q: ONE_STEP_OPERATIONS[ops[0]] for q, ops in operators.items() if len(ops) == 1}
+    assert set(one_step.values()) == {"multiply", "divide"}
+    for question, operation in one_step.items():  # split_of reads only the numbers, not their field names
+        assert split_of(operation, dict(zip("ab", numbers_of(question), strict=True))) == "train", question
+    two_step = [q for q in operators if q not in one_step]
     assert len(two_step) == 5
-    assert not {(op.__name__, numbers_of(q)) for q, _ in two_step for op in TWO_STEP} & problems
+    assert not {(op.__name__, numbers_of(q)) for q in two_step for op in TWO_STEP} & problems
 
 
 def word_runs(wording: str, n: int = 6) -> set[tuple[str, ...]]:
