@@ -104,5 +104,6 @@ def parity_tasks(split, n):
 
 def some_solved_parity_tasks(split, n):
     """``parity_tasks`` of which one in seven is ``solved`` (reward 1 whatever the reply): ``train4``, ``train11``,
-    ``train18``."""
-    return [{**task, "solved": i % 7 == 4} for i, task in enumerate(parity_tasks(split, n))]
+    ``train18``. Their ``family`` is ``"solved"``, every other task's its own (a curriculum's category)."""
+    return [{**task, "solved": i % 7 == 4, "family": "solved" if i % 7 == 4 else task["id"]}
+            for i, task in enumerate(parity_tasks(split, n))]

@@ -98,10 +98,22 @@ class TrainLoopConfig:
     the extra rounds, rollouts and groups, ``rollouts/without_signal`` the rollouts spent on groups that taught
     nothing. Synchronous rollouts only (``max_staleness`` = 0)."""
 
+    rest_after: int = 0
+    """Curriculum (``rollouts/curriculum.py``): a category of tasks (``rest_by``) whose last this many groups were
+    each solved by every rollout (return >= ``success_reward``: nothing to learn there) rests for ``rest_steps``
+    steps, its tasks not drawn, then comes back. The step's ``curriculum/resting`` and ``curriculum/resting_tasks``
+    say how many categories and training tasks rested. 0: off. Synchronous rollouts only (``max_staleness`` = 0)."""
+    rest_by: str = "id"
+    """The task field whose value is a task's category for ``rest_after`` (e.g. ``"operation"``): every training
+    task must have it. ``"id"``: each task is its own category."""
+    rest_steps: int = 10
+    """Steps a category sits out once it rests (``rest_after``)."""
+
     def __post_init__(self) -> None:
         check_trackers(self.trackers)
         at_least = {"steps": 1, "tasks_per_step": 1, "group_size": 2, "min_group_size": 1, "val_every": 0,
-                    "checkpoint_every": 0, "keep_checkpoints": 0, "check_sync_every": 0, "extra_rollouts": 0}
+                    "checkpoint_every": 0, "keep_checkpoints": 0, "check_sync_every": 0, "extra_rollouts": 0,
+                    "rest_after": 0, "rest_steps": 1}
         for name, least in at_least.items():
             if getattr(self, name) < least:
                 why = " (GRPO compares the rollouts of a group: one alone has no advantage)" if name == "group_size" \
@@ -124,6 +136,12 @@ class TrainLoopConfig:
             raise ValueError(f"train.extra_rollouts = {self.extra_rollouts} (dynamic sampling) waits for a step's "
                              "groups before it draws more, which asynchronous rollouts do not: set "
                              "train.extra_rollouts = 0 or train.max_staleness = 0")
+        if self.rest_after and self.max_staleness:
+            raise ValueError(f"train.rest_after = {self.rest_after} (the curriculum) needs each step's groups before "
+                             "the next step draws, which asynchronous rollouts do not wait for: set "
+                             "train.rest_after = 0 or train.max_staleness = 0")
+        if not self.rest_by:
+            raise ValueError('train.rest_by must name a task field ("id": each task is its own category)')
         if self.min_step_groups and not self.max_staleness:
             raise ValueError(f"train.min_step_groups = {self.min_step_groups} lets groups carry over to the next "
                              "step, which only asynchronous rollouts do: set train.max_staleness >= 1, or "

@@ -37,6 +37,7 @@ from lit_trainer.metrics import STEP_LINE_LEGEND, MetricsLog, memory_gb, plot_cu
 from lit_trainer.metrics import read as read_metrics
 from lit_trainer.models import resolve_model
 from lit_trainer.progress import quiet_library_bars
+from lit_trainer.rollouts.curriculum import Curriculum, check_rest_by
 from lit_trainer.rollouts.feed import StepFeed, StepPlan
 from lit_trainer.rollouts.runner import RolloutsFailed
 from lit_trainer.rollouts.tasks import load_tasks
@@ -63,6 +64,8 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
         done = [r for r in read_metrics(out.metrics) if r["kind"] == "validation"]
         return done[-1] if done else {}
     train_tasks, val_tasks = load_tasks(cfg.data)
+    if cfg.train.rest_after and (problem := check_rest_by(train_tasks, cfg.train.rest_by)):
+        raise ConfigError(problem)
     check_agent(cfg)  # importable, @lit.trace, (task, llm): before the model and vLLM load
     torch.manual_seed(cfg.train.seed)
     base_dir = resolve_model(cfg.model)
@@ -94,9 +97,14 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
         if step == 0 and cfg.train.val_every:
             last_val = validate(svc.runner, val_tasks, log, step, minutes)
         pad_id = _pad_id(policy)
+        curriculum = Curriculum(cfg.train.rest_by, cfg.train.rest_after, cfg.train.rest_steps,
+                                cfg.train.success_reward, cfg.train.min_group_size) if cfg.train.rest_after else None
+        if curriculum:
+            curriculum.load(state.get("curriculum"))  # what rested when the checkpoint was written
         feed = StepFeed(svc.runner, train_tasks, StepPlan(
             cfg.train.steps, cfg.train.tasks_per_step, cfg.train.group_size, cfg.train.seed, cfg.agent.temperature,
-            cfg.train.max_staleness, cfg.train.min_step_groups, cfg.train.extra_rollouts, cfg.train.min_group_size))
+            cfg.train.max_staleness, cfg.train.min_step_groups, cfg.train.extra_rollouts, cfg.train.min_group_size),
+            curriculum)
         print(f"lit: {STEP_LINE_LEGEND}", file=sys.stderr)
         while step < cfg.train.steps and not (cfg.train.max_minutes and minutes >= cfg.train.max_minutes):
             t0, restarts = time.perf_counter(), fleet.restarts
@@ -129,7 +137,8 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
                 last_val = validate(svc.runner, val_tasks, log, step, minutes)
             if last_step or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0):
                 together(policy, save_checkpoint, out.dir, step, base_dir, {
-                    "minutes": minutes, "data_position": step, "weight_version": str(step)}, cfg.train.keep_checkpoints)
+                    "minutes": minutes, "data_position": step, "weight_version": str(step),
+                    "curriculum": curriculum.state() if curriculum else None}, cfg.train.keep_checkpoints)
         feed.close()
         log.close()
     distributed.broadcast(None)  # the other processes' follow() ends

@@ -10,7 +10,10 @@ checkpoint is written, ``--resume`` continues to step 3, and ``lit eval --checkp
   a core each): both serve rollouts, all of one task's group on one server, and both take every weight sync
   (``two_servers_served``). With dynamic sampling (``train.extra_rollouts``): some tasks are solved by every
   rollout (``solved``: reward 1), so a step whose first draw holds one has a group without signal and draws a
-  fresh task (steps 1 and 3 of seed 0, the resumed step 3 too), stored under the step (``drew_more``).
+  fresh task (step 1 of seed 0), stored under the step (``drew_more``). With the curriculum
+  (``train.rest_after = 1``, ``train.rest_by = "family"``): the solved tasks, one family, rest after that group, so
+  steps 2 and 3 draw none of them, the resumed step 3 too (it drew ``train11`` before the curriculum:
+  the checkpoint keeps what rests).
 - Full fine-tune with every schedule option: KL to a frozen copy, 2 PPO epochs x 2 mini-batches, recomputed old
   logprobs with truncated importance sampling, overlong responses masked, the ``kept`` normaliser; trained by two
   processes (``torchrun --nproc_per_node 2``, gloo) with the model sharded across them (``policy.shard``: the
@@ -69,7 +72,8 @@ OPTIONS = {
     "lora_kl": ["policy.lora_rank=8", "policy.learning_rate=1e-4", "loss.kl_beta=0.05", "policy.precision='bf16'",
                 "train.trackers=['tensorboard']", "inference.servers=2", "inference.cpu_kv_cache_gb=1",
                 "inference.extra_args=['--enable-log-requests','--enforce-eager']",  # each request's id in its log
-                "train.extra_rollouts=4", "data.tasks='rollout_agents:some_solved_parity_tasks'"],
+                "train.extra_rollouts=4", "data.tasks='rollout_agents:some_solved_parity_tasks'",
+                "train.rest_after=1", "train.rest_by='family'"],
     "ppo_schedule": ["loss.kl_beta=0.05", "update.ppo_epochs=2", "update.mini_batches=2",
                      "update.recompute_old_logprobs=true", "loss.is_correction='truncate'", "update.overlong='mask'",
                      "loss.normalizer='kept'", "train.max_staleness=1", "train.min_step_groups=1",
@@ -207,16 +211,22 @@ def two_servers_served(store_path: Path, logs: Path) -> None:
 
 
 def drew_more(train: list[dict], store_path: Path) -> None:
-    """Steps 1 and 3 (seed 0) drew a solved task first (train18, train11): one group at most with signal of the 2
-    wanted, so one extra draw of one fresh task, the 4 rollouts of the budget, stored under the step beside its
-    first draw's. Step 2 draws only if a group's 4 rollouts got the same parity by chance."""
+    """Step 1 (seed 0) drew a solved task first (train18): one group at most with signal of the 2 wanted, so one
+    extra draw of one fresh task, the 4 rollouts of the budget, stored under the step beside its first draw's.
+    Steps 2 and 3 draw more only if a group's 4 rollouts got the same parity by chance. The solved family rested
+    after step 1 (``train.rest_after = 1``): steps 2 and 3, the resumed one too, ran none of its tasks."""
     from lit_trainer.intake.store import SqliteStore
 
     draws = {r["step"]: r["sampling/draws"] for r in train}
-    assert draws[1] == draws[3] == 1 and draws[2] in (0, 1), draws
+    assert draws[1] == 1 and draws[2] in (0, 1) and draws[3] in (0, 1), draws
+    assert [r["curriculum/resting"] >= 1 for r in train] == [False, True, True], train
+    assert all(r["curriculum/resting_tasks"] >= 3 for r in train[1:]), train  # train4, train11, train18
     with SqliteStore(store_path) as store:
         for r in train:
-            ids = [row.rollout_id for row in store.rollouts_of_step(r["step"] - 1)]
+            rows = store.rollouts_of_step(r["step"] - 1)
+            ids = [row.rollout_id for row in rows]
             more = [i for i in ids if f"-s{r['step'] - 1}-more1-" in i]
             assert len(more) == r["sampling/extra_rollouts"] == 4 * r["sampling/draws"], (r, ids)
             assert r["rollouts/requested"] == 8  # the first draw's metrics: 2 tasks x 4
+            solved = {row.task_id for row in rows} & {"train4", "train11", "train18"}
+            assert ("train18" in solved) if r["step"] == 1 else not solved, (r["step"], solved)

@@ -72,6 +72,11 @@ def test_overrides_take_toml_values_or_bare_words(tmp_path):
                                                             r"train.group_size = 8 \(extra tasks run in whole groups"),
     ("[train]\nmax_staleness = 1\nextra_rollouts = 16\n[update]\nrecompute_old_logprobs = true\n[loss]\n"
      "is_correction = 'truncate'\n", [], r"asynchronous rollouts do not: set train.extra_rollouts = 0"),
+    ("", ["train.rest_after=-1"], r"train.rest_after must be >= 0, got -1"),
+    ("", ["train.rest_after=2", "train.rest_steps=0"], r"train.rest_steps must be >= 1, got 0"),
+    ("", ["train.rest_after=2", "train.rest_by=''"], r"train.rest_by must name a task field"),
+    ("[train]\nmax_staleness = 1\nrest_after = 2\n[update]\nrecompute_old_logprobs = true\n[loss]\n"
+     "is_correction = 'truncate'\n", [], r"asynchronous rollouts do not wait for: set train.rest_after = 0"),
     ("", ["policy.precision='fp16'"], r"precision must be one of \('auto', 'fp32', 'bf16'\)"),
     ("", ["batching.max_tokens_per_micro_batch=1"], r"at least 2, or 0 \(chosen for the device\)"),
 ])

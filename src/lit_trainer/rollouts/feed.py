@@ -19,6 +19,9 @@ Dynamic sampling (``extra_rollouts``, synchronous only): while fewer than ``task
 have returns that differ (``groups_with_signal``), more tasks the step has not run are drawn (as many as the share
 of groups with signal so far says are needed, within what is left of the budget) and run; the step's batch holds
 every draw's episodes and the first draw's metrics, plus ``sampling/*``.
+
+Curriculum (``rest_after``, synchronous only: ``curriculum.py``): a step draws from the tasks whose category is not
+resting, its extra draws too, and then tells the curriculum its groups; ``curriculum/*`` says what rested.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from lit_trainer.intake.episodes import Episode
+from lit_trainer.rollouts.curriculum import Curriculum, groups_in_order
 from lit_trainer.rollouts.runner import RolloutBatch, RolloutRunner
 from lit_trainer.rollouts.tasks import sample_tasks
 from lit_trainer.steps import training_label
@@ -70,8 +74,9 @@ class StepFeed:
     """The rollouts of training steps 0, 1, ... of ``tasks``, run by ``runner`` as ``plan`` says (module
     docstring)."""
 
-    def __init__(self, runner: RolloutRunner, tasks: list[dict], plan: StepPlan) -> None:
-        self.runner, self.tasks, self.plan = runner, tasks, plan
+    def __init__(self, runner: RolloutRunner, tasks: list[dict], plan: StepPlan,
+                 curriculum: Curriculum | None = None) -> None:
+        self.runner, self.tasks, self.plan, self.curriculum = runner, tasks, plan, curriculum
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="lit-rollouts") if plan.max_staleness else None
         self.ahead: tuple[int, Future[RolloutBatch]] | None = None  # (step, its rollouts)
         self.finished: dict[int, RolloutBatch] = {}
@@ -111,17 +116,22 @@ class StepFeed:
                 self.pool.shutdown(wait=False, cancel_futures=True)
 
     def _run(self, step: int, version: int) -> RolloutBatch:
-        plan = self.plan
-        tasks = sample_tasks(self.tasks, plan.seed, step, plan.tasks_per_step)
+        plan, curriculum = self.plan, self.curriculum
+        drawable = curriculum.drawable(self.tasks, step, plan.tasks_per_step) if curriculum else self.tasks
+        tasks = sample_tasks(drawable, plan.seed, step, plan.tasks_per_step)
         batch = self.runner.run(tasks, plan.group_size, plan.temperature, step, training_label(step), version,
                                 self._enough if plan.min_step_groups else None, restarts=MAX_ENGINE_RESTARTS)
-        if not plan.extra_rollouts or batch.all_failed():  # a broken agent: the loop stops; no more draws
-            return batch
-        return self._draw_more(step, version, tasks, batch)
+        if plan.extra_rollouts and not batch.all_failed():  # a broken agent: the loop stops; no more draws
+            batch = self._draw_more(step, version, drawable, tasks, batch)
+        if curriculum:
+            batch.metrics.update(curriculum.metrics(self.tasks, step))
+            curriculum.record(step, groups_in_order(self.tasks, batch.episodes))
+        return batch
 
-    def _draw_more(self, step: int, version: int, tasks: list[dict], first: RolloutBatch) -> RolloutBatch:
+    def _draw_more(self, step: int, version: int, drawable: list[dict], tasks: list[dict],
+                   first: RolloutBatch) -> RolloutBatch:
         """Dynamic sampling (module docstring): ``first``, the step's draw of ``tasks``, with as many more draws
-        as it takes, or as ``extra_rollouts`` allows, for ``tasks_per_step`` groups with signal."""
+        from ``drawable`` as it takes, or as ``extra_rollouts`` allows, for ``tasks_per_step`` groups with signal."""
         plan = self.plan
         ran = {task["id"] for task in tasks}
         episodes, failures, dispatched = list(first.episodes), list(first.failures), first.dispatched_version
@@ -130,7 +140,7 @@ class StepFeed:
             signal = len(groups_with_signal(episodes, plan.min_group_size))
             needed = plan.tasks_per_step - signal
             affordable = (plan.extra_rollouts - spent) // plan.group_size
-            fresh = [task for task in self.tasks if task["id"] not in ran]
+            fresh = [task for task in drawable if task["id"] not in ran]
             if needed <= 0 or affordable <= 0 or not fresh:
                 break
             # as many tasks as the share of groups with signal so far says it takes; all that is left without any

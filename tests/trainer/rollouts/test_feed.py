@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from lit_trainer.intake.episodes import Episode
+from lit_trainer.rollouts.curriculum import Curriculum
 from lit_trainer.rollouts.feed import MAX_ENGINE_RESTARTS, StepFeed, StepPlan, groups_with_signal
 from lit_trainer.rollouts.runner import RolloutBatch
 from lit_trainer.rollouts.tasks import sample_tasks
@@ -259,3 +260,20 @@ def test_a_step_with_enough_signal_draws_no_more():
     batch = StepFeed(runner, [{"id": i} for i in range(40)], dynamic_plan(extra=40)).take(0)
     assert len(runner.asked) == 1
     assert batch.metrics["sampling/draws"] == 0 and batch.metrics["sampling/groups_with_signal"] == 4
+
+
+# The curriculum (train.rest_after): a category solved by every rollout of its groups sits out the next steps.
+
+def test_a_resting_category_is_not_drawn_by_the_step_nor_by_its_extra_draws():
+    tasks = [{"id": i, "op": "even" if i % 2 == 0 else "odd"} for i in range(40)]
+    runner = GroupRunner(solved_when_even)
+    curriculum = Curriculum("op", rest_after=1, rest_steps=5, success_reward=1.0)
+    feed = StepFeed(runner, tasks, dynamic_plan(extra=40), curriculum)
+    first = feed.take(0)
+    assert first.metrics["curriculum/resting"] == 0 and curriculum.resting(1) == {"even"}
+    runner.asked.clear()
+    second = feed.take(1)
+    drawn = [i for _, ids in runner.asked for i in ids]
+    assert drawn and all(i % 2 for i in drawn), drawn  # odd tasks only: every group has signal, no extra draw
+    assert second.metrics["curriculum/resting"] == 1 and second.metrics["curriculum/resting_tasks"] == 20
+    assert second.metrics["sampling/draws"] == 0
