@@ -8,8 +8,9 @@ comes back, and rests again after ``rest_after`` more groups solved by every rol
 when fewer than it needs are not resting. Groups count in the order of the training tasks, so the same rollouts
 give the same state.
 
-The state is a plain dict (``state`` / ``Curriculum(..., state)``) that checkpoints keep, so that ``--resume`` draws
-the tasks the run would have drawn. Knows nothing of rollouts or workers: the feed tells it each step's groups.
+The state is a plain dict (``state`` / ``load``) that checkpoints keep, so that ``--resume`` draws the tasks the
+run would have drawn. Knows nothing of rollouts or workers: the feed tells it each step's groups
+(``feed.groups_in_order``).
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-from lit_trainer.intake.episodes import Episode
 
 
 @dataclass
@@ -77,14 +76,6 @@ class Curriculum:
     def load(self, state: dict[str, Any] | None) -> None:
         if state:
             self.streak, self.until = dict(state["streak"]), dict(state["until"])
-
-
-def groups_in_order(tasks: list[dict], episodes: Iterable[Episode]) -> list[tuple[dict, list[float]]]:
-    """(task, its episodes' returns) for every task of ``tasks`` that has episodes, in the order of ``tasks``."""
-    returns: dict[str, list[float]] = {}
-    for episode in episodes:
-        returns.setdefault(episode.task_id, []).append(episode.episode_return)
-    return [(task, returns[str(task["id"])]) for task in tasks if str(task["id"]) in returns]
 
 
 def check_rest_by(tasks: list[dict], rest_by: str) -> str | None:

@@ -35,7 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from lit_trainer.intake.episodes import Episode
-from lit_trainer.rollouts.curriculum import Curriculum, groups_in_order
+from lit_trainer.rollouts.curriculum import Curriculum
 from lit_trainer.rollouts.runner import RolloutBatch, RolloutRunner
 from lit_trainer.rollouts.tasks import sample_tasks
 from lit_trainer.steps import training_label
@@ -60,14 +60,25 @@ class StepPlan:
     min_group_size: int = 2
 
 
-def groups_with_signal(episodes: Iterable[Episode], min_group_size: int) -> set[str]:
-    """The tasks whose group GRPO learns from: at least ``min_group_size`` episodes (and two), whose returns are
-    not all the same (equal returns give every rollout of the group an advantage of 0)."""
+def returns_by_task(episodes: Iterable[Episode]) -> dict[str, list[float]]:
+    """Each task's group: the returns of its episodes, by task id."""
     returns: dict[str, list[float]] = collections.defaultdict(list)
     for episode in episodes:
         returns[episode.task_id].append(episode.episode_return)
-    return {task for task, values in returns.items()
+    return returns
+
+
+def groups_with_signal(episodes: Iterable[Episode], min_group_size: int) -> set[str]:
+    """The tasks whose group GRPO learns from: at least ``min_group_size`` episodes (and two), whose returns are
+    not all the same (equal returns give every rollout of the group an advantage of 0)."""
+    return {task for task, values in returns_by_task(episodes).items()
             if len(values) >= max(min_group_size, 2) and max(values) > min(values)}
+
+
+def groups_in_order(tasks: list[dict], episodes: Iterable[Episode]) -> list[tuple[dict, list[float]]]:
+    """(task, its episodes' returns) for every task of ``tasks`` that has episodes, in the order of ``tasks``."""
+    returns = returns_by_task(episodes)
+    return [(task, returns[str(task["id"])]) for task in tasks if str(task["id"]) in returns]
 
 
 class StepFeed:

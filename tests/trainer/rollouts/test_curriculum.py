@@ -8,8 +8,7 @@ import re
 
 import pytest
 
-from lit_trainer.intake.episodes import Episode
-from lit_trainer.rollouts.curriculum import Curriculum, check_rest_by, groups_in_order
+from lit_trainer.rollouts.curriculum import Curriculum, check_rest_by
 
 TASKS = [{"id": f"t{i}", "op": "add" if i < 3 else "div"} for i in range(6)]
 ADD, DIV = TASKS[0], TASKS[3]
@@ -68,12 +67,6 @@ def test_the_state_a_checkpoint_keeps_gives_the_same_draws_again():
     fresh = curriculum()
     fresh.load(None)  # a checkpoint written without the curriculum
     assert fresh.resting(2) == set()
-
-
-def test_groups_come_in_the_order_of_the_training_tasks_whatever_order_the_episodes_ended_in():
-    episodes = [Episode(f"r{k}", task, 1, [], value, value)
-                for k, (task, value) in enumerate([("t3", 1.0), ("t0", 0.0), ("t3", 1.0), ("t0", 1.0)])]
-    assert groups_in_order(TASKS, episodes) == [(TASKS[0], [0.0, 1.0]), (TASKS[3], [1.0, 1.0])]
 
 
 @pytest.mark.parametrize(("tasks", "message"), [

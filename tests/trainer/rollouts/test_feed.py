@@ -19,7 +19,7 @@ import pytest
 
 from lit_trainer.intake.episodes import Episode
 from lit_trainer.rollouts.curriculum import Curriculum
-from lit_trainer.rollouts.feed import MAX_ENGINE_RESTARTS, StepFeed, StepPlan, groups_with_signal
+from lit_trainer.rollouts.feed import MAX_ENGINE_RESTARTS, StepFeed, StepPlan, groups_in_order, groups_with_signal
 from lit_trainer.rollouts.runner import RolloutBatch
 from lit_trainer.rollouts.tasks import sample_tasks
 
@@ -277,3 +277,12 @@ def test_a_resting_category_is_not_drawn_by_the_step_nor_by_its_extra_draws():
     assert drawn and all(i % 2 for i in drawn), drawn  # odd tasks only: every group has signal, no extra draw
     assert second.metrics["curriculum/resting"] == 1 and second.metrics["curriculum/resting_tasks"] == 20
     assert second.metrics["sampling/draws"] == 0
+
+
+OPS = [{"id": f"t{i}", "op": "add" if i < 3 else "div"} for i in range(6)]
+
+
+def test_groups_come_in_the_order_of_the_training_tasks_whatever_order_the_episodes_ended_in():
+    episodes = [Episode(f"r{k}", task, 1, [], value, value)
+                for k, (task, value) in enumerate([("t3", 1.0), ("t0", 0.0), ("t3", 1.0), ("t0", 1.0)])]
+    assert groups_in_order(OPS, episodes) == [(OPS[0], [0.0, 1.0]), (OPS[3], [1.0, 1.0])]
