@@ -191,25 +191,21 @@ class Worker:
         self.sock.connect(self.connect)
         self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="lit-agent")
         await self._hello()
-        beat = asyncio.create_task(self._heartbeat())
+        next_beat = time.monotonic() + self.heartbeat_s
         waiting_since, said = time.monotonic(), 0
         try:
             while not self._stop.is_set():
-                if not await self.sock.poll(200):
-                    if not self.welcomed and time.monotonic() - waiting_since >= NO_ANSWER_S * 2 ** said:
-                        said += 1
-                        log.warning("lit worker: no answer from a trainer at %s for %.0f s; is lit train running, "
-                                    "and is this its dispatch endpoint (it prints 'lit: workers connect to ...')? "
-                                    "Still trying", self.connect, time.monotonic() - waiting_since)
-                    continue
-                try:
-                    message = decode_dispatch(await self.sock.recv(), accept=TO_WORKER)
-                except ProtocolError as exc:
-                    log.warning("lit worker: ignoring a bad message from the trainer (%s): %s", exc.kind, exc)
-                    continue
-                await self._handle(message)
+                if await self.sock.poll(max(0, min(200, (next_beat - time.monotonic()) * 1000))):
+                    await self._read_waiting()
+                elif not self.welcomed and time.monotonic() - waiting_since >= NO_ANSWER_S * 2 ** said:
+                    said += 1
+                    log.warning("lit worker: no answer from a trainer at %s for %.0f s; is lit train running, "
+                                "and is this its dispatch endpoint (it prints 'lit: workers connect to ...')? "
+                                "Still trying", self.connect, time.monotonic() - waiting_since)
+                if time.monotonic() >= next_beat and not self._stop.is_set():
+                    await self._heartbeat()
+                    next_beat = time.monotonic() + self.heartbeat_s
         finally:
-            beat.cancel()
             for task in self.running.values():
                 task.cancel()
             await asyncio.gather(*self.running.values(), return_exceptions=True)
@@ -221,11 +217,28 @@ class Worker:
         hello = Hello(self.concurrency, os.getpid(), socket.gethostname()[:MAX_HOST_CHARS], self.worker_id)
         await self.sock.send(encode_dispatch(hello))
 
+    async def _read_waiting(self) -> None:
+        """Read and handle every message waiting in the socket, in order."""
+        while not self._stop.is_set():
+            try:
+                data = await self.sock.recv(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                message = decode_dispatch(data, accept=TO_WORKER)
+            except ProtocolError as exc:
+                log.warning("lit worker: ignoring a bad message from the trainer (%s): %s", exc.kind, exc)
+                continue
+            await self._handle(message)
+
     async def _heartbeat(self) -> None:
-        while True:
-            await asyncio.sleep(self.heartbeat_s)
-            listed = sorted(self.running.keys() | self.stuck)[:MAX_LISTED]
-            await self.sock.send(encode_dispatch(Heartbeat(len(listed), listed)))
+        """List the rollouts this process runs, every ``Run`` that has reached its socket included: it reads them
+        first. Sent from the loop that reads, never from a task of its own, so that a ``Run`` still waiting in the
+        socket while agents keep the event loop busy is not reported missing (the trainer would take it for lost,
+        retry it, and reject this run's ``Done``)."""
+        await self._read_waiting()
+        listed = sorted(self.running.keys() | self.stuck)[:MAX_LISTED]
+        await self.sock.send(encode_dispatch(Heartbeat(len(listed), listed)))
 
     async def _handle(self, message: ToWorker) -> None:
         if isinstance(message, Welcome):

@@ -400,6 +400,33 @@ def test_a_lost_run_message_is_retried_within_a_few_heartbeats(make_dispatcher):
                                                          ("r0-a2", RolloutStatus.SUCCEEDED)]
 
 
+async def hogs_the_event_loop(task, llm):
+    time.sleep(0.3)  # an async agent working without awaiting: the worker's event loop runs nothing else meanwhile
+    return 1.0
+
+
+def test_runs_a_busy_worker_has_not_read_yet_are_not_taken_for_lost(make_dispatcher, monkeypatch, tmp_path):
+    """Run messages wait in the worker's socket while its event loop runs agents; its heartbeats must not say it
+    lacks them (measured on calc: the last of 32 Runs failed as "never started" while the worker ran it)."""
+    monkeypatch.setenv("LIT_SPOOL_DIR", str(tmp_path / "spool"))
+    monkeypatch.setenv("LIT_FRAMEWORKS", "none")
+    monkeypatch.setenv("LIT_FLUSH_TIMEOUT", "0.1")
+    dispatcher = make_dispatcher(rollout_timeout_s=30)
+    worker = Worker(hogs_the_event_loop, dispatcher.endpoint, concurrency=6, heartbeat_s=0.05)
+    thread = threading.Thread(target=lambda: asyncio.run(worker.run()), daemon=True)
+    thread.start()
+    try:
+        dispatcher.wait_for_workers(1, timeout_s=10)
+        outcomes = dispatcher.run(requests(6))
+        assert [(o.status, o.attempts, o.errors) for o in outcomes] == [(RolloutStatus.SUCCEEDED, 1, [])] * 6
+        assert dispatcher.rejected == {}
+    finally:
+        dispatcher.close()
+        thread.join(10)
+        lit.uninstrument()
+    assert not thread.is_alive()
+
+
 def test_a_slot_a_worker_lists_as_busy_gets_no_rollout_until_freed(make_dispatcher):
     """A timed-out sync call's thread still runs on the worker: the trainer does not hand that slot out."""
     dispatcher = make_dispatcher()
