@@ -302,8 +302,9 @@ def test_request_in_flight_during_a_sync_is_kept(vllm_server: InferenceServer, t
     """A streamed request that began before a sync and ends after it completes in full.
 
     The overlap is proven from the stream's own timestamps (a chunk before the sync began, the last one after it
-    ended), not from a fixed sleep: 400 tokens take 20-40 s on these CPUs (one stream at 10-20 tokens/s), a sync of
-    the 135M model about one second.
+    ended), not from a fixed sleep: 400 tokens take 15-40 s on these CPUs (one stream at 10-26 tokens/s), a sync of
+    the 135M model that updates the shared-memory file in place about one second (a first push, which writes it,
+    took 16 s once in CI, longer than the request).
     """
     max_tokens = 400
     body = {"model": vllm_server.model_name, "prompt": "Tell me a story.", "max_tokens": max_tokens,
@@ -324,12 +325,15 @@ def test_request_in_flight_during_a_sync_is_kept(vllm_server: InferenceServer, t
                 first_chunk.set()
 
     thread = threading.Thread(target=read_stream)
-    thread.start()
-    assert first_chunk.wait(timeout=120), "the server sent no token within 120 s"
-    sync_began = time.monotonic()
     with WeightSync(vllm_server.base_url, WeightSyncConfig(), credentials=vllm_server.credentials) as sync:
+        # The first push writes the shared-memory file (seconds on a loaded 2-core machine, and the request could
+        # end meanwhile, before the pause); the one under test updates it in place.
         sync.push_weights(trainer_model)
-    sync_ended = time.monotonic()
+        thread.start()
+        assert first_chunk.wait(timeout=120), "the server sent no token within 120 s"
+        sync_began = time.monotonic()
+        sync.push_weights(trainer_model)
+        sync_ended = time.monotonic()
     thread.join(timeout=600)
     assert not thread.is_alive(), "the streamed request did not finish"
     assert chunk_times[0] < sync_began and chunk_times[-1] > sync_ended, "the request did not span the sync"
