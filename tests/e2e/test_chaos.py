@@ -107,8 +107,18 @@ def kill_vllm():
             return
 
 
-if point == "rollouts":  # the second step's (index 1)
-    when_rollouts_ended(1, die)
+if point == "rollouts":  # the second step's (index 1), once two of its eight have ended and the rest have not
+    from lit_trainer.intake.store import SqliteStore
+    set_status, ended = SqliteStore.set_rollout_status, []
+
+    def set_status_then_die(self, rollout_id, status, error=None):
+        set_status(self, rollout_id, status, error)
+        if str(getattr(status, "value", status)) not in ("queued", "running") and \
+                self.get_rollout(rollout_id).step == 1:
+            ended.append(rollout_id)
+            if len(ended) == 2:
+                die()
+    SqliteStore.set_rollout_status = set_status_then_die
 elif point == "vllm":  # vLLM, not the trainer, during the third step's rollouts
     when_rollouts_ended(2, kill_vllm)
 elif point == "update":  # the first policy update of this run: the second step's
@@ -197,4 +207,4 @@ def test_sigkill_in_rollouts_update_and_sync_then_resume_loses_and_repeats_nothi
     left = [p.name for p in spool.iterdir() if p.suffix == ".seg"] if spool.exists() else []
     assert not left, f"spans left undelivered in the spool: {left}"
     print(f"chaos: {len(declared)} rollouts with roots, {sum(declared.values())} spans declared, "
-          f"{sum(stored[r] for r in declared)} stored, {len(succeeded)} succeeded")
+          f"{sum(stored[r] for r in declared)} stored, {len(succeeded)} succeeded, {stopped[0]} ended by a restart")
