@@ -4,7 +4,7 @@ processes, real ZeroMQ, real SQLite, the real policy update and weight sync. The
 
 One run of 4 steps is killed three times, each time at the second step (after the first checkpoint): during its
 rollouts, during its policy update, and during its weight sync (vLLM paused, new weights half way). Each kill is a
-SIGKILL of the trainer process from inside (a watchdog thread, or a patched function, in a small harness that then
+SIGKILL of the trainer process from inside (a patched function, in a small harness that then
 runs the real CLI), so it lands exactly there; vLLM and the local workers die with the trainer. The fourth run has
 its vLLM killed during the third step's rollouts: the trainer starts it again with the current weights, runs the
 step's rollouts again (or, when vLLM is found dead only after the step's update, pushes the new weights into the
@@ -67,7 +67,7 @@ kl_beta = 0.001  # a KL term makes every step update and sync, even one whose gr
 """
 
 HARNESS = """
-import os, signal, sqlite3, sys, threading, time
+import os, signal, sys
 from pathlib import Path
 
 point, out = sys.argv[1], Path(sys.argv[2])
@@ -79,19 +79,19 @@ def die():
 
 
 def when_rollouts_ended(step, then):
-    # call then() once two rollouts of training step `step` (from 0) have ended
-    def watch():
-        while True:
-            time.sleep(0.1)
-            try:
-                with sqlite3.connect(f"file:{out / 'lit.sqlite'}?mode=ro", uri=True) as conn:
-                    ended = conn.execute("SELECT count(*) FROM rollouts WHERE step = ? AND status != 'queued' "
-                                         "AND status != 'running'", (step,)).fetchone()[0]
-            except sqlite3.Error:
-                continue
-            if ended >= 2:
-                return then()
-    threading.Thread(target=watch, daemon=True).start()
+    # call then() right after the store records the second ended rollout of training step `step` (from 0), in the
+    # thread that ends it: the step's other rollouts are still queued or running
+    from lit_trainer.intake.store import RolloutStatus, SqliteStore
+    set_status, ended = SqliteStore.set_rollout_status, []
+
+    def set_status_then(self, rollout_id, status, error=None):
+        set_status(self, rollout_id, status, error)
+        row = self.get_rollout(rollout_id)
+        if row.step == step and row.status not in (RolloutStatus.QUEUED, RolloutStatus.RUNNING):
+            ended.append(rollout_id)
+            if len(ended) == 2:
+                then()
+    SqliteStore.set_rollout_status = set_status_then
 
 
 def kill_vllm():
@@ -107,18 +107,8 @@ def kill_vllm():
             return
 
 
-if point == "rollouts":  # the second step's (index 1), once two of its eight have ended and the rest have not
-    from lit_trainer.intake.store import SqliteStore
-    set_status, ended = SqliteStore.set_rollout_status, []
-
-    def set_status_then_die(self, rollout_id, status, error=None):
-        set_status(self, rollout_id, status, error)
-        if str(getattr(status, "value", status)) not in ("queued", "running") and \
-                self.get_rollout(rollout_id).step == 1:
-            ended.append(rollout_id)
-            if len(ended) == 2:
-                die()
-    SqliteStore.set_rollout_status = set_status_then_die
+if point == "rollouts":  # the second step's (index 1)
+    when_rollouts_ended(1, die)
 elif point == "vllm":  # vLLM, not the trainer, during the third step's rollouts
     when_rollouts_ended(2, kill_vllm)
 elif point == "update":  # the first policy update of this run: the second step's
