@@ -158,6 +158,8 @@ def build_command(
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
     if resolve_device(config) == "cuda":
         cmd += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
+    elif config.cpu_block_size:  # smaller blocks than vLLM's CPU default: more of a shared prompt is cached
+        cmd += ["--block-size", str(config.cpu_block_size)]
     if config.weight_transfer_backend:
         cmd += ["--weight-transfer-config", json.dumps({"backend": config.weight_transfer_backend})]
     if config.enable_lora:

@@ -178,6 +178,24 @@ def test_a_cpu_server_is_one_process():
         assert "--distributed-executor-backend" not in build_command(config, model, 8000, "python")
 
 
+def test_cpu_servers_cache_prompts_in_small_blocks():
+    """inference.cpu_block_size: 32 on CPU unless 0 (vLLM's 128) or --block-size in extra_args (the last wins in
+    vLLM's parser); never on CUDA; 16 (which vLLM's CPU kernels refuse at start) is refused in the config."""
+    model = Path("/models/m")
+
+    def block_sizes(config: InferenceConfig) -> list[str]:
+        cmd = build_command(config, model, 8000, "python")
+        return [cmd[i + 1] for i, arg in enumerate(cmd) if arg == "--block-size"]
+
+    assert block_sizes(InferenceConfig(device="cpu")) == ["32"]
+    assert block_sizes(InferenceConfig(device="cpu", cpu_block_size=0)) == []
+    assert block_sizes(InferenceConfig(device="cpu", extra_args=["--block-size", "64"])) == ["32", "64"]
+    assert block_sizes(InferenceConfig(device="cuda")) == []
+    for bad in (16, -32):
+        with pytest.raises(ValueError, match="InferenceConfig.cpu_block_size must be 0"):
+            InferenceConfig(cpu_block_size=bad)
+
+
 def test_cpu_servers_use_the_compile_cache_that_loads():
     assert build_env(InferenceConfig(device="cpu"), base={})["VLLM_USE_AOT_COMPILE"] == "0"
     assert build_env(InferenceConfig(device="cpu"), base={"VLLM_USE_AOT_COMPILE": "1"})["VLLM_USE_AOT_COMPILE"] == "1"
