@@ -120,7 +120,8 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
             metrics = {**batch.metrics, **work.metrics}
             if work.trains:
                 with fleet.hold():  # no server is started again with weights half updated (asynchronous rollouts)
-                    job = pipeline.UpdateJob(work.pairs, pad_id, seed=cfg.train.seed * 100_003 + step)
+                    job = pipeline.UpdateJob(work.pairs, pad_id, seed=cfg.train.seed * 100_003 + step,
+                                             learning_rate=pipeline.learning_rate(cfg, step))
                     metrics.update(together(policy, pipeline.update, job, cfg, main_only={"store": store}))
                     metrics.update(pipeline.push(fleet, weights.gather(), step))
                 scorer = functools.partial(together, policy, pipeline.score)

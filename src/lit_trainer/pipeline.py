@@ -33,7 +33,7 @@ from lit_trainer.engine.weight_sync import WeightSyncError
 from lit_trainer.intake.episodes import Episode, Transition, unsupported_sampling
 from lit_trainer.intake.store import AdvantageRow, Store
 from lit_trainer.learner.batching import SAMPLING_FIX, keep_usable
-from lit_trainer.learner.schedule import drop_stale, mask_overlong, run_update
+from lit_trainer.learner.schedule import drop_stale, learning_rate_at, mask_overlong, run_update
 
 Pairs = list[tuple[Transition, float]]
 """Transitions with their advantages."""
@@ -62,6 +62,8 @@ class UpdateJob:
     pairs: Pairs
     pad_id: int
     seed: int
+    learning_rate: float
+    """The step's rate (``policy.lr_schedule``)."""
 
 
 def prepare(episodes: Sequence[Episode], cfg: TrainConfig, step: int, dispatched: int | None = None) -> Prepared:
@@ -101,18 +103,26 @@ def prepare(episodes: Sequence[Episode], cfg: TrainConfig, step: int, dispatched
     return Prepared(pairs, rows, metrics)
 
 
+def learning_rate(cfg: TrainConfig, step: int) -> float:
+    """Training step ``step``'s learning rate under ``policy.lr_schedule`` over ``train.steps``."""
+    p = cfg.policy
+    return learning_rate_at(step, cfg.train.steps, p.learning_rate, p.lr_schedule, p.warmup_steps, p.min_lr_ratio)
+
+
 def update(policy: Any, job: UpdateJob, cfg: TrainConfig, store: Store | None = None) -> dict[str, float]:
     """This process's share of the update's optimizer steps; their metrics. ``store`` (the main process's): keeps
     the trainer's logprobs of the response tokens it trained on, taken before the first optimizer step (the
     viewer's trainer-vs-engine gap)."""
     t0 = time.perf_counter()
     trainer_logprobs: dict[int, list[float]] = {}
+    policy.set_learning_rate(job.learning_rate)
     metrics = run_update(policy, job.pairs, cfg.update, cfg.loss, cfg.batching, job.pad_id, seed=job.seed,
                          trainer_logprobs=trainer_logprobs)
     if store is not None:
         store.save_trainer_logprobs((job.pairs[i][0].rollout_id, job.pairs[i][0].index, values)
                                     for i, values in trainer_logprobs.items())
     metrics["time/update"] = time.perf_counter() - t0
+    metrics["policy/learning_rate"] = job.learning_rate
     return metrics
 
 

@@ -14,14 +14,17 @@ checkpoint is written, ``--resume`` continues to step 3, and ``lit eval --checkp
   (``train.rest_after = 1``, ``train.rest_by = "family"``): the solved tasks, one family, rest after that group, so
   steps 2 and 3 draw none of them, the resumed step 3 too (it drew ``train11`` before the curriculum:
   the checkpoint keeps what rests).
+  The learning rate decays linearly to half over ``train.steps`` (2, then 3 when resumed: each step's rate
+  follows from its number).
 - Full fine-tune with every schedule option: KL to a frozen copy, 2 PPO epochs x 2 mini-batches, recomputed old
   logprobs with truncated importance sampling, overlong responses masked, the ``kept`` normaliser; trained by two
-  processes (``torchrun --nproc_per_node 2``, gloo) with the model sharded across them (``policy.shard``: the
-  decoder layers and the KL reference's, FSDP2; the weights gathered for each push, the sync check scored and the
-  checkpoint written by both; the main process logs to TensorBoard, and its tracker's end must not take down the
-  process group before the other process hears the run is over), and resumed by one process from their
-  checkpoint; with asynchronous rollouts (``train.max_staleness = 1``: each step's rollouts run during the update
-  before it; ``train.min_step_groups = 1``: a group not ended when its step wants it carries over to the next).
+  processes (``torchrun --nproc_per_node 2``, gloo) with the model sharded across them (``policy.shard``: the decoder
+  layers and the KL reference's, FSDP2; the weights gathered for each push, the sync check scored and the checkpoint
+  written by both; the main process logs to TensorBoard, and its tracker's end must not take down the process group
+  before the other process hears the run is over), and resumed by one process from their checkpoint; a cosine
+  learning-rate schedule after 2 warm-up steps; with asynchronous rollouts (``train.max_staleness = 1``: each step's
+  rollouts run during the update before it; ``train.min_step_groups = 1``: a group not ended when its step wants it
+  carries over to the next).
 
 Both train, resume and evaluate on vLLM without torch.compile (``--enforce-eager``: about 24 s less per start,
 bench/vllm_start.py; lit's compiled default starts in the session's server and test_server.py's). Both sample at
@@ -39,6 +42,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from lit_trainer.learner.schedule import learning_rate_at
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TESTS = Path(__file__).parents[1]
@@ -73,11 +78,13 @@ OPTIONS = {
                 "train.trackers=['tensorboard']", "inference.servers=2", "inference.cpu_kv_cache_gb=1",
                 "inference.extra_args=['--enable-log-requests','--enforce-eager']",  # each request's id in its log
                 "train.extra_rollouts=4", "data.tasks='rollout_agents:some_solved_parity_tasks'",
-                "train.rest_after=1", "train.rest_by='family'"],
+                "train.rest_after=1", "train.rest_by='family'",
+                "policy.lr_schedule='linear'", "policy.min_lr_ratio=0.5"],
     "ppo_schedule": ["loss.kl_beta=0.05", "update.ppo_epochs=2", "update.mini_batches=2",
                      "update.recompute_old_logprobs=true", "loss.is_correction='truncate'", "update.overlong='mask'",
                      "loss.normalizer='kept'", "train.max_staleness=1", "train.min_step_groups=1",
                      "policy.shard=true", "train.trackers=['tensorboard']",
+                     "policy.lr_schedule='cosine'", "policy.warmup_steps=2",
                      "inference.extra_args=['--enforce-eager']"],
 }
 
@@ -128,6 +135,11 @@ def test_option_trains_syncs_checkpoints_resumes_and_evaluates(name: str, prepar
             assert "loss/kl" in r and r["policy/grad_norm"] > 0, r
     trained = [r for r in train if r.get("update/transitions")]
     assert trained, "no step had a group with differing rewards"
+    # each step's rate from its number, over train.steps as each run had it (2, then 3 when resumed): linear
+    # 1e-4, 0.75e-4 | 0.667e-4; cosine with 2 warm-up steps 0.5e-5, 1e-5 | 1e-5
+    schedule = {"lora_kl": (1e-4, "linear", 0, 0.5), "ppo_schedule": (1e-5, "cosine", 2, 0.0)}[name]
+    for r in trained:
+        assert r["policy/learning_rate"] == learning_rate_at(r["step"], 2 if r["step"] < 3 else 3, *schedule), r
     assert all(r["update/processes"] == (processes if r["step"] < 3 else resumed_by) for r in trained), trained
     if name == "lora_kl":
         # One optimizer step per training step on the weights that sampled: the tempered logprobs agree, to what

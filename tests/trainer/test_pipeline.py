@@ -145,9 +145,13 @@ def test_update_push_and_check_on_a_tiny_model(tiny_model: Path, tmp_path: Path)
     before = {name: p.detach().clone() for name, p in policy.unwrapped().named_parameters() if p.requires_grad}
     with SqliteStore(tmp_path / "store.sqlite") as store:
         store.save_advantages(work.advantages)  # as the loop does, before the update
-        metrics = pipeline.update(policy, pipeline.UpdateJob(work.pairs, pad_id=0, seed=7), cfg, store)
+        job = pipeline.UpdateJob(work.pairs, pad_id=0, seed=7, learning_rate=pipeline.learning_rate(cfg, step=1))
+        metrics = pipeline.update(policy, job, cfg, store)
         kept = {rid: store.trainer_logprobs_of_rollout(rid) for rid in ("r1", "r2")}
     assert math.isfinite(metrics["loss/policy"]) and metrics["time/update"] >= 0
+    # the step ran at the rate the job carried (constant schedule: policy.learning_rate)
+    assert metrics["policy/learning_rate"] == cfg.policy.learning_rate
+    assert [g["lr"] for g in policy.optimizer.param_groups] == [cfg.policy.learning_rate]
     # the trainer's logprob of every response token it trained on, for the viewer: one per token, each a logprob
     assert {rid: {i: len(v) for i, v in calls.items()} for rid, calls in kept.items()} == {"r1": {0: 2, 1: 1},
                                                                                           "r2": {0: 3}}

@@ -26,6 +26,7 @@ import torch
 
 from lit_trainer.learner import distributed, logprobs, lora, memory, precision, sharding
 from lit_trainer.learner.batching import MicroBatch
+from lit_trainer.learner.schedule import LR_SCHEDULES
 from lit_trainer.models import resolve_model
 
 log = logging.getLogger("lit")
@@ -43,7 +44,15 @@ class PolicyConfig:
     model: str = "smollm2-135m"
     """A Hugging Face causal-LM folder, or ``smollm2-135m`` for the prepared default."""
     learning_rate: float = 1e-6
-    """AdamW learning rate."""
+    """AdamW learning rate (the peak, when ``lr_schedule`` changes it over the run)."""
+    lr_schedule: str = "constant"
+    """How the learning rate moves over ``train.steps`` (learner/schedule.py ``learning_rate_at``): ``constant``,
+    ``linear`` or ``cosine`` decay from ``learning_rate`` after the warm-up down to ``min_lr_ratio`` times it at the
+    last step. Each step's rate follows from its number alone, so ``--resume`` continues on the curve."""
+    warmup_steps: int = 0
+    """Steps over which the rate rises linearly to ``learning_rate`` (step k of W: k/W of it) before the schedule."""
+    min_lr_ratio: float = 0.0
+    """The rate at step ``train.steps`` as a share of ``learning_rate``, for ``linear`` and ``cosine``; in [0, 1]."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
@@ -77,6 +86,12 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         if self.learning_rate <= 0:
             raise ValueError("PolicyConfig.learning_rate must be > 0")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"PolicyConfig.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"PolicyConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"PolicyConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.max_grad_norm < 0:
             raise ValueError("PolicyConfig.max_grad_norm must be >= 0 (0 disables clipping)")
         if self.lora_rank < 0:
@@ -186,6 +201,11 @@ class Policy:
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
         with precision.autocast(self.device, self.precision):
             return logprobs.token_logprobs(model, batch, with_entropy=with_entropy)
+
+    def set_learning_rate(self, rate: float) -> None:
+        """The rate of the next optimizer steps (``policy.lr_schedule``: the loop sets each step's)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = rate
 
     def update(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn,
                keep_logprobs: dict[int, list[float]] | None = None) -> dict[str, float]:

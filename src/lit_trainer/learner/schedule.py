@@ -20,6 +20,7 @@ assignment's automatic reward (``credit.auto_reward_weight``: p_k counts a ``len
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from lit_trainer.learner.batching import BatchingConfig, MicroBatch, budget_for,
 from lit_trainer.progress import progress_bar
 
 OVERLONG = ("train", "mask")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+"""``policy.lr_schedule``'s values (``learning_rate_at``)."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,31 @@ def drop_stale(pairs: Sequence[tuple[Transition, float]], policy_version: int, m
                "async/calls": float(len(pairs)),
                "async/versioned_calls": float(sum(t.weight_version is not None for t, _ in pairs))}
     return kept, metrics
+
+
+def learning_rate_at(step: int, steps: int, peak: float, schedule: str = "constant", warmup_steps: int = 0,
+                     min_ratio: float = 0.0) -> float:
+    """The learning rate of training step ``step`` (from 1) of ``steps``: ``peak`` times
+
+        k / W                                   for k = step <= W (warm-up, W = ``warmup_steps``)
+        1                                       constant; or else, with p = (step - W - 1) / (steps - W)
+        1 - (1 - m) p                           linear        (m = ``min_ratio``)
+        m + (1 - m) (1 + cos(pi p)) / 2         cosine
+
+    as Hugging Face's schedulers count: the first step after the warm-up runs at ``peak``, the last one just above
+    ``m * peak`` (never at 0: it still trains), and a step past ``steps`` at ``m * peak`` (p stays within [0, 1]).
+    ``--resume`` after raising ``train.steps`` recomputes the curve over the new count."""
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {schedule!r}")
+    if warmup_steps and step <= warmup_steps:
+        return peak * step / warmup_steps
+    if schedule == "constant":
+        return peak
+    span = steps - warmup_steps
+    progress = min(max((step - warmup_steps - 1) / span, 0.0), 1.0) if span > 0 else 1.0
+    if schedule == "linear":
+        return peak * (1.0 - (1.0 - min_ratio) * progress)
+    return peak * (min_ratio + (1.0 - min_ratio) * (1.0 + math.cos(math.pi * progress)) / 2.0)
 
 
 def run_update(policy: Any, pairs: Sequence[tuple[Transition, float]], update: UpdateConfig, loss: LossConfig,

@@ -1,7 +1,7 @@
 """The update schedule on a tiny real Llama: the normaliser counts zero-advantage transitions (``batch``), PPO epochs
 and mini-batches take several optimizer steps, recomputed old logprobs and importance-sampling corrections, overlong
-responses, calls sampled too many weight versions ago (asynchronous rollouts), and the KL term against a frozen
-reference (full fine-tune and LoRA)."""
+responses, calls sampled too many weight versions ago (asynchronous rollouts), the KL term against a frozen
+reference (full fine-tune and LoRA), and the learning-rate schedule (by hand)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from lit_trainer.algorithm.loss import LossConfig
 from lit_trainer.intake.episodes import Transition
 from lit_trainer.learner.batching import BatchingConfig, make_micro_batches
 from lit_trainer.learner.policy import Policy, PolicyConfig
-from lit_trainer.learner.schedule import UpdateConfig, drop_stale, mask_overlong, run_update, split
+from lit_trainer.learner.schedule import UpdateConfig, drop_stale, learning_rate_at, mask_overlong, run_update, split
 
 VOCAB = 64  # the tiny_model fixture's (conftest.py)
 BATCHING = BatchingConfig()
@@ -180,3 +180,32 @@ def test_the_trainer_logprobs_kept_for_the_viewer_are_those_before_each_pairs_fi
     for i, values in kept.items():
         assert len(values) == len(pairs[i][0].response_ids)
         assert values == pytest.approx(before[i], abs=1e-5)
+
+
+def test_learning_rate_schedules_by_hand():
+    def rates(schedule: str, steps: int = 5, warmup: int = 0, m: float = 0.0) -> list[float]:
+        return [round(learning_rate_at(k, steps, 1.0, schedule, warmup, m), 6) for k in range(1, steps + 2)]
+
+    assert rates("constant") == [1.0] * 6
+    assert rates("constant", warmup=2) == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]
+    # p = (k - 1) / 5 for steps k = 1..5: the last step still trains; past train.steps (k = 6) the floor
+    assert rates("linear") == [1.0, 0.8, 0.6, 0.4, 0.2, 0.0]
+    assert rates("linear", m=0.2) == [1.0, 0.84, 0.68, 0.52, 0.36, 0.2]
+    # cosine: (1 + cos(pi p)) / 2 at p = 0, .2, .4, .6, .8, 1 (cos 36° = 0.809017, cos 72° = 0.309017)
+    assert rates("cosine") == [1.0, 0.904508, 0.654508, 0.345492, 0.095492, 0.0]
+    # warm-up 1 of 5, then p = (k - 2) / 4, to m = 0.1: 0.1 + 0.9 (1 + cos(pi p)) / 2 (cos 45° = 0.707107)
+    assert rates("cosine", warmup=1, m=0.1) == [1.0, 1.0, 0.868198, 0.55, 0.231802, 0.1]
+    assert rates("linear", steps=1) == [1.0, 0.0]  # a one-step run trains at the peak
+    assert learning_rate_at(3, 10, 2e-5, "linear", 0, 0.5) == pytest.approx(1.8e-5)  # p = 0.2
+    with pytest.raises(ValueError, match="lr_schedule must be one of"):
+        learning_rate_at(1, 5, 1.0, "step")
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("lr_schedule", "exponential", "lr_schedule must be one of"),
+    ("warmup_steps", -1, "warmup_steps must be >= 0"),
+    ("min_lr_ratio", 1.5, "min_lr_ratio must be in"),
+])
+def test_a_bad_schedule_setting_is_refused(field: str, value: object, message: str):
+    with pytest.raises(ValueError, match=message):
+        PolicyConfig(**{field: value})
