@@ -47,12 +47,13 @@ class PolicyConfig:
     """AdamW learning rate (the peak, when ``lr_schedule`` changes it over the run)."""
     lr_schedule: str = "constant"
     """How the learning rate moves over ``train.steps`` (learner/schedule.py ``learning_rate_at``): ``constant``,
-    ``linear`` or ``cosine`` decay from ``learning_rate`` after the warm-up down to ``min_lr_ratio`` times it at the
-    last step. Each step's rate follows from its number alone, so ``--resume`` continues on the curve."""
+    ``linear`` or ``cosine`` decay from ``learning_rate`` after the warm-up towards ``min_lr_ratio`` times it (the
+    last step runs just above that). Each step's rate follows from its number alone, so ``--resume`` continues on
+    the curve; a run stopped by ``train.max_minutes`` ends before the curve does."""
     warmup_steps: int = 0
     """Steps over which the rate rises linearly to ``learning_rate`` (step k of W: k/W of it) before the schedule."""
     min_lr_ratio: float = 0.0
-    """The rate at step ``train.steps`` as a share of ``learning_rate``, for ``linear`` and ``cosine``; in [0, 1]."""
+    """Where ``linear`` and ``cosine`` end, as a share of ``learning_rate``; in [0, 1]."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
