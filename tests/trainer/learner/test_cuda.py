@@ -42,6 +42,22 @@ def test_auto_precision_is_bf16_on_the_gpu_within_bf16s_gap(tiny_model: Path):
                                                                                "fp32_precision")
 
 
+def test_the_schedules_rate_reaches_the_fused_cuda_optimizer(tiny_model: Path):
+    """``policy.lr_schedule`` sets each step's rate with ``Policy.set_learning_rate``; the fused CUDA AdamW must
+    take it: at rate 0 (weight decay is scaled by the rate too) a step leaves every weight as it was."""
+    torch.manual_seed(0)
+    policy = Policy(PolicyConfig(model=str(tiny_model), learning_rate=1e-3))
+    assert policy.device.type == "cuda"
+    mbs = batches()
+    before = [p.detach().clone() for p in policy.trainable]
+    policy.set_learning_rate(0.0)
+    policy.update(mbs, step_loss(LossConfig(), mbs))
+    assert all(torch.equal(a, p) for a, p in zip(before, policy.trainable, strict=True))
+    policy.set_learning_rate(1e-3)
+    policy.update(mbs, step_loss(LossConfig(), mbs))
+    assert any(not torch.equal(a, p) for a, p in zip(before, policy.trainable, strict=True))
+
+
 def test_fsdp2_on_the_gpu_over_nccl_matches_the_whole_model(tiny_model: Path):
     from one_rank_shard import check
 
