@@ -23,7 +23,12 @@ computes (each prompt once, and the start the calc prompts have in common once p
 under the same budget. Extra rows show the new path's memory with a budget of 1024 (one
 prompt group per micro-batch) and with ``policy.gradient_checkpointing``.
 
-    .venv/bin/python bench/update_throughput.py [--reps 3] [--path-reps 1] [--figure all|overhead|paths]
+Figure 3 (``--figure compile``). ``policy.compile`` (learner/compiling.py) on the calc batch of figure 2, as the
+calc config trains it (full fine-tune, gradient checkpointing, 2048-token micro-batches): the first update of a
+compiled policy (it compiles), then whole updates alternately eager (``compiling.uncompile_decoder``) and compiled
+(the compiled code is cached: no second compilation), ``--reps`` each; the medians and their ratio.
+
+    .venv/bin/python bench/update_throughput.py [--reps 3] [--path-reps 1] [--figure all|overhead|paths|compile]
 
 Targets: lit's update >= 85 % of the raw forward+backward tokens/s; the new path at least 2x the plain path's
 tokens/s on the calc batch, with a peak RSS well under 4 GB.
@@ -213,12 +218,42 @@ def paths_figure(reps: int) -> None:
     print("target (calc): new/plain >= 2x tokens/s; peak RSS well under 4 GB")
 
 
+def compile_figure(reps: int) -> None:
+    """Figure 3: eager vs compiled decoder layers in whole calc updates, alternating (module docstring)."""
+    from lit_trainer.learner import compiling
+
+    transitions = make_calc_batch()
+    policy = Policy(PolicyConfig(gradient_checkpointing=True, compile=True))
+    batches = make_micro_batches(transitions, [1.0, -1.0] * (len(transitions) // 2),
+                                 BatchingConfig(max_tokens_per_micro_batch=CALC_BUDGET), pad_id=2)
+
+    def update() -> float:
+        t0 = time.perf_counter()
+        policy.update(batches, step_loss(LossConfig(), batches))
+        return time.perf_counter() - t0
+
+    first = update()
+    print(f"first compiled update (compiling): {first:.1f} s", flush=True)
+    times: dict[str, list[float]] = {"eager": [], "compiled": []}
+    for _ in range(reps):
+        for label in times:
+            (compiling.compile_decoder if label == "compiled" else compiling.uncompile_decoder)(policy.unwrapped())
+            times[label].append(update())
+            print(f"{label}: {times[label][-1]:.1f} s", flush=True)
+    eager, compiled = (statistics.median(times[label]) for label in ("eager", "compiled"))
+    tokens = sum(mb.n_response_tokens for mb in batches)
+    print(f"\ncalc update, full fine-tune, gradient checkpointing, {len(batches)} micro-batches, median of {reps} "
+          f"alternating: eager {eager:.2f} s ({tokens / eager:.1f} tok/s), compiled {compiled:.2f} s "
+          f"({tokens / compiled:.1f} tok/s): compiled/eager tokens/s {eager / compiled:.2f}x; the first compiled "
+          f"update {first:.1f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3, help="timed runs of figure 1, after a warm-up")
     parser.add_argument("--path-reps", type=int, default=1,
                         help="timed updates of figure 2, after a warm-up (a plain calc update takes minutes)")
-    parser.add_argument("--figure", choices=("all", "overhead", "paths"), default="all")
+    parser.add_argument("--figure", choices=("all", "overhead", "paths", "compile"), default="all")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # BATCH:PATH:BUDGET:CHECKPOINTING, one figure 2 run
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -230,6 +265,8 @@ def main() -> None:
         overhead_figure(args.reps)
     if args.figure in ("all", "paths"):
         paths_figure(args.path_reps)
+    if args.figure in ("all", "compile"):
+        compile_figure(args.reps)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ checkpoint is written, ``--resume`` continues to step 3, and ``lit eval --checkp
   steps 2 and 3 draw none of them, the resumed step 3 too (it drew ``train11`` before the curriculum:
   the checkpoint keeps what rests).
   The learning rate decays linearly to half over ``train.steps`` (2, then 3 when resumed: each step's rate
-  follows from its number).
+  follows from its number). The decoder's 30 layers and final norm are compiled (``policy.compile``: under LoRA,
+  bf16 autocast and the adapter switched off for the reference; the checkpoint and the weight sync see the
+  model's own names).
 - Full fine-tune with every schedule option: KL to a frozen copy, 2 PPO epochs x 2 mini-batches, recomputed old
   logprobs with truncated importance sampling, overlong responses masked, the ``kept`` normaliser; trained by two
   processes (``torchrun --nproc_per_node 2``, gloo) with the model sharded across them (``policy.shard``: the decoder
@@ -79,7 +81,7 @@ OPTIONS = {
                 "inference.extra_args=['--enable-log-requests','--enforce-eager']",  # each request's id in its log
                 "train.extra_rollouts=4", "data.tasks='rollout_agents:some_solved_parity_tasks'",
                 "train.rest_after=1", "train.rest_by='family'",
-                "policy.lr_schedule='linear'", "policy.min_lr_ratio=0.5"],
+                "policy.lr_schedule='linear'", "policy.min_lr_ratio=0.5", "policy.compile=true"],
     "ppo_schedule": ["loss.kl_beta=0.05", "update.ppo_epochs=2", "update.mini_batches=2",
                      "update.recompute_old_logprobs=true", "loss.is_correction='truncate'", "update.overlong='mask'",
                      "loss.normalizer='kept'", "train.max_staleness=1", "train.min_step_groups=1",
@@ -115,12 +117,15 @@ def test_option_trains_syncs_checkpoints_resumes_and_evaluates(name: str, prepar
     processes, resumed_by = PROCESSES[name]
     first = _lit("train", str(config), *options, processes=processes)
     assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
+    if "policy.compile=true" in options:  # the decoder compiled in the trainer, the resumed one too (below)
+        assert "lit: policy.compile: 31 decoder modules compile" in first.stderr, first.stderr[-3000:]
     if "policy.shard=true" in options:  # learner/memory.py's plan, printed at start
         assert f"sharded over {processes} processes" in first.stderr, first.stderr[-3000:]
     resumed = _lit("train", str(config), *options, "train.steps=3", "--resume", processes=resumed_by)
     log = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, log[-3000:]
     assert "resumed from" in log and "step 3/3" in log and "step 2/3" not in log
+    assert ("policy.compile: 31 decoder modules" in log) == ("policy.compile=true" in options)
 
     train = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from lit_trainer.learner import distributed, logprobs, lora, memory, precision, sharding
+from lit_trainer.learner import compiling, distributed, logprobs, lora, memory, precision, sharding
 from lit_trainer.learner.batching import MicroBatch
 from lit_trainer.learner.schedule import LR_SCHEDULES
 from lit_trainer.models import resolve_model
@@ -80,6 +80,11 @@ class PolicyConfig:
     weights, gradients and AdamW state, so models too large for one device train. Every use of the weights is
     then collective (the loop runs it in every process); checkpoints resume on any number of processes. With
     one process there is nothing to shard and this changes nothing. Full fine-tune only: LoRA is not sharded."""
+    compile: bool = False
+    """Compile the decoder's layers with ``torch.compile`` (learner/compiling.py): the same update, for a first one
+    that compiles. Worth it on a GPU (bench/README.md: on one H200 a 1.5B model's bf16 update 21-25 % shorter, after
+    15-20 s of compilation); on a 2-core CPU the calc update was no faster (1.01x). On the CPU it needs a C++
+    compiler. Not with ``shard`` (not run yet)."""
     compute_entropy: bool = False
     """Also give the loss each response token's entropy (the ``loss/entropy`` metric). It costs one more pass over
     the response positions' logits (bench/update_throughput.py measures how much), so it is off by default."""
@@ -99,6 +104,9 @@ class PolicyConfig:
             raise ValueError("PolicyConfig.lora_rank must be >= 0 (0 = full fine-tune)")
         if self.precision not in precision.PRECISIONS:
             raise ValueError(f"PolicyConfig.precision must be one of {precision.PRECISIONS}, got {self.precision!r}")
+        if self.compile and self.shard:
+            raise ValueError("PolicyConfig.compile has not run with a sharded policy (FSDP2) yet: set compile = false, "
+                             "or shard = false")
         if self.shard and self.lora_rank:
             raise ValueError("PolicyConfig.shard shards a full fine-tune; a LoRA policy (lora_rank > 0) is not "
                              "sharded: its trained part is small, and every process holds the frozen base whole "
@@ -133,6 +141,8 @@ class Policy:
         self.precision = precision.resolve(config.precision, self.accelerator.device)
         """``fp32`` or ``bf16``: ``config.precision`` resolved for this device."""
         precision.check(self.precision, self.accelerator.device)
+        if config.compile and (missing := compiling.missing_compiler(self.accelerator.device)):
+            raise ValueError(missing)
         slow = precision.slow_on(self.precision, self.accelerator.device)
         if slow and self.accelerator.is_main_process:
             log.warning("lit: %s", slow)
@@ -171,6 +181,11 @@ class Policy:
         # Not wrapped in DDP: the processes sum their gradients themselves (learner/distributed.py says why).
         self.model = self.accelerator.prepare_model(model, evaluation_mode=self.accelerator.num_processes > 1)
         self.optimizer = self.accelerator.prepare_optimizer(optimizer)
+        if config.compile:
+            compiled = compiling.compile_decoder(self.unwrapped())
+            if self.accelerator.is_main_process:
+                print(f"lit: policy.compile: {compiled} decoder modules compile on their first use (torch.compile): "
+                      "the first updates take longer", file=sys.stderr)
         self.reference: torch.nn.Module | None = None
         self.has_reference = reference is not None
         if reference is not None and not config.lora_rank:

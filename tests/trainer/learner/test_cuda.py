@@ -58,6 +58,23 @@ def test_the_schedules_rate_reaches_the_fused_cuda_optimizer(tiny_model: Path):
     assert any(not torch.equal(a, p) for a, p in zip(before, policy.trainable, strict=True))
 
 
+def test_a_compiled_decoder_on_the_gpu_gives_the_eager_bf16_update(tiny_model: Path):
+    """``policy.compile`` where it pays (bench/README.md): the same bf16 update, the layers compiled."""
+    from lit_trainer.learner import compiling
+
+    results = []
+    for compile_ in (False, True):
+        torch.manual_seed(0)
+        policy = Policy(PolicyConfig(model=str(tiny_model), learning_rate=1e-3, precision="bf16", compile=compile_))
+        mbs = batches()
+        results.append(policy.update(mbs, step_loss(LossConfig(), mbs)))
+        assert all((m._compiled_call_impl is not None) == compile_
+                   for m in compiling.decoder_modules(policy.unwrapped()))
+    eager, compiled = results
+    for key in ("loss/policy", "policy/grad_norm"):
+        assert compiled[key] == pytest.approx(eager[key], rel=2e-2, abs=1e-4), key  # bf16 kernels may differ
+
+
 def test_fsdp2_on_the_gpu_over_nccl_matches_the_whole_model(tiny_model: Path):
     from one_rank_shard import check
 
