@@ -19,6 +19,8 @@ import shutil
 
 import torch
 
+from lit_trainer.learner import lora, sharding
+
 CXX = ("g++", "c++", "clang++")
 """The C++ compilers inductor looks for on the CPU (or ``$CXX``)."""
 
@@ -33,14 +35,15 @@ def missing_compiler(device: torch.device) -> str | None:
 
 
 def decoder_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder's layers and its final norm, of a Hugging Face causal LM or a peft model around one."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") and hasattr(model, "peft_config") else model
-    trunk = base.get_decoder() if hasattr(base, "get_decoder") else None
-    layers = getattr(trunk, "layers", None)
-    if trunk is None or trunk is base or not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
+    """The decoder's layers (``sharding.decoder_layers``: the ones FSDP2 shards) and its final norm, of a Hugging
+    Face causal LM or a peft model around one."""
+    base = lora.base_model(model)
+    try:
+        layers = sharding.decoder_layers(base)
+    except ValueError:  # its words are for sharding
         raise ValueError(f"policy.compile: {type(base).__name__} has no decoder with a list of layers to compile "
-                         "(a Hugging Face causal LM has `model.layers`); set policy.compile = false")
-    norm = getattr(trunk, "norm", None)
+                         "(its `_no_split_modules` names no layer class); set policy.compile = false") from None
+    norm = getattr(base.get_decoder(), "norm", None) if hasattr(base, "get_decoder") else None
     return [*layers, *([norm] if isinstance(norm, torch.nn.Module) else [])]
 
 

@@ -22,6 +22,11 @@ CHECKED_FIELDS = ("r", "lora_alpha", "target_modules", "use_rslora", "use_dora",
 """The adapter settings a saved adapter must share with the model it is loaded into."""
 
 
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside a peft wrapper; ``model`` itself when it is none."""
+    return model.get_base_model() if hasattr(model, "get_base_model") and hasattr(model, "peft_config") else model
+
+
 @torch.no_grad()
 def merged_state_dict(peft_model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The weights of the model the peft model computes, under the base model's own key names (the key set of the

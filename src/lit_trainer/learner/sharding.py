@@ -23,11 +23,13 @@ from collections.abc import Sequence
 
 import torch
 
+from lit_trainer.learner import lora
+
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated decoder blocks of a Hugging Face causal LM (the classes its ``_no_split_modules`` names), peft
     wrappers looked through; ValueError when it names none."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") and hasattr(model, "peft_config") else model
+    base = lora.base_model(model)
     names = set(getattr(base, "_no_split_modules", None) or ())
     layers = [m for m in base.modules() if type(m).__name__ in names]
     if not layers:
