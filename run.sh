@@ -143,7 +143,9 @@ case "$job" in
   test)
     need_room "${TMPDIR:-/tmp}" "$tests_gb" "the test suite (its temporary folder)" \
       "point TMPDIR at a folder on another disk"
+    # Two workers (pytest-xdist): the tests that start vLLM one after another on one of them, the other files on
+    # both (tests/conftest.py); LIT_TEST_WORKERS=0 runs everything in this process.
     # pytest's own exit code goes out unchanged: 5 (no tests collected) is a failure, not a pass.
-    exec python -m pytest tests "$@"
+    exec python -m pytest tests -n "${LIT_TEST_WORKERS:-2}" --dist loadfile "$@"
     ;;
 esac

