@@ -12,10 +12,10 @@ VLLM_FILES_ENV = "LIT_TEST_VLLM_FILES"
 """Where the workers write the test files that start vLLM (marker ``vllm``), for the scheduler in the main process,
 which collects nothing itself."""
 
-APART = ("tests/e2e/test_train_options.py", "tests/test_notebooks.py")
-"""Files that start vLLM servers of their own, with nothing else to share (no session server, no killed vLLM), and
-take long (about 12 and 5 minutes on 2 cores): units of their own, which the second worker runs beside the first's
-vLLM tests; the suite takes about 30 % less time than with every vLLM test on one worker."""
+LAST = ("tests/e2e/test_train_options.py",)
+"""Files that start vLLM servers of their own with nothing else to share (no session server, no killed vLLM) and take
+long (this one about 12 minutes on 2 cores): under xdist a unit of work of their own, put last, which the worker
+without the vLLM unit takes once it has run the quick files."""
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -29,10 +29,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """In an xdist worker: write down the files that hold a ``vllm`` test (both workers collect the same tests and
-    write the same lines; each writes its own file)."""
+    """In an xdist worker: the files in ``LAST`` moved to the end, and the files that hold a ``vllm`` test written
+    down (both workers collect the same tests, in the same order, and write the same lines; each its own file)."""
     path = os.environ.get(VLLM_FILES_ENV)
     if path and hasattr(config, "workerinput"):
+        items.sort(key=lambda item: item.nodeid.split("::", 1)[0] in LAST)  # stable: the order otherwise kept
         files = sorted({item.nodeid.split("::", 1)[0] for item in items if item.get_closest_marker("vllm")})
         Path(f"{path}.{config.workerinput['workerid']}").write_text("".join(f"{f}\n" for f in files))
 
@@ -40,10 +41,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.hookimpl(tryfirst=True)  # before xdist's own choice of scheduler
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """``--dist loadfile`` (a file's tests run in order on one worker, as they were written to), but with every
-    file that starts vLLM, except those in ``APART``, in one unit of work, taken first: those tests run one after
-    another on one worker, so the session's server starts once and the tests that kill a vLLM (and then free the
-    shared memory that no process maps) never run beside another of them. The other worker takes the files in
-    ``APART`` and then the rest, a file at a time."""
+    file that starts vLLM, but those in ``LAST``, in one unit of work, taken first: those tests run one after another
+    on one worker, so the session's server starts once, and the tests that kill a vLLM (and then free the shared
+    memory that no process maps) never run beside another vLLM test. The other worker takes the quick files, a file
+    at a time, and then ``LAST``. On 2 cores the tests compete for them: two vLLM tests at once from the start
+    (each file that starts vLLM a unit of its own) took longer than one worker's tests in a row, and failed three
+    tests that wait for a server against the clock."""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -59,9 +62,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
                 for p in [Path(path), *written]:
                     p.unlink(missing_ok=True)
             file = nodeid.split("::", 1)[0]
-            return "vllm" if file in self.vllm_files and file not in APART else file
+            return "vllm" if file in self.vllm_files and file not in LAST else file
 
-    config.option.loadscopereorder = False  # collection order: tests/e2e, whose tests start vLLM, comes first
+    config.option.loadscopereorder = False  # collection order: tests/e2e (vLLM) first, LAST last
     return VLLMFilesTogether(config, log)
 
 
@@ -114,7 +117,11 @@ def vllm_modules(monkeypatch: pytest.MonkeyPatch) -> None:
     from lit_trainer.engine.config import InferenceConfig
     from lit_trainer.engine.launch import vllm_python
 
-    if importlib.util.find_spec("vllm") is not None:
+    spec = importlib.util.find_spec("vllm")
+    if spec is not None and spec.origin:  # installed here, or imported by an earlier test from vLLM's environment
+        site = str(Path(spec.origin).parents[1])  # whose site-packages (fastapi...) that test's monkeypatch took away
+        if site not in sys.path:
+            monkeypatch.setattr(sys, "path", [*sys.path, site])
         return
     python = vllm_python(InferenceConfig())
     probe = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
