@@ -18,6 +18,11 @@ long (this one about 12 minutes on 2 cores): under xdist a unit of work of their
 without the vLLM unit takes once it has run the quick files."""
 
 
+def _file_of(nodeid: str) -> str:
+    """The test file of a node id: ``tests/e2e/test_chaos.py`` of ``tests/e2e/test_chaos.py::test_sigkill...``."""
+    return nodeid.split("::", 1)[0]
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """In the main process of an xdist run: a file for the workers (started after this, with its environment) to
     name the test files that start vLLM."""
@@ -33,8 +38,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     down (both workers collect the same tests, in the same order, and write the same lines; each its own file)."""
     path = os.environ.get(VLLM_FILES_ENV)
     if path and hasattr(config, "workerinput"):
-        items.sort(key=lambda item: item.nodeid.split("::", 1)[0] in LAST)  # stable: the order otherwise kept
-        files = sorted({item.nodeid.split("::", 1)[0] for item in items if item.get_closest_marker("vllm")})
+        items.sort(key=lambda item: _file_of(item.nodeid) in LAST)  # stable: the order otherwise kept
+        files = sorted({_file_of(item.nodeid) for item in items if item.get_closest_marker("vllm")})
         Path(f"{path}.{config.workerinput['workerid']}").write_text("".join(f"{f}\n" for f in files))
 
 
@@ -61,7 +66,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
                 self.vllm_files = {line for p in written for line in p.read_text().splitlines()}
                 for p in [Path(path), *written]:
                     p.unlink(missing_ok=True)
-            file = nodeid.split("::", 1)[0]
+            file = _file_of(nodeid)
             return "vllm" if file in self.vllm_files and file not in LAST else file
 
     config.option.loadscopereorder = False  # collection order: tests/e2e (vLLM) first, LAST last

@@ -108,7 +108,7 @@ def make_sender(spool):
 
 def test_all_spans_from_several_threads_arrive_and_are_acknowledged(server, make_sender):
     # acks may take longer than the fixture's 0.2 s on a busy machine (the suite runs two workers), and a batch sent
-    # again arrives twice: the collector drops such duplicates (below), this test wants none sent
+    # again arrives twice; the collector's dropping of such duplicates has its own test, this one wants none sent
     sender = make_sender(server.endpoint, max_batch_spans=64, ack_timeout_s=5.0)
     threads = [
         threading.Thread(target=lambda k=k: [sender.submit(span(i)) for i in range(k * 250, (k + 1) * 250)])
