@@ -12,12 +12,6 @@ VLLM_FILES_ENV = "LIT_TEST_VLLM_FILES"
 """Where the workers write the test files that start vLLM (marker ``vllm``), for the scheduler in the main process,
 which collects nothing itself."""
 
-LAST = ("tests/e2e/test_train_options.py",)
-"""Files that start vLLM servers of their own with nothing else to share (no session server, no killed vLLM) and take
-long (this one about 12 minutes on 2 cores): under xdist a unit of work of their own, put last, which the worker
-without the vLLM unit takes once it has run the quick files."""
-
-
 def _file_of(nodeid: str) -> str:
     """The test file of a node id: ``tests/e2e/test_chaos.py`` of ``tests/e2e/test_chaos.py::test_sigkill...``."""
     return nodeid.split("::", 1)[0]
@@ -34,11 +28,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """In an xdist worker: the files in ``LAST`` moved to the end, and the files that hold a ``vllm`` test written
-    down (both workers collect the same tests, in the same order, and write the same lines; each its own file)."""
+    """In an xdist worker: the files that hold a ``vllm`` test written down (both workers collect the same tests, in
+    the same order, and write the same lines; each its own file)."""
     path = os.environ.get(VLLM_FILES_ENV)
     if path and hasattr(config, "workerinput"):
-        items.sort(key=lambda item: _file_of(item.nodeid) in LAST)  # stable: the order otherwise kept
         files = sorted({_file_of(item.nodeid) for item in items if item.get_closest_marker("vllm")})
         Path(f"{path}.{config.workerinput['workerid']}").write_text("".join(f"{f}\n" for f in files))
 
@@ -46,12 +39,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.hookimpl(tryfirst=True)  # before xdist's own choice of scheduler
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """``--dist loadfile`` (a file's tests run in order on one worker, as they were written to), but with every
-    file that starts vLLM, but those in ``LAST``, in one unit of work, taken first: those tests run one after another
-    on one worker, so the session's server starts once, and the tests that kill a vLLM (and then free the shared
-    memory that no process maps) never run beside another vLLM test. The other worker takes the quick files, a file
-    at a time, and then ``LAST``. On 2 cores the tests compete for the cores: with the two longest vLLM files as units
-    of their own from the start, beside the vLLM unit, the suite took longer (2,384 s) than with every vLLM test on
-    one worker (2,339 s), and the memory in use reached 18 of 24 GB."""
+    file that starts vLLM in one unit of work, taken first: those tests run one after another on one worker, so the
+    session's server starts once, the tests that kill a vLLM (and then free the shared memory that no process maps)
+    never run beside another vLLM test, and no two runs of trainer + vLLM share the machine's memory. The other
+    worker takes the quick files, a file at a time. On 2 cores the tests compete for the cores: with every vLLM test
+    on one worker the suite took 2,339 s; with the two longest vLLM files as units of their own beside it, longer
+    (2,384 s, 18 of 24 GB in use); with test_train_options.py as a unit of its own, last, 2,449 s, and on CI its
+    two-process run (2 trainers and a vLLM, beside a test of the vLLM unit and the session's server) had a trainer
+    process SIGKILLed, as the kernel's out-of-memory killer does."""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -67,9 +62,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
                 for p in [Path(path), *written]:
                     p.unlink(missing_ok=True)
             file = _file_of(nodeid)
-            return "vllm" if file in self.vllm_files and file not in LAST else file
+            return "vllm" if file in self.vllm_files else file
 
-    config.option.loadscopereorder = False  # collection order: tests/e2e (vLLM) first, LAST last
+    config.option.loadscopereorder = False  # collection order: tests/e2e (vLLM) first
     return VLLMFilesTogether(config, log)
 
 
