@@ -43,10 +43,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     session's server starts once, the tests that kill a vLLM (and then free the shared memory that no process maps)
     never run beside another vLLM test, and no two runs of trainer + vLLM share the machine's memory. The other
     worker takes the quick files, a file at a time. On 2 cores the tests compete for the cores: with every vLLM test
-    on one worker the suite took 2,339 s; with the two longest vLLM files as units of their own beside it, longer
-    (2,384 s, 18 of 24 GB in use); with test_train_options.py as a unit of its own, last, 2,449 s, and on CI its
-    two-process run (2 trainers and a vLLM, beside a test of the vLLM unit and the session's server) had a trainer
-    process SIGKILLed, as the kernel's out-of-memory killer does."""
+    on one worker the suite took 2,339 s (2,299 s from a fresh clone, 14.6 GB in use at most); with the two longest
+    vLLM files as units of their own beside it, longer (2,384 s, 18 of 24 GB in use); with test_train_options.py as a
+    unit of its own, last, 2,449 s, and on CI its two-process run (2 trainers and a vLLM, beside a test of the vLLM
+    unit and the session's server) had a trainer process SIGKILLed, as the kernel's out-of-memory killer does."""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadScopeScheduling
