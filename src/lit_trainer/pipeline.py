@@ -98,7 +98,7 @@ def prepare(episodes: Sequence[Episode], cfg: TrainConfig, step: int, dispatched
     pairs, overlong = mask_overlong(pairs, cfg.update)
     metrics["update/overlong_masked"] = float(overlong)
     metrics["update/transitions"] = float(sum(1 for _, a in pairs if a != 0.0))
-    if cfg.loss.kl_beta == 0 and not any(a != 0.0 for _, a in pairs):
+    if not cfg.loss.trains_every_transition and not any(a != 0.0 for _, a in pairs):
         pairs = []  # all-correct or all-wrong groups (or only unusable transitions): nothing to learn from
     return Prepared(pairs, rows, metrics)
 

@@ -83,7 +83,7 @@ OPTIONS = {
                 "train.extra_rollouts=4", "data.tasks='rollout_agents:some_solved_parity_tasks'",
                 "train.rest_after=1", "train.rest_by='family'",
                 "policy.lr_schedule='linear'", "policy.min_lr_ratio=0.5", "policy.compile=true"],
-    "ppo_schedule": ["loss.kl_beta=0.05", "update.ppo_epochs=2", "update.mini_batches=2",
+    "ppo_schedule": ["loss.kl_beta=0.05", "loss.entropy_coef=0.01", "update.ppo_epochs=2", "update.mini_batches=2",
                      "update.recompute_old_logprobs=true", "loss.is_correction='truncate'", "update.overlong='mask'",
                      "loss.normalizer='kept'", "train.max_staleness=1", "train.min_step_groups=1",
                      "policy.shard=true", "train.trackers=['tensorboard']",
@@ -174,6 +174,7 @@ def test_option_trains_syncs_checkpoints_resumes_and_evaluates(name: str, prepar
         expected = [0, 1]  # step 3 resumed: synchronous
         assert all(r["async/staleness_max"] == e for r, e in zip(train[:2], expected, strict=True) if r in fresh), train
         assert any(r["loss/kl"] > 0 for r in trained[1:] or trained)
+        assert all(r["loss/entropy"] > 0 for r in trained), trained  # the bonus's entropy, through both shards
 
     result_file = tmp_path / "eval.json"
     # an override after the options, as people type it

@@ -1,14 +1,16 @@
 """The token-level LightningRL objective: a clipped policy gradient against the behaviour policy that vLLM sampled
-from, with a cap on large importance ratios and an optional KL term to a frozen reference model.
+from, with a cap on large importance ratios, an optional KL term to a frozen reference model and an optional
+entropy bonus.
 
 Every response token t of transition b carries its transition's advantage A_b; prompt and padding tokens are masked
 (m_{b,t} = 0). μ is the behaviour policy vLLM sampled from (its logprobs at the call's temperature), π_old the
 "old" policy of the ratio, sg the stop-gradient::
 
-    ℓ_{b,t} = −w_{b,t} · min( ρ̃ A_b,  clip(ρ, 1 − ε_low, 1 + ε_high) A_b ) + β · k3_{b,t}
+    ℓ_{b,t} = −w_{b,t} · min( ρ̃ A_b,  clip(ρ, 1 − ε_low, 1 + ε_high) A_b ) + β · k3_{b,t} − η · H_{b,t}
     ρ       = exp(log π_θ − log π_old)
     ρ̃      = ρ · sg(min(1, C / ρ))            value min(ρ, C), gradient min(ρ, C) · ∇log π_θ
     k3      = exp(log π_ref − log π_θ) − (log π_ref − log π_θ) − 1
+    H       = −Σ_v π_θ(v) log π_θ(v)        the entropy of the distribution token t was drawn from (at its temperature)
     π_old   = μ (default), or the trainer's own logprobs before the step (``recompute_old_logprobs``)
     w       = 1 (π_old = μ, or is_correction = none)
             = sg(min(π_old / μ, C_is))                   is_correction = truncate  (truncated IS)
@@ -40,7 +42,9 @@ zeroes it). For A > 0 and ρ > 1 + ε_high the clipped branch already wins. Log-
 Departures. From PPO: by default the "old" policy is vLLM's behaviour policy, not the trainer's own snapshot, so ρ
 also absorbs the engine/trainer numerical mismatch (hence the cap); ``recompute_old_logprobs`` restores PPO's
 snapshot and moves the mismatch into w, as verl's and SkyRL's per-token truncated/masked importance sampling do;
-ε_low and ε_high may differ (DAPO's clip-higher); no value or entropy loss terms. From GRPO: advantages are per
+ε_low and ε_high may differ (DAPO's clip-higher); no value loss; an entropy bonus η (``entropy_coef``, as verl's
+``entropy_coeff``; 0 by default) rewards spread in the policy's token distributions, the usual counter to a policy
+that collapses onto one answer. From GRPO: advantages are per
 call, not per completion; aggregation is token-level (DAPO), not the per-sequence mean of GRPO; KL is the same k3
 estimator to a frozen reference (the initial weights), added per token. From the paper: it uses this objective with
 identical credit; the ratio cap, the normaliser, the importance-sampling correction and the choice of aggregation
@@ -75,6 +79,9 @@ class LossConfig:
     for plain PPO clipping."""
     kl_beta: float = 0.0
     """β ≥ 0: weight of the k3 KL estimate to the reference model; > 0 needs ``ref_logprobs``."""
+    entropy_coef: float = 0.0
+    """η ≥ 0: weight of the entropy bonus (the loss subtracts η times the aggregated entropy of the response tokens'
+    distributions); > 0 needs the entropy with its gradient (the learner computes it then)."""
     aggregation: str = "token_mean"
     """``token_mean`` or ``seq_mean_token_sum`` (module docstring, with their length biases)."""
     normalizer: str = "batch"
@@ -99,6 +106,8 @@ class LossConfig:
             )
         if not (math.isfinite(self.kl_beta) and self.kl_beta >= 0.0):
             raise ValueError(f"LossConfig.kl_beta must be finite and ≥ 0, got {self.kl_beta}")
+        if not (math.isfinite(self.entropy_coef) and self.entropy_coef >= 0.0):
+            raise ValueError(f"LossConfig.entropy_coef must be finite and ≥ 0, got {self.entropy_coef}")
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"LossConfig.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
         if self.normalizer not in NORMALIZERS:
@@ -107,6 +116,12 @@ class LossConfig:
             raise ValueError(f"LossConfig.is_correction must be one of {IS_CORRECTIONS}, got {self.is_correction!r}")
         if not (math.isfinite(self.is_threshold) and self.is_threshold > 1.0):
             raise ValueError(f"LossConfig.is_threshold must be finite and > 1, got {self.is_threshold}")
+
+    @property
+    def trains_every_transition(self) -> bool:
+        """Whether transitions whose advantage is 0 carry a gradient (the KL term's or the entropy bonus's), so that
+        the update trains on them too instead of leaving them out."""
+        return self.kl_beta > 0.0 or self.entropy_coef > 0.0
 
 
 def step_normalizer(masks: Sequence[torch.Tensor], aggregation: str) -> float:
@@ -231,7 +246,8 @@ def policy_loss(
 
     new_logprobs (B, T) from the policy (with grad), old_logprobs (B, T) the behaviour logprobs μ from vLLM,
     advantages (B,) one per transition, mask (B, T) bool with True on response tokens, ref_logprobs (B, T) for the
-    KL term, entropy (B, T) for the metric only, prox_logprobs (B, T) the recomputed π_old (None: π_old = μ).
+    KL term, entropy (B, T) for the metric and, with ``entropy_coef`` > 0, the bonus (it must then carry the
+    gradient), prox_logprobs (B, T) the recomputed π_old (None: π_old = μ).
     ``normalizer`` replaces the aggregation's denominator (see module docstring).
     """
     assert new_logprobs.dim() == 2, f"new_logprobs must be (B, T), got {tuple(new_logprobs.shape)}"
@@ -249,6 +265,9 @@ def policy_loss(
     assert normalizer is None or normalizer > 0, f"normalizer must be > 0, got {normalizer}"
     if config.kl_beta > 0.0 and ref_logprobs is None:
         raise ValueError("LossConfig.kl_beta > 0 needs ref_logprobs (a reference model), or set kl_beta = 0")
+    if config.entropy_coef > 0.0 and entropy is None:
+        raise ValueError("LossConfig.entropy_coef > 0 needs the entropy of the response tokens (Policy.update "
+                         "computes it when given with_entropy=True), or set entropy_coef = 0")
 
     old = old_logprobs.detach() if prox_logprobs is None else prox_logprobs.detach()  # (B, T): π_old
     log_ratio = _masked_log_diff(new_logprobs, old, mask)  # (B, T)
@@ -271,6 +290,8 @@ def policy_loss(
     loss = loss_policy
     if config.kl_beta > 0.0:
         loss = loss + config.kl_beta * _aggregate(kl_tokens, mask, config.aggregation, normalizer)
+    if config.entropy_coef > 0.0:
+        loss = loss - config.entropy_coef * _aggregate(entropy, mask, config.aggregation, normalizer)
 
     metrics = _metrics(ratio.detach(), log_ratio.detach(), adv, mask, config, kl_tokens, entropy) | is_metrics
     # The micro-batch's own mean, whatever the normalizer: averaged by tokens over micro-batches, it is the step's.

@@ -68,7 +68,8 @@ def plain_token_logprobs(model: torch.nn.Module, batch: MicroBatch, *, with_entr
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The reference: the model's full forward on every padded row, a (B, T-1, V) log-softmax of the tempered
     logits, the response tokens picked out. Returns logprobs (B, T) and, with ``with_entropy``, the entropy (B, T)
-    of the distribution each response token was drawn from (a metric: no gradient); both 0 off the response."""
+    of the distribution each response token was drawn from; both 0 off the response, and both with their gradient
+    when autograd is on (the entropy for ``loss.entropy_coef``; it keeps an (N, V) copy for its backward)."""
     _check_device(batch, next(model.parameters()).device)
     input_ids = batch.input_ids  # (B, T)
     mask = batch.response_mask.bool()  # (B, T)
@@ -84,10 +85,9 @@ def plain_token_logprobs(model: torch.nn.Module, batch: MicroBatch, *, with_entr
     logp = torch.where(mask, logp, torch.zeros_like(logp))
     entropy = None
     if with_entropy:
-        with torch.no_grad():  # a (B, T, V) autograd copy for a metric is not worth it
-            entropy = torch.zeros_like(logp)  # (B, T)
-            rows = logp_all[mask[:, 1:]]  # (N, V): the distributions that produced response tokens
-            entropy[mask] = -(rows.exp() * rows).sum(-1)
+        rows = logp_all[mask[:, 1:]]  # (N, V): the distributions that produced response tokens
+        entropy = logp.new_zeros(logp.numel()).masked_scatter(mask.reshape(-1), -(rows.exp() * rows).sum(-1))
+        entropy = entropy.view_as(logp)  # (B, T)
     return logp, entropy
 
 
@@ -276,30 +276,28 @@ def _group_mask(segment: torch.Tensor, group: torch.Tensor, dtype: torch.dtype, 
 def _head_logprobs(head: torch.nn.Module, states: torch.Tensor, target: torch.Tensor, temperature: torch.Tensor,
                    chunk_tokens: int, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The tempered logprob of each target (N,) from its hidden state (N, H) with temperature (N,), and the
-    distribution's entropy (N,) when asked (no gradient), through the LM head ``chunk_tokens`` rows at a time."""
+    distribution's entropy (N,) when asked, through the LM head ``chunk_tokens`` rows at a time. Both carry their
+    gradient when autograd is on; an entropy the loss does not use costs its pass over the logits, not a backward."""
     picked, entropies = [], []
     recompute = torch.is_grad_enabled() and (states.requires_grad or any(p.requires_grad for p in head.parameters()))
     logits_of = _float32_head(head)
+
+    def chunk(h: torch.Tensor, tgt: torch.Tensor, temp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with precision.float32_head(h.device):
+            logits = logits_of(h)  # (n, V)
+            if bool((temp != 1.0).any()):
+                logits = logits / temp[:, None]
+            logp = torch.log_softmax(logits, dim=-1)  # (n, V)
+            entropy = -(logp.exp() * logp).sum(-1) if with_entropy else logp.new_zeros(0)  # (n,) or (0,)
+            return logp.gather(-1, tgt[:, None])[:, 0], entropy  # (n,), (n,) or (0,)
+
     for start in range(0, states.shape[0], chunk_tokens):
         end = start + chunk_tokens
-        first_pass = [True]  # backward's recomputation of the chunk must not record the entropy again
-
-        def chunk(h: torch.Tensor, tgt: torch.Tensor, temp: torch.Tensor, first_pass: list[bool] = first_pass
-                  ) -> torch.Tensor:
-            with precision.float32_head(h.device):
-                logits = logits_of(h)  # (n, V)
-                if bool((temp != 1.0).any()):
-                    logits = logits / temp[:, None]
-                logp = torch.log_softmax(logits, dim=-1)  # (n, V)
-                if with_entropy and first_pass[0]:
-                    with torch.no_grad():
-                        entropies.append(-(logp.exp() * logp).sum(-1))  # (n,)
-                return logp.gather(-1, tgt[:, None])[:, 0]  # (n,)
-
         args = (states[start:end], target[start:end], temperature[start:end])
         # Checkpointed: only the chunk's hidden states are kept for backward, not its (n, V) log-softmax.
-        picked.append(checkpoint(chunk, *args, use_reentrant=False) if recompute else chunk(*args))
-        first_pass[0] = False
+        logp, entropy = checkpoint(chunk, *args, use_reentrant=False) if recompute else chunk(*args)
+        picked.append(logp)
+        entropies.append(entropy)
     if not picked:
         empty = states.new_zeros(0, dtype=torch.float32)
         return empty, (empty if with_entropy else None)

@@ -87,7 +87,8 @@ class PolicyConfig:
     compiler. Not with ``shard`` (not run yet)."""
     compute_entropy: bool = False
     """Also give the loss each response token's entropy (the ``loss/entropy`` metric). It costs one more pass over
-    the response positions' logits (bench/update_throughput.py measures how much), so it is off by default."""
+    the response positions' logits (bench/update_throughput.py measures how much), so it is off by default; an
+    entropy bonus (``loss.entropy_coef`` > 0) computes it whatever this says."""
 
     def __post_init__(self) -> None:
         if self.learning_rate <= 0:
@@ -224,11 +225,12 @@ class Policy:
             group["lr"] = rate
 
     def update(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn,
-               keep_logprobs: dict[int, list[float]] | None = None) -> dict[str, float]:
+               keep_logprobs: dict[int, list[float]] | None = None, with_entropy: bool = False) -> dict[str, float]:
         """One optimizer step over all micro-batches: the gradients of their loss terms add up (see ``LossFn``), so
         the step is that of the whole batch as one. Metrics are averaged over micro-batches by response tokens.
         ``keep_logprobs``: filled with the trainer's logprob of each response token before the step, by row
-        (``MicroBatch.index``), for the rollout viewer's trainer-vs-engine gap.
+        (``MicroBatch.index``), for the rollout viewer's trainer-vs-engine gap. ``with_entropy``: give ``loss_fn``
+        the response tokens' entropy, with its gradient (an entropy bonus), whatever ``compute_entropy`` says.
 
         Under several processes each computes its share of the micro-batches (``distributed.assign``, by tokens)
         and the gradients are summed across them before the step; every process gets the whole step's metrics and
@@ -246,7 +248,8 @@ class Policy:
                 mb = self.place(mb)
                 weight = mb.n_response_tokens / total_tokens
                 self._recompute(self.config.gradient_checkpointing or mb.over_budget)
-                logp, entropy = self._logprobs(self.model, mb, with_entropy=self.config.compute_entropy)
+                logp, entropy = self._logprobs(self.model, mb,
+                                               with_entropy=with_entropy or self.config.compute_entropy)
                 loss, metrics = loss_fn(logp, mb, entropy, self.reference_logprobs(mb) if self.has_reference else None)
                 if not torch.isfinite(loss):
                     raise FloatingPointError(f"the loss is {loss.item()} on micro-batch rows {mb.index}")

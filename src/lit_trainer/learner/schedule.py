@@ -12,10 +12,11 @@ start of the step (one more forward pass over the step, without gradients) inste
 corrects for the engine/trainer mismatch with ``loss.is_correction`` (algorithm/loss.py).
 
 Transitions with advantage 0 add nothing to the policy gradient: they are left out of the forward and backward
-passes, and counted in N only with ``loss.normalizer = "batch"``. With ``loss.kl_beta > 0`` they carry the KL term's
-gradient, so they are trained on too. Responses cut by ``max_tokens`` (finish reason ``length``) are trained on
-(``overlong = "train"``) or left out of the loss and of N (``"mask"``); to penalise them instead, use the credit
-assignment's automatic reward (``credit.auto_reward_weight``: p_k counts a ``length`` finish as one signal).
+passes, and counted in N only with ``loss.normalizer = "batch"``. With ``loss.kl_beta > 0`` or
+``loss.entropy_coef > 0`` they carry the KL term's or the entropy bonus's gradient, so they are trained on too.
+Responses cut by ``max_tokens`` (finish reason ``length``) are trained on (``overlong = "train"``) or left out of
+the loss and of N (``"mask"``); to penalise them instead, use the credit assignment's automatic reward
+(``credit.auto_reward_weight``: p_k counts a ``length`` finish as one signal).
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ def run_update(policy: Any, pairs: Sequence[tuple[Transition, float]], update: U
             chosen = [pairs[i] for i in part]
             counted = chosen if loss.normalizer == "batch" else [(t, a) for t, a in chosen if a != 0.0]
             normalizer = normalizer_of([len(t.response_ids) for t, _ in counted], loss.aggregation)
-            train = [i for i in part if pairs[i][1] != 0.0 or loss.kl_beta > 0.0]
+            train = [i for i in part if pairs[i][1] != 0.0 or loss.trains_every_transition]
             if not train:
                 continue
             batches = make_micro_batches([pairs[i][0] for i in train], [pairs[i][1] for i in train], batching,
@@ -157,7 +158,8 @@ def run_update(policy: Any, pairs: Sequence[tuple[Transition, float]], update: U
                 for mb in batches:
                     mb.prox_logprobs = _rows(mb, [prox[i] for i in train])
             kept: dict[int, list[float]] | None = {} if trainer_logprobs is not None and epoch == 0 else None
-            metrics = policy.update(batches, step_loss(loss, batches, normalizer=normalizer), keep_logprobs=kept)
+            metrics = policy.update(batches, step_loss(loss, batches, normalizer=normalizer), keep_logprobs=kept,
+                                    with_entropy=loss.entropy_coef > 0.0)
             for row, values in (kept or {}).items():
                 trainer_logprobs.setdefault(train[row], values)  # type: ignore[union-attr]
             weight = metrics["policy/response_tokens"]

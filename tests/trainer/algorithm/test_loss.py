@@ -168,6 +168,35 @@ def test_kl_k3_approx_kl_and_entropy_by_hand():
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_sum"])
+def test_entropy_bonus_by_hand(aggregation):
+    # Response tokens with entropies 2.0 and 1.0 in row 0 and 3.0 in row 1 (row 1's second token is masked: its
+    # 50.0 counts nowhere); A = 0, so the policy term is 0 and the loss is −η·(aggregated entropy), η = 0.01:
+    #   token_mean:         −0.01·(2 + 1 + 3)/3 tokens    = −0.02;   d/dH = −0.01/3 per response token
+    #   seq_mean_token_sum: −0.01·((2 + 1) + 3)/2 rows    = −0.03;   d/dH = −0.01/2 per response token
+    new = torch.tensor([[-1.0, -2.0], [-0.5, -4.0]], dtype=torch.float64, requires_grad=True)
+    old = new.detach().clone()
+    entropy = torch.tensor([[2.0, 1.0], [3.0, 50.0]], dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[True, True], [True, False]])
+    adv = torch.zeros(2, dtype=torch.float64)
+    config = LossConfig(entropy_coef=0.01, aggregation=aggregation)
+    loss, metrics = policy_loss(new, old, adv, mask, config, entropy=entropy)
+    (grad,) = torch.autograd.grad(loss, entropy)
+    n = 3.0 if aggregation == "token_mean" else 2.0
+    assert_close(loss, torch.tensor(-0.01 * 6.0 / n, dtype=torch.float64))
+    assert_close(grad, torch.tensor([[-0.01 / n, -0.01 / n], [-0.01 / n, 0.0]], dtype=torch.float64))
+    assert metrics["loss/entropy"] == pytest.approx(2.0)  # the mean over response tokens, whatever the aggregation
+    # With an advantage the bonus adds to the policy term; the step's normaliser divides both.
+    adv = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    plain, _ = policy_loss(new, old, adv, mask, LossConfig(aggregation=aggregation), normalizer=4.0)
+    both, _ = policy_loss(new, old, adv, mask, config, entropy=entropy, normalizer=4.0)
+    assert_close(both, plain - 0.01 * 6.0 / 4.0)
+    with pytest.raises(ValueError, match="entropy_coef"):
+        policy_loss(new, old, adv, mask, config)
+    assert config.trains_every_transition and LossConfig(kl_beta=0.1).trains_every_transition
+    assert not LossConfig().trains_every_transition
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_sum"])
 @pytest.mark.parametrize(("cap", "beta"), [(None, 0.0), (1.5, 0.0), (2.0, 0.05)])
 def test_random_batches_match_the_naive_loop(aggregation, cap, beta):
     gen = torch.Generator().manual_seed(3)
@@ -207,6 +236,8 @@ def test_normalizer_makes_micro_batches_add_up_to_the_batch(aggregation):
         ({"clip_eps_high": 0.0}, "clip_eps_high"),
         ({"ratio_cap": 1.1}, "ratio_cap"),
         ({"kl_beta": -1.0}, "kl_beta"),
+        ({"entropy_coef": -0.01}, "entropy_coef"),
+        ({"entropy_coef": float("nan")}, "entropy_coef"),
         ({"aggregation": "seq_mean_token_mean"}, "aggregation"),
     ],
 )

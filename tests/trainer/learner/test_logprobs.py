@@ -55,20 +55,30 @@ def mixed_batch(seed: int = 3) -> MicroBatch:
     return mb
 
 
-def gradients(model: torch.nn.Module, fn, batch: MicroBatch, weights: torch.Tensor
-              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def gradients(model: torch.nn.Module, fn, batch: MicroBatch, weights: torch.Tensor,
+              entropy_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The logprobs and every trainable weight's gradient of Σ weights·logp (+ Σ entropy_weights·entropy)."""
     model.zero_grad(set_to_none=True)
-    logp, _ = fn(model, batch)
-    (weights * logp).sum().backward()
+    logp, entropy = fn(model, batch)
+    objective = (weights * logp).sum()
+    if entropy_weights is not None:
+        objective = objective + (entropy_weights * entropy).sum()
+    objective.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     model.zero_grad(set_to_none=True)
     return logp.detach(), grads
 
 
-def assert_same_gradients(model: torch.nn.Module, batch: MicroBatch, **kwargs) -> None:
+def assert_same_gradients(model: torch.nn.Module, batch: MicroBatch, entropy: bool = False, **kwargs) -> None:
+    """Both paths' logprobs and gradients agree; with ``entropy``, of an objective that weighs the entropies too."""
     weights = torch.randn(batch.input_ids.shape, generator=torch.Generator().manual_seed(5))  # (B, T)
-    plain_logp, plain = gradients(model, plain_token_logprobs, batch, weights)
-    new_logp, new = gradients(model, lambda m, b: token_logprobs(m, b, **kwargs), batch, weights)
+    entropy_weights = None
+    if entropy:
+        entropy_weights = torch.randn(batch.input_ids.shape, generator=torch.Generator().manual_seed(6))  # (B, T)
+    plain_logp, plain = gradients(model, lambda m, b: plain_token_logprobs(m, b, with_entropy=entropy), batch, weights,
+                                  entropy_weights)
+    new_logp, new = gradients(model, lambda m, b: token_logprobs(m, b, with_entropy=entropy, **kwargs), batch,
+                              weights, entropy_weights)
     assert_close(new_logp, plain_logp, atol=1e-5, rtol=1e-5)
     assert plain.keys() == new.keys() and plain
     for name, expected in plain.items():
@@ -157,6 +167,30 @@ def test_groups_that_start_differently_and_cost_the_same_stay_apart_with_the_sam
 
 def test_gradients_equal_the_plain_path():
     assert_same_gradients(tiny_llama(), mixed_batch(), chunk_tokens=5)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_entropy_gradients_equal_the_plain_path(checkpointing: bool):
+    # The entropy bonus (loss.entropy_coef) trains through the entropies: both paths give them the same gradient.
+    model = tiny_llama()
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    assert_same_gradients(model, mixed_batch(), entropy=True, chunk_tokens=5)
+
+
+def test_an_entropy_gradient_raises_the_entropy():
+    # One small step up the entropy's gradient, and nothing else, spreads the distributions: a sign check that
+    # does not depend on the plain path.
+    model, batch = tiny_llama(), mixed_batch()
+    mask = batch.response_mask.bool()
+    _, entropy = token_logprobs(model, batch, with_entropy=True, chunk_tokens=5)
+    before = float(entropy[mask].mean())
+    entropy[mask].mean().backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p += 0.05 * p.grad
+        _, after = token_logprobs(model, batch, with_entropy=True)
+    assert float(after[mask].mean()) > before
 
 
 def test_gradients_equal_the_plain_path_with_tied_embeddings():

@@ -1,7 +1,7 @@
 """The update schedule on a tiny real Llama: the normaliser counts zero-advantage transitions (``batch``), PPO epochs
 and mini-batches take several optimizer steps, recomputed old logprobs and importance-sampling corrections, overlong
 responses, calls sampled too many weight versions ago (asynchronous rollouts), the KL term against a frozen
-reference (full fine-tune and LoRA), and the learning-rate schedule (by hand)."""
+reference (full fine-tune and LoRA), the entropy bonus, and the learning-rate schedule (by hand)."""
 
 from __future__ import annotations
 
@@ -150,6 +150,30 @@ def test_kl_to_a_frozen_reference_starts_at_zero_and_grows(tiny_model: Path):
     second = run_update(policy, pairs, UpdateConfig(), loss, BATCHING, 0, 0)
     assert first["loss/kl"] == pytest.approx(0.0, abs=1e-6) and second["loss/kl"] > 1e-4
     assert all(not p.requires_grad for p in policy.reference.parameters())
+
+
+def test_the_entropy_bonus_trains_every_transition_and_raises_the_entropy(tiny_model: Path):
+    """``loss.entropy_coef`` > 0: the zero-advantage transitions carry the bonus's gradient, so they are trained on
+    (without it they are left out); steps on the bonus alone (every advantage 0) spread the policy's distributions."""
+    pairs = list(zip(rows([(4, 3), (5, 6), (3, 2)]), [0.0, 0.0, 0.0], strict=True))
+    probe = make_micro_batches([t for t, _ in pairs], [1.0] * 3, BATCHING, pad_id=0)[0]
+    policy = Policy(PolicyConfig(model=str(tiny_model), learning_rate=1e-3))
+
+    def entropy() -> float:
+        with torch.no_grad():
+            return float(policy.token_logprobs(probe, with_entropy=True)[1][probe.response_mask.bool()].mean())
+
+    before = entropy()
+    kept: dict[int, list[float]] = {}
+    loss = LossConfig(entropy_coef=1.0)
+    for _ in range(3):
+        metrics = run_update(policy, pairs, UpdateConfig(), loss, BATCHING, 0, 0, trainer_logprobs=kept)
+    assert sorted(kept) == [0, 1, 2] and metrics["policy/response_tokens"] == 3 + 6 + 2
+    assert metrics["update/optimizer_steps"] == 1 and "loss/entropy" in metrics
+    after = entropy()
+    assert after > before + 1e-4, (before, after)
+    untouched = Policy(PolicyConfig(model=str(tiny_model), learning_rate=5e-2))
+    assert run_update(untouched, pairs, UpdateConfig(), LossConfig(), BATCHING, 0, 0)["update/optimizer_steps"] == 0
 
 
 def test_lora_reference_is_the_base_under_the_adapter(tiny_model: Path):
