@@ -44,11 +44,10 @@ also absorbs the engine/trainer numerical mismatch (hence the cap); ``recompute_
 snapshot and moves the mismatch into w, as verl's and SkyRL's per-token truncated/masked importance sampling do;
 ε_low and ε_high may differ (DAPO's clip-higher); no value loss; an entropy bonus η (``entropy_coef``, as verl's
 ``entropy_coeff``; 0 by default) rewards spread in the policy's token distributions, the usual counter to a policy
-that collapses onto one answer. From GRPO: advantages are per
-call, not per completion; aggregation is token-level (DAPO), not the per-sequence mean of GRPO; KL is the same k3
-estimator to a frozen reference (the initial weights), added per token. From the paper: it uses this objective with
-identical credit; the ratio cap, the normaliser, the importance-sampling correction and the choice of aggregation
-are lit's options.
+that collapses onto one answer. From GRPO: advantages are per call, not per completion; aggregation is token-level
+(DAPO), not the per-sequence mean of GRPO; KL is the same k3 estimator to a frozen reference (the initial weights),
+added per token. From the paper: it uses this objective with identical credit; the ratio cap, the normaliser, the
+importance-sampling correction and the choice of aggregation are lit's options.
 """
 
 from __future__ import annotations
