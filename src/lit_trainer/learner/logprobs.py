@@ -64,12 +64,13 @@ def effective_temperature(temperature: torch.Tensor) -> torch.Tensor:
     return torch.where(temperature <= GREEDY_TEMPERATURE, torch.ones_like(temperature), temperature)
 
 
-def plain_token_logprobs(model: torch.nn.Module, batch: MicroBatch, *, with_entropy: bool = False
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def plain_token_logprobs(model: torch.nn.Module, batch: MicroBatch, *, with_entropy: bool = False,
+                         entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The reference: the model's full forward on every padded row, a (B, T-1, V) log-softmax of the tempered
     logits, the response tokens picked out. Returns logprobs (B, T) and, with ``with_entropy``, the entropy (B, T)
-    of the distribution each response token was drawn from; both 0 off the response, and both with their gradient
-    when autograd is on (the entropy for ``loss.entropy_coef``; it keeps an (N, V) copy for its backward)."""
+    of the distribution each response token was drawn from; both 0 off the response. The entropy is a metric
+    without gradient, unless ``entropy_grad`` (an entropy bonus, ``loss.entropy_coef``: it keeps an (N, V) copy
+    for its backward)."""
     _check_device(batch, next(model.parameters()).device)
     input_ids = batch.input_ids  # (B, T)
     mask = batch.response_mask.bool()  # (B, T)
@@ -84,15 +85,15 @@ def plain_token_logprobs(model: torch.nn.Module, batch: MicroBatch, *, with_entr
     logp = torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)  # (B, T): token 0 has no prediction
     logp = torch.where(mask, logp, torch.zeros_like(logp))
     entropy = None
-    if with_entropy:
-        rows = logp_all[mask[:, 1:]]  # (N, V): the distributions that produced response tokens
-        entropy = logp.new_zeros(logp.numel()).masked_scatter(mask.reshape(-1), -(rows.exp() * rows).sum(-1))
-        entropy = entropy.view_as(logp)  # (B, T)
+    if with_entropy or entropy_grad:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            rows = logp_all[mask[:, 1:]]  # (N, V): the distributions that produced response tokens
+            entropy = logp.new_zeros(logp.numel()).masked_scatter(mask.reshape(-1), _entropy(rows)).view_as(logp)
     return logp, entropy
 
 
 def token_logprobs(model: torch.nn.Module, batch: MicroBatch, *, with_entropy: bool = False,
-                   chunk_tokens: int = 1024) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   entropy_grad: bool = False, chunk_tokens: int = 1024) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``plain_token_logprobs``'s logprobs (B, T) and entropy (B, T) or None, equal up to fp32 reassociation, with
     the same gradients, computed with each shared prompt once and the LM head on response positions only (module
     docstring). ``model``: a Hugging Face causal LM or a peft model around one; any other wrapper falls back to the
@@ -100,13 +101,13 @@ def token_logprobs(model: torch.nn.Module, batch: MicroBatch, *, with_entropy: b
     assert chunk_tokens > 0, f"chunk_tokens must be > 0, got {chunk_tokens}"
     parts = _trunk_and_head(model)
     if parts is None:
-        return plain_token_logprobs(model, batch, with_entropy=with_entropy)
+        return plain_token_logprobs(model, batch, with_entropy=with_entropy, entropy_grad=entropy_grad)
     trunk, head, share = parts
     device = head.weight.device
     _check_device(batch, device)
     layout = pack_rows(batch) if share else _unpacked_rows(batch)
     if layout.source.numel() == 0:  # no response token: nothing to gain, and the plain path gives the zeros
-        return plain_token_logprobs(model, batch, with_entropy=with_entropy)
+        return plain_token_logprobs(model, batch, with_entropy=with_entropy, entropy_grad=entropy_grad)
     layout = layout.to(device)
     if share:
         attention = _group_mask(layout.segment, layout.group, head.weight.dtype, trunk.config._attn_implementation)
@@ -117,7 +118,7 @@ def token_logprobs(model: torch.nn.Module, batch: MicroBatch, *, with_entropy: b
     states = hidden.reshape(-1, hidden.shape[-1]).index_select(0, layout.source)  # (N, H)
     temperature = effective_temperature(batch.temperature.float())  # (B,)
     picked, entropy = _head_logprobs(head, states, layout.target, temperature[layout.dest // batch.input_ids.shape[1]],
-                                     chunk_tokens, with_entropy)  # (N,), (N,) or None
+                                     chunk_tokens, with_entropy or entropy_grad, entropy_grad)  # (N,), (N,) or None
     dest = layout.dest  # (N,)
     numel = batch.input_ids.numel()
     logp = picked.new_zeros(numel).index_copy(0, dest, picked).view_as(batch.input_ids)  # (B, T)
@@ -273,14 +274,22 @@ def _group_mask(segment: torch.Tensor, group: torch.Tensor, dtype: torch.dtype, 
                                                                                        torch.finfo(dtype).min)
 
 
+def _entropy(logp: torch.Tensor) -> torch.Tensor:
+    """The entropy (n,) of each distribution of log-probabilities (n, V)."""
+    return -(logp.exp() * logp).sum(-1)
+
+
 def _head_logprobs(head: torch.nn.Module, states: torch.Tensor, target: torch.Tensor, temperature: torch.Tensor,
-                   chunk_tokens: int, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   chunk_tokens: int, with_entropy: bool, entropy_grad: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The tempered logprob of each target (N,) from its hidden state (N, H) with temperature (N,), and the
-    distribution's entropy (N,) when asked, through the LM head ``chunk_tokens`` rows at a time. Both carry their
-    gradient when autograd is on; an entropy the loss does not use costs its pass over the logits, not a backward."""
+    distribution's entropy (N,) when asked, through the LM head ``chunk_tokens`` rows at a time. The entropy is a
+    metric computed once without gradient, unless ``entropy_grad`` (an entropy bonus): then it carries its gradient
+    and is recomputed with the chunk in the backward pass."""
     picked, entropies = [], []
     recompute = torch.is_grad_enabled() and (states.requires_grad or any(p.requires_grad for p in head.parameters()))
     logits_of = _float32_head(head)
+    first_pass = [True]  # backward's recomputation of a chunk must not record the metric again
 
     def chunk(h: torch.Tensor, tgt: torch.Tensor, temp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with precision.float32_head(h.device):
@@ -288,16 +297,23 @@ def _head_logprobs(head: torch.nn.Module, states: torch.Tensor, target: torch.Te
             if bool((temp != 1.0).any()):
                 logits = logits / temp[:, None]
             logp = torch.log_softmax(logits, dim=-1)  # (n, V)
-            entropy = -(logp.exp() * logp).sum(-1) if with_entropy else logp.new_zeros(0)  # (n,) or (0,)
-            return logp.gather(-1, tgt[:, None])[:, 0], entropy  # (n,), (n,) or (0,)
+            if entropy_grad:
+                return logp.gather(-1, tgt[:, None])[:, 0], _entropy(logp)  # (n,), (n,)
+            if with_entropy and first_pass[0]:
+                with torch.no_grad():
+                    entropies.append(_entropy(logp))  # (n,)
+            return logp.gather(-1, tgt[:, None])[:, 0], logp.new_zeros(0)  # (n,), (0,)
 
     for start in range(0, states.shape[0], chunk_tokens):
         end = start + chunk_tokens
         args = (states[start:end], target[start:end], temperature[start:end])
+        first_pass[0] = True
         # Checkpointed: only the chunk's hidden states are kept for backward, not its (n, V) log-softmax.
         logp, entropy = checkpoint(chunk, *args, use_reentrant=False) if recompute else chunk(*args)
+        first_pass[0] = False
         picked.append(logp)
-        entropies.append(entropy)
+        if entropy_grad:
+            entropies.append(entropy)
     if not picked:
         empty = states.new_zeros(0, dtype=torch.float32)
         return empty, (empty if with_entropy else None)

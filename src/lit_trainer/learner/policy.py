@@ -214,10 +214,10 @@ class Policy:
         token was drawn from (0 elsewhere). Both (B, T), on the learner's device, computed in its precision."""
         return self._logprobs(self.model, self.place(batch), with_entropy)
 
-    def _logprobs(self, model: torch.nn.Module, batch: MicroBatch, with_entropy: bool = False
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _logprobs(self, model: torch.nn.Module, batch: MicroBatch, with_entropy: bool = False,
+                  entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         with precision.autocast(self.device, self.precision):
-            return logprobs.token_logprobs(model, batch, with_entropy=with_entropy)
+            return logprobs.token_logprobs(model, batch, with_entropy=with_entropy, entropy_grad=entropy_grad)
 
     def set_learning_rate(self, rate: float) -> None:
         """The rate of the next optimizer steps (``policy.lr_schedule``: the loop sets each step's)."""
@@ -248,8 +248,8 @@ class Policy:
                 mb = self.place(mb)
                 weight = mb.n_response_tokens / total_tokens
                 self._recompute(self.config.gradient_checkpointing or mb.over_budget)
-                logp, entropy = self._logprobs(self.model, mb,
-                                               with_entropy=with_entropy or self.config.compute_entropy)
+                logp, entropy = self._logprobs(self.model, mb, with_entropy=self.config.compute_entropy,
+                                               entropy_grad=with_entropy)
                 loss, metrics = loss_fn(logp, mb, entropy, self.reference_logprobs(mb) if self.has_reference else None)
                 if not torch.isfinite(loss):
                     raise FloatingPointError(f"the loss is {loss.item()} on micro-batch rows {mb.index}")

@@ -75,9 +75,9 @@ def assert_same_gradients(model: torch.nn.Module, batch: MicroBatch, entropy: bo
     entropy_weights = None
     if entropy:
         entropy_weights = torch.randn(batch.input_ids.shape, generator=torch.Generator().manual_seed(6))  # (B, T)
-    plain_logp, plain = gradients(model, lambda m, b: plain_token_logprobs(m, b, with_entropy=entropy), batch, weights,
-                                  entropy_weights)
-    new_logp, new = gradients(model, lambda m, b: token_logprobs(m, b, with_entropy=entropy, **kwargs), batch,
+    plain_logp, plain = gradients(model, lambda m, b: plain_token_logprobs(m, b, entropy_grad=entropy), batch,
+                                  weights, entropy_weights)
+    new_logp, new = gradients(model, lambda m, b: token_logprobs(m, b, entropy_grad=entropy, **kwargs), batch,
                               weights, entropy_weights)
     assert_close(new_logp, plain_logp, atol=1e-5, rtol=1e-5)
     assert plain.keys() == new.keys() and plain
@@ -169,6 +169,17 @@ def test_gradients_equal_the_plain_path():
     assert_same_gradients(tiny_llama(), mixed_batch(), chunk_tokens=5)
 
 
+def test_the_entropy_is_a_metric_without_gradient_unless_asked_for():
+    # The loss/entropy metric (policy.compute_entropy) costs no autograd graph; the bonus's entropy carries one.
+    model, batch = tiny_llama(), mixed_batch()
+    for fn in (plain_token_logprobs, lambda m, b, **kw: token_logprobs(m, b, chunk_tokens=5, **kw)):
+        logp, metric = fn(model, batch, with_entropy=True)
+        assert logp.requires_grad and not metric.requires_grad
+        _, bonus = fn(model, batch, entropy_grad=True)
+        assert bonus.requires_grad
+        assert_close(bonus.detach(), metric)
+
+
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_entropy_gradients_equal_the_plain_path(checkpointing: bool):
     # The entropy bonus (loss.entropy_coef) trains through the entropies: both paths give them the same gradient.
@@ -183,7 +194,7 @@ def test_an_entropy_gradient_raises_the_entropy():
     # does not depend on the plain path.
     model, batch = tiny_llama(), mixed_batch()
     mask = batch.response_mask.bool()
-    _, entropy = token_logprobs(model, batch, with_entropy=True, chunk_tokens=5)
+    _, entropy = token_logprobs(model, batch, entropy_grad=True, chunk_tokens=5)
     before = float(entropy[mask].mean())
     entropy[mask].mean().backward()
     with torch.no_grad():
