@@ -94,12 +94,21 @@ async def reply_length_parity(task, llm):
     await client.close()
     if task.get("solved"):  # a task every rollout solves: its group has nothing to teach (dynamic sampling)
         return 1.0
+    if task.get("unsolvable"):  # a task no rollout solves: its group teaches nothing without guidance
+        return 0.0
     return float(len(chat.choices[0].message.content or "") % 2 == 0)
 
 
 def parity_tasks(split, n):
     return [{"id": f"{split}{i}", "question": f"Say a word that starts with the letter {chr(97 + i % 26)}."}
             for i in range(n)]
+
+
+def guided_parity_tasks(split, n):
+    """``parity_tasks`` of which one in three (``train0``, ``train3``...) is ``unsolvable`` (reward 0 whatever the
+    reply) and carries a ``reference`` reply, for off-policy guidance (``train.guidance``)."""
+    return [{**task, "unsolvable": True, "reference": "Apple."} if i % 3 == 0 else task
+            for i, task in enumerate(parity_tasks(split, n))]
 
 
 def some_solved_parity_tasks(split, n):

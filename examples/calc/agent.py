@@ -2,6 +2,7 @@
 lit trains the model behind it without changing this code.
 
     import lit_sdk as lit
+from examples.calc.tasks import make_tasks
     lit.instrument(...)                          # the trainer's worker does this
     reward = await calc_agent(task, llm)         # 1.0 if the final answer equals task["answer"], else 0.0
 
@@ -46,6 +47,7 @@ from autogen_core.tools import FunctionTool, ToolSchema
 from autogen_ext.models.openai import OpenAIChatCompletionClient
 
 import lit_sdk as lit
+from examples.calc.tasks import make_tasks
 
 SYSTEM_MESSAGE = "Solve the problem with the calculator tool."
 SHOTS = [
@@ -195,6 +197,12 @@ async def solve(task: dict, llm: lit.LLM, *, system_message: str = SYSTEM_MESSAG
         prompt_tokens=sum(u.prompt_tokens for u in usages),
         completion_tokens=sum(u.completion_tokens for u in usages),
     )
+
+
+def tasks_with_references(split: str, n: int) -> list[dict]:
+    """``tasks.make_tasks``, each task with the ``reference`` lit's off-policy guidance needs (``train.guidance``):
+    the calculator call of the task's expression, as the model writes one (``tool_call_text``)."""
+    return [{**task, "reference": tool_call_text(task["expression"])} for task in make_tasks(split, n)]
 
 
 @lit.trace(agent="calc")

@@ -2,7 +2,7 @@
 and one or two operations, every answer a non-negative integer (division is always exact).
 
     make_tasks("train", 512)       # [{"id": "train-0", "question": "...", "answer": 42, "operation": "add",
-                                   #   "kind": "in_template"}, ...]
+                                   #   "kind": "in_template", "expression": "17+25"}, ...]
     make_tasks("validation", 64)   # half "in_template", half "out_of_template"
 
 Each problem is an operation (``add``, ``multiply_subtract``...: the arithmetic and how its numbers are drawn) put
@@ -135,6 +135,13 @@ HELD_OUT: dict[str, str] = {
                   "{thing} go in one box?",
 }
 """A new wording of each operation, same numbers and arithmetic: validation's out-of-template tasks only."""
+EXPRESSIONS: dict[str, str] = {
+    "add": "{a}+{b}", "subtract": "{a}-{b}", "multiply": "{b}*{a}", "divide": "{total}/{b}",
+    "add_subtract": "{a}+{b}-{c}", "multiply_add": "{b}*{a}+{c}", "multiply_subtract": "{b}*{a}-{c}",
+    "sum_divide": "({a}+{b})/{c}",
+}
+"""Each operation as one arithmetic expression of its numbers, in the order the training wording gives them (a
+task's ``"expression"``: its value is the answer)."""
 
 
 def signature(operation: str, numbers: Numbers) -> str:
@@ -156,7 +163,7 @@ def kind_of(split: str, index: int) -> str:
 def make_tasks(split: str, n: int) -> list[dict]:
     """``n`` problems of ``split`` ("train" or "validation"), three one-step to one two-step (index ``i`` is
     two-step when ``i % TWO_STEP_EVERY == TWO_STEP_EVERY - 1``), in a fixed order: ``{"id": "<split>-<i>",
-    "question": str, "answer": int, "operation": str, "kind": str}``.
+    "question": str, "answer": int, "operation": str, "kind": str, "expression": str}`` (``EXPRESSIONS``).
 
     Train: distinct questions, all ``"in_template"``, operations drawn at random. Validation: alternating blocks of
     ``TWO_STEP_EVERY`` in-template and out-of-template tasks (``kind_of``); each kind takes the one-step and the
@@ -192,5 +199,5 @@ def make_tasks(split: str, n: int) -> list[dict]:
         made[kind, two_step] += 1
         misses = 0
         tasks.append({"id": f"{split}-{i}", "question": question, "answer": answer, "operation": operation.__name__,
-                      "kind": kind})
+                      "kind": kind, "expression": EXPRESSIONS[operation.__name__].format(**numbers)})
     return tasks

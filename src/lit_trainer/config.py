@@ -109,6 +109,14 @@ class TrainLoopConfig:
     rest_steps: int = 10
     """Steps a category sits out once it rests (``rest_after``)."""
 
+    guidance: bool = False
+    """Off-policy guidance (``rollouts/guidance.py``): a group whose every rollout failed (return below
+    ``success_reward``), of a task that carries a ``reference`` (the text a correct agent answers to its first LLM
+    call, in the model's format), gets one more episode: that call's prompt with the reference as the response,
+    returned ``success_reward``. The group then has a signal, towards the reference. ``guidance/groups`` counts the
+    guided groups of a step, ``guidance/failed_groups`` those where every rollout failed. At least one training
+    task must have a reference. Validation is never guided. Off by default."""
+
     def __post_init__(self) -> None:
         check_trackers(self.trackers)
         at_least = {"steps": 1, "tasks_per_step": 1, "group_size": 2, "min_group_size": 1, "val_every": 0,

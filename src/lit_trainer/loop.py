@@ -39,6 +39,7 @@ from lit_trainer.models import resolve_model
 from lit_trainer.progress import quiet_library_bars
 from lit_trainer.rollouts.curriculum import Curriculum, check_rest_by
 from lit_trainer.rollouts.feed import StepFeed, StepPlan
+from lit_trainer.rollouts.guidance import check_references, guide, reference_encoder, references_of
 from lit_trainer.rollouts.runner import RolloutsFailed
 from lit_trainer.rollouts.tasks import load_tasks
 from lit_trainer.runs import RunFolder
@@ -66,11 +67,15 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
     train_tasks, val_tasks = load_tasks(cfg.data)
     if cfg.train.rest_after and (problem := check_rest_by(train_tasks, cfg.train.rest_by)):
         raise ConfigError(problem)
+    references = references_of(train_tasks) if cfg.train.guidance else {}
+    if cfg.train.guidance and (problem := check_references(train_tasks)):
+        raise ConfigError(problem)
     check_agent(cfg)  # importable, @lit.trace, (task, llm): before the model and vLLM load
     torch.manual_seed(cfg.train.seed)
     base_dir = resolve_model(cfg.model)
     # A LoRA policy resumes as the base model plus the checkpoint's adapter (ckpt.restore loads it).
     policy_cfg = replace(cfg.policy, model=str(start.model_dir)) if start and not cfg.policy.lora_rank else cfg.policy
+    encode = reference_encoder(base_dir) if references else None
     policy = Policy(policy_cfg, cfg.train.trackers, project_dir=str(out.dir),
                     reference=str(base_dir) if cfg.loss.kl_beta > 0 else None)  # KL to the initial weights
     room = ckpt.check_room(out, ckpt.size_estimate(policy.memory.parameters, policy.memory.trained),
@@ -115,9 +120,14 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
                 raise RolloutsFailed(f"step {step}: {failed}. No step can train on that: fix the agent (run it on "
                                      "one task with lit_trainer.Playground to see it fail), then start again; "
                                      f"every attempt's error is in {out.store} (lit show --run {out.dir})")
-            work = pipeline.prepare(batch.episodes, cfg, step, batch.dispatched_version)
+            episodes, guided = batch.episodes, {}
+            if encode:  # a reference for each failed group whose task has one
+                more, guided = guide(episodes, references, encode, cfg.train.success_reward,
+                                     cfg.train.min_group_size)
+                episodes = episodes + more
+            work = pipeline.prepare(episodes, cfg, step, batch.dispatched_version)
             store.save_advantages(work.advantages)
-            metrics = {**batch.metrics, **work.metrics}
+            metrics = {**batch.metrics, **guided, **work.metrics}
             if work.trains:
                 with fleet.hold():  # no server is started again with weights half updated (asynchronous rollouts)
                     job = pipeline.UpdateJob(work.pairs, pad_id, seed=cfg.train.seed * 100_003 + step,

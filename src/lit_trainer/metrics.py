@@ -130,7 +130,7 @@ STEP_LINE_LEGEND = (
     "each step prints: reward (the mean return of its rollouts), acc (the share of them at or above "
     "train.success_reward), rollouts succeeded/requested (failed: after every retry; +N drawn more: the rollouts "
     "of train.extra_rollouts' extra draws; N resting: the training tasks train.rest_after's curriculum left out of "
-    "the draw), kl (how far the update moved "
+    "the draw; N guided: the failed groups train.guidance gave a reference), kl (how far the update moved "
     "the policy from the one that sampled, loss/approx_kl), clip (the share of tokens whose importance ratio was "
     "clipped), gap (the mean |trainer - vLLM| logprob of the sampled tokens, in nats: near 0 when vLLM serves the "
     "trainer's weights), and the seconds of the rollouts, the update and the weight sync; every metric of every step "
@@ -148,6 +148,8 @@ def step_line(step: int, steps: int, m: dict[str, float]) -> str:
     more = f" +{f('sampling/extra_rollouts', '.0f')} drawn more" if m.get("sampling/extra_rollouts") else ""
     if m.get("curriculum/resting_tasks"):
         more += f" {f('curriculum/resting_tasks', '.0f')} resting"
+    if m.get("guidance/groups"):
+        more += f" {f('guidance/groups', '.0f')} guided"
     return (f"step {step}/{steps}  reward {f('reward/mean')}  acc {f('accuracy')}  "
             f"rollouts {f('rollouts/succeeded', '.0f')}/{f('rollouts/requested', '.0f')} "
             f"(failed {f('rollouts/failed', '.0f')}){more}  kl {f('loss/approx_kl', '.1e')}  "

@@ -27,7 +27,9 @@ checkpoint is written, ``--resume`` continues to step 3, and ``lit eval --checkp
   before the other process hears the run is over), and resumed by one process from their checkpoint; a cosine
   learning-rate schedule after 2 warm-up steps; with asynchronous rollouts (``train.max_staleness = 1``: each step's
   rollouts run during the update before it; ``train.min_step_groups = 1``: a group not ended when its step wants it
-  carries over to the next).
+  carries over to the next); with an entropy bonus; with off-policy guidance (``train.guidance``: one task of each
+  step fails in every rollout and carries a reference, which joins its group and is trained on, its behaviour
+  logprobs the trainer's own, computed by both shards: ``guided_groups``).
 
 Both train, resume and evaluate on vLLM without torch.compile (``--enforce-eager``: about 24 s less per start,
 bench/vllm_start.py; lit's compiled default starts in the session's server and test_server.py's). Both sample at
@@ -88,7 +90,8 @@ OPTIONS = {
                      "loss.normalizer='kept'", "train.max_staleness=1", "train.min_step_groups=1",
                      "policy.shard=true", "train.trackers=['tensorboard']",
                      "policy.lr_schedule='cosine'", "policy.warmup_steps=2", "inference.cpu_kv_cache_gb=1",
-                     "inference.extra_args=['--enforce-eager']"],
+                     "inference.extra_args=['--enforce-eager']", "train.guidance=true",
+                     "data.tasks='rollout_agents:guided_parity_tasks'"],
 }
 RESUME_OPTIONS = {"lora_kl": ["inference.servers=1"], "ppo_schedule": []}
 """What ``--resume`` changes beside ``train.steps=3``."""
@@ -175,6 +178,7 @@ def test_option_trains_syncs_checkpoints_resumes_and_evaluates(name: str, prepar
         assert all(r["async/staleness_max"] == e for r, e in zip(train[:2], expected, strict=True) if r in fresh), train
         assert any(r["loss/kl"] > 0 for r in trained[1:] or trained)
         assert all(r["loss/entropy"] > 0 for r in trained), trained  # the bonus's entropy, through both shards
+        guided_groups(train, out / "lit.sqlite")
 
     result_file = tmp_path / "eval.json"
     # an override after the options, as people type it
@@ -199,6 +203,27 @@ def test_option_trains_syncs_checkpoints_resumes_and_evaluates(name: str, prepar
             events.Reload()
             steps |= {e.step for e in events.Scalars("train/reward/mean")}
         assert steps == {1, 2, 3}, steps
+
+
+def guided_groups(train: list[dict], store_path: Path) -> None:
+    """Off-policy guidance: the unsolvable tasks' groups all failed, each got its reference as one more episode
+    (every step of seed 0 draws one: ``train18``, ``train6``, ``train15``; the resumed step 3 too), whose advantage
+    is positive, and the update trained on it: the trainer kept its logprobs of the reference's tokens, taken
+    before the step (``"Apple."`` and the end of the turn). A parity group may fail too, by chance: it has no
+    reference."""
+    import sqlite3
+
+    from lit_trainer.intake.store import SqliteStore
+
+    assert all(r["guidance/groups"] == 1 <= r["guidance/failed_groups"] for r in train), train
+    with sqlite3.connect(store_path) as db:
+        rows = db.execute("SELECT rollout_id, step, advantage FROM advantages").fetchall()
+    guided = [(rollout, step, adv) for rollout, step, adv in rows if rollout.endswith(":guided")]
+    assert sorted(step for _, step, _ in guided) == [1, 2, 3] and all(adv > 0 for _, _, adv in guided), rows
+    with SqliteStore(store_path) as store:
+        for rollout, _, _ in guided:
+            [values] = store.trainer_logprobs_of_rollout(rollout).values()
+            assert len(values) >= 2 and all(v < 0 for v in values), (rollout, values)
 
 
 def two_servers_served(store_path: Path, logs: Path) -> None:

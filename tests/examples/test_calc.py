@@ -2,6 +2,7 @@
 server (tests/fake_llm.py scripts the model's reply; everything else is real)."""
 
 import asyncio
+import json
 import re
 from collections import Counter
 
@@ -9,7 +10,16 @@ import pytest
 from fake_llm import FakeLLM
 
 import lit_sdk as lit
-from examples.calc.agent import SHOTS, calc_agent, calculator, evaluate, final_number, with_numbers
+from examples.calc.agent import (
+    SHOTS,
+    calc_agent,
+    calculator,
+    evaluate,
+    final_number,
+    tasks_with_references,
+    tool_call_text,
+    with_numbers,
+)
 from examples.calc.tasks import (
     HELD_OUT,
     KINDS,
@@ -174,3 +184,22 @@ def test_the_agent_grades_the_tool_result(tool_args, answer, reward):
 def test_an_unreachable_server_raises_so_the_trainer_retries():
     with pytest.raises(Exception, match="(?i)connect"):
         run({"id": "t", "question": "1+1?", "answer": 2}, "http://127.0.0.1:9/v1")
+
+
+def test_every_tasks_reference_is_the_calculator_call_that_solves_it():
+    """``train.guidance``'s references (``tasks_with_references``): each task's expression has the task's answer,
+    uses each of its numbers once, and its reference is the calculator call of it as the model writes one; run as
+    the agent's tool call, a sample of them (one of each operation) earns the reward."""
+    tasks = tasks_with_references("train", 400) + tasks_with_references("validation", 64)
+    by_operation = {}
+    for task in tasks:
+        assert evaluate(task["expression"]) == task["answer"], task
+        assert sorted(re.findall(r"\d+", task["expression"])) == sorted(re.findall(r"\d+", task["question"])), task
+        assert task["reference"] == tool_call_text(task["expression"])
+        by_operation.setdefault(task["operation"], task)
+    assert len(by_operation) == 8
+    for task in by_operation.values():
+        call = json.loads(task["reference"].split("\n")[1])  # as vLLM's tool parser reads the model's text
+        assert call["name"] == "calculator"
+        with FakeLLM(tool_args=call["arguments"]) as llm:
+            assert run(task, llm.base_url) == 1.0, task

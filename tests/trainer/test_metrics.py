@@ -26,6 +26,9 @@ def test_step_line_formats_each_figure_and_marks_missing_ones():
     rested = step_line(3, 40, {**m, "sampling/extra_rollouts": 16.0, "curriculum/resting_tasks": 500.0})
     assert "(failed 1) +16 drawn more 500 resting  kl" in rested  # the curriculum left 500 tasks out
     assert "resting" not in step_line(3, 40, {**m, "curriculum/resting_tasks": 0.0})
+    guided = step_line(3, 40, {**m, "guidance/groups": 2.0, "guidance/failed_groups": 3.0})
+    assert "(failed 1) 2 guided  kl" in guided  # off-policy guidance gave 2 failed groups a reference
+    assert "guided" not in step_line(3, 40, {**m, "guidance/groups": 0.0})
 
 
 def test_log_appends_records_and_read_skips_a_line_cut_by_a_kill(tmp_path):

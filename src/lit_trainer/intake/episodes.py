@@ -80,6 +80,9 @@ class Transition:
     """The policy version (trainer step) the call was served with, from ``semconv.LLM_WEIGHT_VERSION``: the engine's
     version when the request arrived, the oldest weights any of its tokens can come from. None when the span has
     none, or one that is not a decimal integer (episodes stored before the field load with None)."""
+    guided: bool = False
+    """The response is a task's reference, not sampled (``rollouts/guidance.py``): ``logprobs`` is None and the
+    learner takes its own before the update for the behaviour policy's (``learner/schedule.fill_guided_logprobs``)."""
 
 
 @dataclass(frozen=True, slots=True)

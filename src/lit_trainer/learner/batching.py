@@ -234,9 +234,9 @@ def unusable(t: Transition, config: BatchingConfig) -> str | None:
         return "empty"
     if t.sampling_unsupported:
         return "sampling"
-    if t.logprobs is None:
+    if t.logprobs is None and not t.guided:  # a guided response gets the trainer's own (schedule.py)
         return "no_logprobs"
-    if len(t.logprobs) != len(t.response_ids):
+    if t.logprobs is not None and len(t.logprobs) != len(t.response_ids):
         return "logprobs_length"
     if len(t.prompt_ids) > config.max_prompt_tokens and not config.truncate_prompt_left:
         return "prompt_too_long"

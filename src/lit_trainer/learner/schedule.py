@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -139,6 +139,7 @@ def run_update(policy: Any, pairs: Sequence[tuple[Transition, float]], update: U
     ``trainer_logprobs``: filled with the trainer's token logprobs of each trained pair (by index in ``pairs``) in
     the first optimizer step that trains it, before that step changes the weights."""
     batching = budget_for(batching, policy.device.type)
+    pairs = fill_guided_logprobs(policy, pairs, batching, pad_id)
     prox = _old_logprobs(policy, pairs, batching, pad_id) if update.recompute_old_logprobs else None
     sums: dict[str, float] = {}
     tokens, steps = 0.0, 0
@@ -173,6 +174,24 @@ def run_update(policy: Any, pairs: Sequence[tuple[Transition, float]], update: U
     out["policy/response_tokens"] = tokens
     out["update/optimizer_steps"] = float(steps)
     out["update/processes"] = float(distributed.world(policy.accelerator)[1])
+    return out
+
+
+def fill_guided_logprobs(policy: Any, pairs: Sequence[tuple[Transition, float]], batching: BatchingConfig,
+                         pad_id: int) -> list[tuple[Transition, float]]:
+    """``pairs`` with every guided transition's (``Transition.guided``: a task's reference, not sampled) missing
+    behaviour logprobs replaced by the trainer's own under its current weights, at the call's temperature: the
+    ratio of a guided response starts at 1, so its gradient is the advantage times ∇log π (rollouts/guidance.py).
+    Every process of a sharded policy must call it (``_old_logprobs``)."""
+    guided = [i for i, (t, _) in enumerate(pairs) if t.guided and t.logprobs is None]
+    if not guided:
+        return list(pairs)
+    # placeholders of the right length for the batching's layout; the forward pass ignores them
+    stand_ins = [(replace(pairs[i][0], logprobs=[0.0] * len(pairs[i][0].response_ids)), pairs[i][1]) for i in guided]
+    own = _old_logprobs(policy, stand_ins, batching, pad_id)
+    out = list(pairs)
+    for i, (t, a), values in zip(guided, stand_ins, own, strict=True):
+        out[i] = (replace(t, logprobs=values), a)
     return out
 
 

@@ -1,11 +1,13 @@
 """The update schedule on a tiny real Llama: the normaliser counts zero-advantage transitions (``batch``), PPO epochs
 and mini-batches take several optimizer steps, recomputed old logprobs and importance-sampling corrections, overlong
 responses, calls sampled too many weight versions ago (asynchronous rollouts), the KL term against a frozen
-reference (full fine-tune and LoRA), the entropy bonus, and the learning-rate schedule (by hand)."""
+reference (full fine-tune and LoRA), the entropy bonus, guided responses without behaviour logprobs, and the
+learning-rate schedule (by hand)."""
 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,15 @@ from lit_trainer.algorithm.loss import LossConfig
 from lit_trainer.intake.episodes import Transition
 from lit_trainer.learner.batching import BatchingConfig, make_micro_batches
 from lit_trainer.learner.policy import Policy, PolicyConfig
-from lit_trainer.learner.schedule import UpdateConfig, drop_stale, learning_rate_at, mask_overlong, run_update, split
+from lit_trainer.learner.schedule import (
+    UpdateConfig,
+    drop_stale,
+    fill_guided_logprobs,
+    learning_rate_at,
+    mask_overlong,
+    run_update,
+    split,
+)
 
 VOCAB = 64  # the tiny_model fixture's (conftest.py)
 BATCHING = BatchingConfig()
@@ -233,3 +243,28 @@ def test_learning_rate_schedules_by_hand():
 def test_a_bad_schedule_setting_is_refused(field: str, value: object, message: str):
     with pytest.raises(ValueError, match=message):
         PolicyConfig(**{field: value})
+
+
+def test_a_guided_response_gets_the_trainers_own_logprobs_and_is_pulled_up(tiny_model: Path):
+    """A guided transition (a task's reference, rollouts/guidance.py) has no behaviour logprobs: the update takes
+    the trainer's own before its first optimizer step (ratio 1, in every process of a sharded policy), leaves the
+    sampled transitions' as they are, and a positive advantage raises the reference's logprob."""
+    sampled = rows([(4, 3), (5, 6)])
+    guided = replace(rows([(4, 5)], seed=9)[0], logprobs=None, guided=True, rollout_id="g")
+    pairs = [(sampled[0], -0.5), (guided, 1.5), (sampled[1], -0.5)]
+    policy = Policy(PolicyConfig(model=str(tiny_model), learning_rate=1e-2))
+    probe = make_micro_batches([replace(guided, logprobs=[0.0] * 5)], [1.0], BATCHING, pad_id=0)[0]
+
+    def own() -> torch.Tensor:
+        with torch.no_grad():
+            return policy.token_logprobs(probe)[0][probe.response_mask.bool()]  # (5,)
+
+    before = own()
+    filled = fill_guided_logprobs(policy, pairs, BATCHING, 0)
+    assert [filled[0], filled[2]] == [pairs[0], pairs[2]] and filled[1][1] == 1.5
+    assert filled[1][0].logprobs is not None and filled[1][0].guided
+    assert_close(torch.tensor(filled[1][0].logprobs), before, atol=1e-5, rtol=0)
+    assert pairs[1][0].logprobs is None  # the pairs given are left as they were
+    metrics = run_update(policy, pairs, UpdateConfig(), LossConfig(), BATCHING, 0, 0)
+    assert metrics["policy/response_tokens"] == 3 + 5 + 6
+    assert float(own().sum()) > float(before.sum()) + 1e-3
