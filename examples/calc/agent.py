@@ -2,7 +2,6 @@
 lit trains the model behind it without changing this code.
 
     import lit_sdk as lit
-from examples.calc.tasks import make_tasks
     lit.instrument(...)                          # the trainer's worker does this
     reward = await calc_agent(task, llm)         # 1.0 if the final answer equals task["answer"], else 0.0
 
