@@ -96,12 +96,24 @@ def vllm_server(prepared_model: Path, tmp_path_factory: pytest.TempPathFactory):
     config = InferenceConfig(model=str(prepared_model), log_dir=str(tmp_path_factory.mktemp("vllm-logs")),
                              cpu_kv_cache_gb=1)
     with InferenceServer(config) as server:
-        pgid = server.process.pid
+        pgid, private_dir = server.process.pid, server._private_dir
         yield server
     from lit_sdk.processes import group_members
 
     assert group_members(pgid) == [], f"vLLM processes survived the fixture: {group_members(pgid)}"
+    assert not private_dir.exists(), f"the server's private folder (vLLM's sockets) survived it: {private_dir}"
     assert os.path.exists(server.log_path)
+
+
+@pytest.fixture
+def short_temp():
+    """A temporary directory for a trainer's processes (their ``TMPDIR``), removed after the test: vLLM's IPC sockets
+    go under it, and a socket's path holds 107 bytes at most (pytest's ``tmp_path`` is deeper than that allows)."""
+    import shutil
+
+    folder = Path(tempfile.mkdtemp(prefix="lit-test-"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture

@@ -132,24 +132,26 @@ sys.exit(main(sys.argv[3:]))
 """
 
 
-def run(point: str, config: Path, out: Path, resume: bool) -> subprocess.CompletedProcess:
+def run(point: str, config: Path, out: Path, resume: bool, temp: Path) -> subprocess.CompletedProcess:
+    """The harness at ``point``, with ``temp`` as its temporary directory (vLLM's sockets go there)."""
     cmd = [sys.executable, "-c", HARNESS, point, str(out), "train", str(config)] + (["--resume"] if resume else [])
-    env = {**os.environ, "PYTHONPATH": str(TESTS), "CI": "true"}
+    env = {**os.environ, "PYTHONPATH": str(TESTS), "CI": "true", "TMPDIR": str(temp)}
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, start_new_session=True)
 
 
-def test_sigkill_in_rollouts_update_and_sync_then_resume_loses_and_repeats_nothing(prepared_model, tmp_path):
+def test_sigkill_in_rollouts_update_and_sync_then_resume_loses_and_repeats_nothing(prepared_model, tmp_path,
+                                                                                   short_temp):
     began = time.time()
     out = tmp_path / "run"
     config = tmp_path / "config.toml"
     config.write_text(CONFIG.format(model=prepared_model, out=out))
     for i, point in enumerate(["rollouts", "update", "sync"]):
-        result = run(point, config, out, resume=i > 0)
+        result = run(point, config, out, resume=i > 0, temp=short_temp)
         log = result.stdout + result.stderr
         assert result.returncode == -9 and f"chaos: SIGKILL during {point}" in log, log[-3000:]
         assert "step 1/4" in log if i == 0 else "(step 1)" in log, log[-3000:]
         assert "step 2/4" not in log, log[-3000:]
-    final = run("vllm", config, out, resume=True)
+    final = run("vllm", config, out, resume=True, temp=short_temp)
     log = final.stdout + final.stderr
     assert final.returncode == 0, log[-3000:]
     final_checkpoint = out / "checkpoints" / "step-000004"
@@ -177,6 +179,10 @@ def test_sigkill_in_rollouts_update_and_sync_then_resume_loses_and_repeats_nothi
     # no shared memory left behind: a CPU server is one process and makes none (launch.ONE_PROCESS); what a killed
     # multi-process vLLM leaves, the trainer frees when it starts it again (test_server.py, free_orphan_segments)
     assert free_orphan_segments(began) == [], "vLLM's shared memory left in /dev/shm"
+    # nor in the temporary directory: each killed trainer's vLLM folder (its sockets, the route guard) went at the
+    # next launch, the last run's when its servers stopped (engine/owned_folders.py)
+    left = [p.relative_to(short_temp) for p in short_temp.rglob("*") if p.name.startswith("lit-") or p.is_socket()]
+    assert left == [], f"left in the temporary directory: {left}"
 
     with sqlite3.connect(out / "lit.sqlite") as conn:
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"

@@ -150,7 +150,7 @@ def build_command(
     # Logprobs of the distribution actually sampled (after temperature), not the raw T=1 ones, and vLLM's neutral
     # defaults (T=1, no top-p/top-k) for what a request leaves unset, not the model's generation_config.json.
     cmd += ["--logprobs-mode", "processed_logprobs", "--generation-config", "vllm"]
-    cmd += ["--middleware", f"{GUARD_MODULE}.{route_guard.RouteGuard.__name__}"]  # see build_env's guard_dir
+    cmd += ["--middleware", f"{GUARD_MODULE}.{route_guard.RouteGuard.__name__}"]  # see build_env's private_dir
     template = chat_template_for(config, model_dir)
     if template is not None:
         cmd += ["--chat-template", str(template)]
@@ -178,12 +178,17 @@ torch before the next starts: a start about 20 s shorter, and no fewer tokens/s 
 weight sync and the sync check land the same). A value in the trainer's environment wins."""
 
 
+MAX_SOCKET_PATH = 107
+"""The longest path of a Unix socket on Linux (``sun_path`` holds 108 bytes with the final NUL)."""
+
+
 def build_env(config: InferenceConfig, base: dict[str, str] | None = None, *, api_key: str | None = None,
-              admin_token: str | None = None, guard_dir: Path | None = None, index: int = 0) -> dict[str, str]:
+              admin_token: str | None = None, private_dir: Path | None = None, index: int = 0) -> dict[str, str]:
     """The environment of server ``index`` (of ``config.servers``): this one plus its cores or GPUs
-    (``placement``), the CPU, dev-mode, LoRA and API-key settings, the admin token of the route guard and, first
-    on ``PYTHONPATH``, ``guard_dir`` (the folder holding ``lit_route_guard.py``). ``api_key``: the resolved key
-    (``resolve_api_key``); default ``config.api_key``."""
+    (``placement``), the CPU, dev-mode, LoRA and API-key settings, the admin token of the route guard and the
+    server's private folder (``private_folder``): first on ``PYTHONPATH`` (it holds ``lit_route_guard.py``) and
+    where vLLM makes its IPC sockets. ``api_key``: the resolved key (``resolve_api_key``); default
+    ``config.api_key``."""
     env = dict(os.environ if base is None else base)
     api_key = config.api_key if api_key is None else api_key
     device = resolve_device(config)
@@ -211,8 +216,13 @@ def build_env(config: InferenceConfig, base: dict[str, str] | None = None, *, ap
     env.pop(route_guard.TOKEN_ENV, None)  # never a token of another run: no token means every admin route refused
     if admin_token:
         env[route_guard.TOKEN_ENV] = admin_token
-    if guard_dir is not None:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(guard_dir), env.get("PYTHONPATH", "")) if p)
+    if private_dir is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(private_dir), env.get("PYTHONPATH", "")) if p)
+        # vLLM's sockets are named <VLLM_RPC_BASE_PATH>/<uuid4>; a Unix socket's path holds 107 bytes at most, so a
+        # folder too deep for that leaves vLLM its default (the temporary directory). A value in the trainer's
+        # environment wins.
+        if len(os.fsencode(private_dir)) + len("/00000000-0000-0000-0000-000000000000") <= MAX_SOCKET_PATH:
+            env.setdefault("VLLM_RPC_BASE_PATH", str(private_dir))
     return env
 
 

@@ -7,6 +7,8 @@ the server's output to a log file, and stops it on ``stop()``, at interpreter ex
 dies: the server runs in its own process group (killed as a whole), an ``atexit`` hook stops it, and on Linux the
 kernel sends it SIGTERM when its parent dies (``PR_SET_PDEATHSIG``), so no orphan keeps the port and gigabytes of
 RAM (``lit_sdk.processes`` does all three). A server found dead also leaves no shared memory behind (``_shm``).
+Each server has a private folder in the temporary directory (``PRIVATE_PREFIX``), removed when it stops, or by
+the next server's launch if its trainer was killed (``owned_folders``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import tempfile
@@ -42,6 +43,7 @@ from lit_trainer.engine.launch import (
     vllm_python,
     write_guard,
 )
+from lit_trainer.engine.owned_folders import claim_folder, release_folder
 from lit_trainer.engine.placement import placement_env
 from lit_trainer.engine.served_model import untied_view
 from lit_trainer.models import cache_dir, resolve_model
@@ -51,6 +53,10 @@ if TYPE_CHECKING:
     from typing import Self
 
 log = logging.getLogger(__name__)
+
+PRIVATE_PREFIX = "lit-vllm-"
+"""A server's private folder, ``<temp>/lit-vllm-<random>`` (mode 0700): the route guard's module
+(``launch.write_guard``) and vLLM's IPC sockets (``launch.build_env``)."""
 
 _OOM_MARKERS = (
     "out of memory",
@@ -86,7 +92,8 @@ class InferenceServer:
         """The key agents put in their requests (``lit.LLM.api_key``); None when the server has none."""
         self.credentials: Credentials | None = None
         """The API key and the admin token, for the trainer's own requests (``WeightSync``, the logprob check)."""
-        self._guard_dir: Path | None = None
+        self._private_dir: Path | None = None  # PRIVATE_PREFIX
+        self._owner_fd = -1  # its owner file's (owned_folders.py)
         self._t0 = 0.0
         self._launched_at = 0.0  # wall clock, for ``free_orphan_segments``
 
@@ -130,8 +137,9 @@ class InferenceServer:
         check_vllm_importable(python)
         self.port = pick_port(self.config)
         self.credentials = Credentials.draw(self.api_key)
-        self._guard_dir = Path(tempfile.mkdtemp(prefix="lit-guard-"))  # 0700: nobody else can swap the module
-        write_guard(self._guard_dir)
+        # 0700: nobody else can swap the guard's module
+        self._private_dir, self._owner_fd = claim_folder(Path(tempfile.gettempdir()), PRIVATE_PREFIX)
+        write_guard(self._private_dir)
         untie = self.config.weight_sync and resolve_device(self.config) == "cpu"
         serve_dir = untied_view(model_dir, cache_dir() / "vllm-views") if untie else None
         cmd = build_command(self.config, model_dir, self.port, python, serve_dir)
@@ -145,7 +153,7 @@ class InferenceServer:
             log_file.flush()
             # Own process group (stop() kills vLLM's engine-core children too); SIGTERM when this thread dies.
             env = build_env(self.config, api_key=self.api_key, admin_token=self.credentials.admin_token,
-                            guard_dir=self._guard_dir, index=self.index)
+                            private_dir=self._private_dir, index=self.index)
             self.process = start_child(
                 cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env
             )
@@ -240,20 +248,20 @@ class InferenceServer:
 
     def stop(self) -> None:
         """SIGTERM the server's process group, wait up to ``shutdown_timeout_s`` for it to go, then SIGKILL what is
-        left; return once no process of the group is left. Idempotent."""
+        left; return once no process of the group is left, and its private folder is gone. Idempotent."""
         process, self.process = self.process, None
+        private_dir, self._private_dir = self._private_dir, None
         atexit.unregister(self.stop)
-        if self._guard_dir is not None:
-            shutil.rmtree(self._guard_dir, ignore_errors=True)
-            self._guard_dir = None
-        if process is None:
-            return
-        died = process.poll() is not None  # before it was asked to stop: perhaps killed, with no clean-up
-        # The leader may be gone while engine-core children linger: stop_child kills what is left of the group, and
-        # returns only once none is left (a killed process takes a moment to release gigabytes of memory).
-        stop_child(process, self.config.shutdown_timeout_s, name="vLLM")
-        if died:
-            freed = free_orphan_segments(self._launched_at)
-            if freed:
-                log.warning("lit: freed %.2f GB of shared memory that the dead vLLM left in /dev/shm (%s)",
-                            sum(size for _, size in freed) / 2**30, ", ".join(name for name, _ in freed))
+        if process is not None:
+            died = process.poll() is not None  # before it was asked to stop: perhaps killed, with no clean-up
+            # The leader may be gone while engine-core children linger: stop_child kills what is left of the group,
+            # and returns only once none is left (a killed process takes a moment to release gigabytes of memory).
+            stop_child(process, self.config.shutdown_timeout_s, name="vLLM")
+            if died:
+                freed = free_orphan_segments(self._launched_at)
+                if freed:
+                    log.warning("lit: freed %.2f GB of shared memory that the dead vLLM left in /dev/shm (%s)",
+                                sum(size for _, size in freed) / 2**30, ", ".join(name for name, _ in freed))
+        if private_dir is not None:  # once no process of the server is left: its sockets are in there
+            release_folder(private_dir, self._owner_fd)
+            self._owner_fd = -1

@@ -24,12 +24,9 @@ Transports (``WeightSyncConfig.transport``):
 
 from __future__ import annotations
 
-import fcntl
 import json
-import logging
 import mmap
 import os
-import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -43,58 +40,14 @@ import torch
 from lit_sdk.install import pip_install
 from lit_trainer.engine.config import WeightSyncConfig
 from lit_trainer.engine.launch import Credentials
+from lit_trainer.engine.owned_folders import claim_folder, release_folder
 
 if TYPE_CHECKING:
     from typing import Self
 
 WEIGHTS_FILE = "model.safetensors"
 FOLDER_PREFIX = "lit-weights-"
-OWNER_FILE = ".owner"
-"""Each weight-sync folder's lock file: its trainer holds an exclusive ``flock`` on it while it lives, and the kernel
-lets go of it when the trainer dies, SIGKILL included."""
-log = logging.getLogger("lit")
-
-
-def claim_folder(root: Path) -> tuple[Path, int]:
-    """A new weight-sync folder in ``root`` and the descriptor of its owner file, locked: keep it open for as long
-    as the folder is in use. Folders in ``root`` that no live process holds are removed first
-    (``remove_abandoned``)."""
-    remove_abandoned(root)
-    folder = Path(tempfile.mkdtemp(prefix=FOLDER_PREFIX, dir=root))
-    # Locked before it has its name: a sweep in another trainer never finds it unlocked.
-    fd = os.open(folder / (OWNER_FILE + ".new"), os.O_CREAT | os.O_RDWR, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    os.rename(folder / (OWNER_FILE + ".new"), folder / OWNER_FILE)
-    return folder, fd
-
-
-def remove_abandoned(root: Path) -> int:
-    """Remove the weight-sync folders in ``root`` whose trainer has died, and return how many bytes that freed.
-    ``close()`` removes a folder, but a trainer killed with SIGKILL cannot: its weights (0.6 GB for 135M
-    parameters in float32) stayed in shared memory, which is RAM, until the next reboot. A folder without an owner
-    file (one being made, or made by a lit before owner files) is left alone."""
-    freed = 0
-    for folder in root.glob(FOLDER_PREFIX + "*"):
-        try:
-            fd = os.open(folder / OWNER_FILE, os.O_RDWR)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            continue  # its trainer lives
-        else:
-            try:
-                size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-            except OSError:  # another trainer's sweep got there first
-                size = 0
-            shutil.rmtree(folder, ignore_errors=True)
-            freed += size
-        finally:
-            os.close(fd)
-    if freed:
-        log.warning("lit: removed %.1f GB of weights that stopped trainers had left in %s", freed / 1e9, root)
-    return freed
+"""The weight sync's folder in shared memory: ``owned_folders`` removes those of killed trainers."""
 
 
 class WeightSyncError(RuntimeError):
@@ -196,7 +149,7 @@ class WeightSync:
         if api_key:
             self.session.headers["Authorization"] = f"Bearer {api_key}"
         shm_root = config.shm_dir if os.path.isdir(config.shm_dir) else tempfile.gettempdir()
-        self.folder, self._owner_fd = claim_folder(Path(shm_root))
+        self.folder, self._owner_fd = claim_folder(Path(shm_root), FOLDER_PREFIX)
         self.checkpoint = ShmCheckpoint(self.folder / "full")
         self._transfer = None
         self._latest: Mapping[str, torch.Tensor] = {}  # what the GPU transports send: the latest push's tensors
@@ -210,10 +163,8 @@ class WeightSync:
     def close(self) -> None:
         """Free the shared memory (and the GPU transfer group, if one was opened)."""
         self.checkpoint.close()
-        shutil.rmtree(self.folder, ignore_errors=True)
-        if self._owner_fd >= 0:
-            os.close(self._owner_fd)  # after the folder is gone: no sweep takes it for abandoned meanwhile
-            self._owner_fd = -1
+        release_folder(self.folder, self._owner_fd)
+        self._owner_fd = -1
         if self._transfer is not None:
             self._transfer.shutdown()
             self._transfer = None

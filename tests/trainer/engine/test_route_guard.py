@@ -93,7 +93,7 @@ def test_the_command_loads_the_guard_and_the_secrets_stay_off_it(tmp_path: Path)
     cmd = build_command(config, tmp_path / "m", 8000, "python")
     assert cmd[cmd.index("--middleware") + 1] == f"{GUARD_MODULE}.RouteGuard"
     env = build_env(config, base={"PYTHONPATH": "/theirs", route_guard.TOKEN_ENV: "stale"}, admin_token=TOKEN,
-                    guard_dir=tmp_path / "guard")
+                    private_dir=tmp_path / "guard")
     assert env[route_guard.TOKEN_ENV] == TOKEN and env["VLLM_API_KEY"] == "the-api-key"
     assert env["PYTHONPATH"] == f"{tmp_path / 'guard'}:/theirs"
     assert TOKEN not in " ".join(cmd) and "the-api-key" not in " ".join(cmd)
@@ -105,7 +105,7 @@ def test_the_guard_imports_from_its_folder_with_the_standard_library_only(tmp_pa
     """What vLLM's process does with ``--middleware lit_route_guard.RouteGuard``, in a bare interpreter (-S: no
     site-packages, so neither lit nor starlette can be imported from there)."""
     write_guard(tmp_path)
-    env = build_env(InferenceConfig(device="cpu"), base={}, admin_token=TOKEN, guard_dir=tmp_path)
+    env = build_env(InferenceConfig(device="cpu"), base={}, admin_token=TOKEN, private_dir=tmp_path)
     code = ("import importlib, sys; m = importlib.import_module('lit_route_guard'); g = m.RouteGuard(None); "
             "print(m.__file__, g._digest is not None, 'lit_trainer' in sys.modules)")
     out = subprocess.run([sys.executable, "-S", "-c", code], env=env, capture_output=True, text=True, check=True)

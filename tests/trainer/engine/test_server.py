@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import textwrap
@@ -34,8 +36,9 @@ from lit_trainer.engine.launch import (
     resolve_device,
     vllm_python,
 )
+from lit_trainer.engine.owned_folders import remove_abandoned
 from lit_trainer.engine.served_model import TOOL_TEMPLATE, chat_template_for, prune_views, untied_view
-from lit_trainer.engine.server import InferenceServer, ServerDiedError, StartupTimeoutError
+from lit_trainer.engine.server import PRIVATE_PREFIX, InferenceServer, ServerDiedError, StartupTimeoutError
 
 HARNESS = textwrap.dedent(
     """
@@ -45,7 +48,7 @@ HARNESS = textwrap.dedent(
 
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if started in the background
     with InferenceServer(InferenceConfig(**json.loads(sys.argv[1]))) as server:
-        print(json.dumps({"pid": server.process.pid}), flush=True)
+        print(json.dumps({"pid": server.process.pid, "private_dir": str(server._private_dir)}), flush=True)
         time.sleep(3600)
     """
 )
@@ -54,40 +57,54 @@ STAND_IN = Path(__file__).with_name("_vllm_stand_in.py")
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_engine_core_dies_with_a_crashed_trainer(prepared_model: Path, tmp_path: Path):
+def test_vllm_engine_core_dies_with_a_crashed_trainer(prepared_model: Path, tmp_path: Path, short_temp: Path):
     """The parent-death signal reaches only vLLM's API server; whatever it started goes only because vLLM stops it
     on SIGTERM. The stand-in below assumes that, and a vLLM upgrade could change it: this checks it on the real one
     (on CPU one process since launch.ONE_PROCESS, with its own helpers such as torch's compile workers)."""
     config = {"model": str(prepared_model), "log_dir": str(tmp_path), "cpu_kv_cache_gb": 1}
-    _kill_the_parent_and_find_no_orphan(config, "SIGKILL", tmp_path)
+    _kill_the_parent_and_find_no_orphan(config, "SIGKILL", tmp_path, short_temp, sockets=True)
 
 
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGINT"])
-def test_server_dies_with_its_parent(how: str, tmp_path: Path):
+def test_server_dies_with_its_parent(how: str, tmp_path: Path, short_temp: Path):
     """SIGKILL: the trainer crashes (no atexit runs; the kernel's parent-death signal must do it). SIGINT: Ctrl-C.
     The server is the stand-in for vLLM, run by lit's start-up code through a fake interpreter."""
     python = _fake_server(tmp_path, f'exec {sys.executable} {STAND_IN} "$@"')
     config = {"model": str(_fake_model(tmp_path / "m")), "python": str(python), "log_dir": str(tmp_path),
               "startup_timeout_s": 60}  # fmt: skip
-    _kill_the_parent_and_find_no_orphan(config, how, tmp_path)
+    _kill_the_parent_and_find_no_orphan(config, how, tmp_path, short_temp)
 
 
-def _kill_the_parent_and_find_no_orphan(config: dict, how: str, tmp_path: Path) -> None:
+def _kill_the_parent_and_find_no_orphan(config: dict, how: str, tmp_path: Path, temp: Path,
+                                        sockets: bool = False) -> None:
     """Start an ``InferenceServer(InferenceConfig(**config))`` in a harness process (the trainer), send the harness
-    the signal ``how``, and check that no process of the server's group outlives it by a minute."""
-    harness = subprocess.Popen([sys.executable, "-c", HARNESS, json.dumps(config)], stdout=subprocess.PIPE, text=True)
+    the signal ``how``, and check that no process of the server's group outlives it by a minute, and that the
+    server's private folder (with vLLM's sockets in it, when ``sockets``) goes: at once on SIGINT, and on SIGKILL
+    at the next launch's sweep (its owner is gone). ``temp``: the harness's temporary directory."""
+    harness = subprocess.Popen([sys.executable, "-c", HARNESS, json.dumps(config)], stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "TMPDIR": str(temp)})
     pgid = None
     try:
         line = harness.stdout.readline()
         assert line, f"the harness exited ({harness.wait()}) before the server was up; logs in {tmp_path}"
-        pgid = json.loads(line)["pid"]
+        started = json.loads(line)
+        pgid, private_dir = started["pid"], Path(started["private_dir"])
         assert len(group_members(pgid)) >= 1, "expected the server's process group"
+        assert private_dir.parent == temp and private_dir.name.startswith(PRIVATE_PREFIX)
+        assert stat.S_IMODE(private_dir.stat().st_mode) == 0o700
+        if sockets:  # vLLM's, none of them in the temporary directory itself
+            assert [p for p in private_dir.iterdir() if p.is_socket()], list(private_dir.iterdir())
+        assert [p for p in temp.iterdir() if p.is_socket()] == []
         os.kill(harness.pid, getattr(signal, how))
         harness.wait(timeout=60)
         deadline = time.monotonic() + 60
         while group_members(pgid) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert group_members(pgid) == [], f"orphans after {how} of the parent: {group_members(pgid)}"
+        if how == "SIGKILL":  # no clean-up ran: the folder stays until a sweep finds its owner gone
+            assert private_dir.is_dir()
+            assert remove_abandoned(temp, PRIVATE_PREFIX) > 0
+        assert not private_dir.exists() and [p for p in temp.iterdir() if p.is_socket()] == []
     finally:
         harness.kill()
         if pgid is not None and group_members(pgid):  # a failed run leaves no orphan behind either
@@ -150,6 +167,17 @@ def test_api_key_goes_through_the_environment_only(tmp_path: Path):
     assert build_env(config, base={})["VLLM_API_KEY"] == "secret-key"
     # A key in the trainer's own environment must not leak into a server that was configured without one.
     assert "VLLM_API_KEY" not in build_env(InferenceConfig(device="cpu"), base={"VLLM_API_KEY": "stray"})
+
+
+def test_vllm_makes_its_sockets_in_the_servers_private_folder(tmp_path: Path):
+    """Not in the temporary directory, where vLLM leaves three at every start; unless the folder is too deep for a
+    socket's path (107 bytes), or the trainer's environment says where."""
+    env = build_env(InferenceConfig(device="cpu"), base={}, private_dir=tmp_path)
+    assert env["VLLM_RPC_BASE_PATH"] == str(tmp_path) and env["PYTHONPATH"] == str(tmp_path)
+    deep = Path("/tmp") / ("d" * 80)
+    assert "VLLM_RPC_BASE_PATH" not in build_env(InferenceConfig(device="cpu"), base={}, private_dir=deep)
+    theirs = build_env(InferenceConfig(device="cpu"), base={"VLLM_RPC_BASE_PATH": "/run/x"}, private_dir=tmp_path)
+    assert theirs["VLLM_RPC_BASE_PATH"] == "/run/x"
 
 
 def test_cpu_environment_binds_threads_and_enables_weight_sync():
@@ -240,7 +268,6 @@ def test_tied_model_is_served_untied_with_its_own_head(tmp_path: Path):
 def test_views_of_models_that_are_gone_are_deleted_when_a_view_is_made(tmp_path: Path):
     """Each view copies its model's embedding; a run resumed from checkpoint after checkpoint (or a test's temporary
     model) would leave one behind per model folder, forever, without this."""
-    import shutil
 
     import torch
     from safetensors.torch import save_file

@@ -22,12 +22,13 @@ import torch
 
 from lit_trainer.engine.config import WeightSyncConfig
 from lit_trainer.engine.logprob_check import Sample, check_logprobs, logprob_gap, sample_from_vllm, trainer_logprobs
+from lit_trainer.engine.owned_folders import remove_abandoned
 from lit_trainer.engine.server import InferenceServer
 from lit_trainer.engine.weight_sync import (
+    FOLDER_PREFIX,
     ShmCheckpoint,
     WeightSync,
     WeightSyncError,
-    remove_abandoned,
     separate_aliases,
     transfer_init_info,
 )
@@ -158,11 +159,11 @@ def test_the_weights_a_killed_trainer_left_in_shared_memory_are_removed_by_the_n
         with WeightSync("http://127.0.0.1:9", WeightSyncConfig(shm_dir=str(tmp_path))) as sync:
             assert not dead.exists()  # its owner died: removed
             assert live.exists() and sync.folder.exists()  # a live trainer's, and our own, stay
-            assert remove_abandoned(tmp_path) == 0  # a sweep passes over folders that are held
+            assert remove_abandoned(tmp_path, FOLDER_PREFIX) == 0  # a sweep passes over folders that are held
         assert not sync.folder.exists()
         holders[1].send_signal(signal.SIGKILL)
         holders[1].wait()
-        assert remove_abandoned(tmp_path) > 4000 and not live.exists()  # 1000 float32 and the header
+        assert remove_abandoned(tmp_path, FOLDER_PREFIX) > 4000 and not live.exists()  # 1000 float32 and the header
     finally:
         for holder in holders:
             holder.kill()
