@@ -89,9 +89,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from agent import SHOTS, Attempt, calc_agent, calculator, solve
 from autogen_core import FunctionCall
 from autogen_core.models import (
     AssistantMessage,
@@ -100,9 +99,10 @@ from autogen_core.models import (
     LLMMessage,
     UserMessage,
 )
-from tasks import TWO_STEP_EVERY, make_tasks
 
 import lit_sdk as lit
+from examples.calc.agent import SHOTS, Attempt, calc_agent, calculator, solve
+from examples.calc.tasks import TWO_STEP_EVERY, make_tasks
 
 TWO_SHOTS = [SHOTS[0], SHOTS[4]]
 """The agent's worked examples before 2026-11-27: the first two-step form and the one-step one."""
