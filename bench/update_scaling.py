@@ -3,9 +3,10 @@
 AdamW) on the same batch, run by 1 process and by N processes under ``torchrun --nproc_per_node N`` (gloo on CPU).
 
 The batch is a calc-like step on the prepared SmolLM2-135M: 4 groups of 8 rollouts, each group sharing a 192-token
-prompt, 48-token responses, with the calc config's memory settings (1024-token micro-batches, gradient
-checkpointing), so that two processes fit in memory beside everything else. Each configuration runs in fresh
-processes: one warm-up update, then the median of ``--reps``; the configurations alternate for ``--rounds``.
+prompt, 48-token responses, with 1024-token micro-batches and gradient checkpointing (the calc config's memory
+settings until 2026-11-27; it has 2048-token ones now), so that two processes fit in memory beside everything else.
+Each configuration runs in fresh processes: one warm-up update, then the median of ``--reps``; the configurations
+alternate for ``--rounds``.
 Threads: on a machine of C cores, 1 process gets C threads (what ``lit train`` does) and each of N processes C / N
 threads, so every row uses the whole machine; the 1-process, C/N-thread row is the per-process baseline of the same
 run. The figure is the speed-up of N processes over

@@ -18,7 +18,9 @@ checkpoint is written, ``--resume`` continues to step 3, and ``lit eval --checkp
   The learning rate decays linearly to half over ``train.steps`` (2, then 3 when resumed: each step's rate
   follows from its number). The decoder's 30 layers and final norm are compiled (``policy.compile``: under LoRA,
   bf16 autocast and the adapter switched off for the reference; the checkpoint and the weight sync see the
-  model's own names).
+  model's own names). The loss clips asymmetrically under a ratio cap and sums each sequence's tokens
+  (``loss.clip_eps_low/high``, ``ratio_cap``, ``aggregation``); replies cut at ``max_tokens`` cost 0.1 of credit
+  each (``credit.auto_reward_weight``).
 - Full fine-tune with every schedule option: KL to a frozen copy, 2 PPO epochs x 2 mini-batches, recomputed old
   logprobs with truncated importance sampling, overlong responses masked, the ``kept`` normaliser; trained by two
   processes (``torchrun --nproc_per_node 2``, gloo) with the model sharded across them (``policy.shard``: the decoder
@@ -29,7 +31,9 @@ checkpoint is written, ``--resume`` continues to step 3, and ``lit eval --checkp
   rollouts run during the update before it; ``train.min_step_groups = 1``: a group not ended when its step wants it
   carries over to the next); with an entropy bonus; with off-policy guidance (``train.guidance``: one task of each
   step fails in every rollout and carries a reference, which joins its group and is trained on, its behaviour
-  logprobs the trainer's own, computed by both shards: ``guided_groups``).
+  logprobs the trainer's own, computed by both shards: ``guided_groups``); with an 8-token micro-batch budget
+  (``batching.max_tokens_per_micro_batch``: each task's rows are a micro-batch of their own, shared out among
+  the processes).
 
 Both train, resume and evaluate on vLLM without torch.compile (``--enforce-eager``: about 24 s less per start,
 bench/vllm_start.py; lit's compiled default starts in the session's server and test_server.py's). Both sample at
@@ -84,14 +88,16 @@ OPTIONS = {
                 "inference.extra_args=['--enable-log-requests','--enforce-eager']",  # each request's id in its log
                 "train.extra_rollouts=4", "data.tasks='rollout_agents:some_solved_parity_tasks'",
                 "train.rest_after=1", "train.rest_by='family'",
-                "policy.lr_schedule='linear'", "policy.min_lr_ratio=0.5", "policy.compile=true"],
+                "policy.lr_schedule='linear'", "policy.min_lr_ratio=0.5", "policy.compile=true",
+                "loss.clip_eps_low=0.1", "loss.clip_eps_high=0.28", "loss.ratio_cap=2.5",
+                "loss.aggregation='seq_mean_token_sum'", "credit.auto_reward_weight=0.1"],
     "ppo_schedule": ["loss.kl_beta=0.05", "loss.entropy_coef=0.01", "update.ppo_epochs=2", "update.mini_batches=2",
                      "update.recompute_old_logprobs=true", "loss.is_correction='truncate'", "update.overlong='mask'",
                      "loss.normalizer='kept'", "train.max_staleness=1", "train.min_step_groups=1",
                      "policy.shard=true", "train.trackers=['tensorboard']",
                      "policy.lr_schedule='cosine'", "policy.warmup_steps=2", "inference.cpu_kv_cache_gb=1",
                      "inference.extra_args=['--enforce-eager']", "train.guidance=true",
-                     "data.tasks='rollout_agents:guided_parity_tasks'"],
+                     "data.tasks='rollout_agents:guided_parity_tasks'", "batching.max_tokens_per_micro_batch=8"],
 }
 RESUME_OPTIONS = {"lora_kl": ["inference.servers=1"], "ppo_schedule": []}
 """What ``--resume`` changes beside ``train.steps=3``."""
@@ -163,8 +169,15 @@ def test_option_trains_syncs_checkpoints_resumes_and_evaluates(name: str, prepar
         assert [r["sync/servers_checked"] for r in train] == [2, 2, 1], train
         two_servers_served(out / "lit.sqlite", tmp_path / "vllm-logs")
         drew_more(train, out / "lit.sqlite")
+        # replies cut at max_tokens (16) cost 0.1 each in the credit (credit.auto_reward_weight)
+        assert any(r["credit/auto_penalized_calls"] > 0 for r in train), train
+        assert all(r["credit/auto_reward_sum"] == pytest.approx(-0.1 * r["credit/auto_penalized_calls"]) for r in train)
     else:
         assert all(r["update/optimizer_steps"] >= 2 for r in trained) and all("mismatch/k3" in r for r in trained)
+        # an 8-token budget (batching.max_tokens_per_micro_batch), shorter than any prompt: each prompt group (a
+        # task's rows) a micro-batch of its own, where the default budget packs a mini-batch's groups into one
+        assert all(r["update/micro_batches"] >= r["update/optimizer_steps"] for r in trained), trained
+        assert any(r["update/micro_batches"] > r["update/optimizer_steps"] for r in trained), trained
         # asynchronous rollouts: every call carried the engine's weight version, none was more than 1 version
         # older than the policy trained on it, and the steps after the first of each run trained on calls sampled
         # by the previous weights (their rollouts ran during the update before). A step that took a group carried

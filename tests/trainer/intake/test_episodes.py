@@ -192,6 +192,8 @@ BAD_VALUES = {  # #27's holes: each one raised in the trainer (assert, ValueErro
     "text_temperature": (Unusable.BAD_SAMPLING, lambda t, root, call: _set(t, call, **{sc.LLM_TEMPERATURE: "hot"})),
     "negative_temperature": (Unusable.BAD_SAMPLING, lambda t, root, call: _set(t, call, **{
         sc.LLM_TEMPERATURE: -1.0})),
+    "infinite_temperature": (Unusable.BAD_SAMPLING, lambda t, root, call: _set(t, call, **{
+        sc.LLM_TEMPERATURE: float("inf")})),
     "map_sampling": (Unusable.BAD_SAMPLING, lambda t, root, call: _set(t, call, **{
         sc.LLM_SAMPLING_UNSUPPORTED: {"top_p": 0.9}})),
 }

@@ -101,8 +101,19 @@ def test_ppo_epochs_and_mini_batches_take_several_steps_and_the_ratio_moves(tiny
     grads = first_gradient(policy)
     metrics = run_update(policy, pairs, UpdateConfig(ppo_epochs=2, mini_batches=2), LossConfig(), BATCHING, 0, 0)
     assert len(grads) == 4 and metrics["update/optimizer_steps"] == 4.0
+    assert metrics["update/micro_batches"] == 4.0  # 2 rows of 5-11 tokens a mini-batch: one micro-batch each
     assert metrics["loss/ratio_max"] > 1.0 + 1e-3  # later optimizer steps see a policy that moved away
     assert metrics["policy/response_tokens"] == 2 * (3 + 6 + 2 + 4)
+
+
+def test_the_token_budget_sets_the_micro_batches_of_an_optimizer_step(tiny_model: Path):
+    """Four rows of 7, 11, 5 and 10 tokens, each its own prompt group: under a budget of 11 tokens no two fit
+    together (two groups cost twice the longer one), so the one optimizer step runs 4 micro-batches."""
+    pairs = list(zip(rows([(4, 3), (5, 6), (3, 2), (6, 4)]), [1.0, -1.0, 0.5, -0.5], strict=True))
+    policy = Policy(PolicyConfig(model=str(tiny_model)))
+    metrics = run_update(policy, pairs, UpdateConfig(), LossConfig(), BatchingConfig(max_tokens_per_micro_batch=11),
+                         0, 0)
+    assert metrics["update/optimizer_steps"] == 1.0 and metrics["update/micro_batches"] == 4.0
 
 
 def test_recomputed_old_logprobs_and_importance_sampling_corrections(tiny_model: Path):
