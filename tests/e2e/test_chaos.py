@@ -179,9 +179,10 @@ def test_sigkill_in_rollouts_update_and_sync_then_resume_loses_and_repeats_nothi
     # no shared memory left behind: a CPU server is one process and makes none (launch.ONE_PROCESS); what a killed
     # multi-process vLLM leaves, the trainer frees when it starts it again (test_server.py, free_orphan_segments)
     assert free_orphan_segments(began) == [], "vLLM's shared memory left in /dev/shm"
-    # nor in the temporary directory: each killed trainer's vLLM folder (its sockets, the route guard) went at the
-    # next launch, the last run's when its servers stopped (engine/owned_folders.py)
-    left = [p.relative_to(short_temp) for p in short_temp.rglob("*") if p.name.startswith("lit-") or p.is_socket()]
+    # nor in the temporary directory: each killed trainer's vLLM folder (its sockets and file store, the route
+    # guard) went at the next launch, the last run's when its servers stopped (engine/owned_folders.py)
+    left = [p.relative_to(short_temp) for p in short_temp.rglob("*")
+            if p.name.startswith(("lit-", "vllm_dist_")) or p.is_socket()]
     assert left == [], f"left in the temporary directory: {left}"
 
     with sqlite3.connect(out / "lit.sqlite") as conn:

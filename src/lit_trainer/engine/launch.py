@@ -20,14 +20,17 @@ from __future__ import annotations
 
 import errno
 import functools
+import getpass
 import importlib.metadata
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -186,9 +189,9 @@ def build_env(config: InferenceConfig, base: dict[str, str] | None = None, *, ap
               admin_token: str | None = None, private_dir: Path | None = None, index: int = 0) -> dict[str, str]:
     """The environment of server ``index`` (of ``config.servers``): this one plus its cores or GPUs
     (``placement``), the CPU, dev-mode, LoRA and API-key settings, the admin token of the route guard and the
-    server's private folder (``private_folder``): first on ``PYTHONPATH`` (it holds ``lit_route_guard.py``) and
-    where vLLM makes its IPC sockets. ``api_key``: the resolved key (``resolve_api_key``); default
-    ``config.api_key``."""
+    server's private folder (``server.PRIVATE_PREFIX``): first on ``PYTHONPATH`` (it holds ``lit_route_guard.py``) and
+    the server's temporary directory (``private_temp_env``). ``api_key``: the resolved key (``resolve_api_key``);
+    default ``config.api_key``."""
     env = dict(os.environ if base is None else base)
     api_key = config.api_key if api_key is None else api_key
     device = resolve_device(config)
@@ -218,12 +221,47 @@ def build_env(config: InferenceConfig, base: dict[str, str] | None = None, *, ap
         env[route_guard.TOKEN_ENV] = admin_token
     if private_dir is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(private_dir), env.get("PYTHONPATH", "")) if p)
-        # vLLM's sockets are named <VLLM_RPC_BASE_PATH>/<uuid4>; a Unix socket's path holds 107 bytes at most, so a
-        # folder too deep for that leaves vLLM its default (the temporary directory). A value in the trainer's
-        # environment wins.
-        if len(os.fsencode(private_dir)) + len("/00000000-0000-0000-0000-000000000000") <= MAX_SOCKET_PATH:
-            env.setdefault("VLLM_RPC_BASE_PATH", str(private_dir))
+        env.update(private_temp_env(private_dir, env))
     return env
+
+
+def compile_cache_dir() -> Path:
+    """Torch's default compile cache, ``<temporary directory>/torchinductor_<user>``, as this process sees it
+    (torch's ``runtime/cache_dir_utils.default_cache_dir``)."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    return Path(tempfile.gettempdir()) / ("torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+
+
+def link_compile_cache(private_dir: Path) -> None:
+    """Link ``private_dir/torchinductor_<user>`` to ``compile_cache_dir()``: torch keeps part of its compile cache
+    (its precompiled headers) under the temporary directory whatever ``TORCHINDUCTOR_CACHE_DIR`` says, so with
+    ``private_dir`` as vLLM's temporary directory every start compiled them again (about 3 s of a 75 s start here).
+    Removing the folder removes the link, not the cache."""
+    target = compile_cache_dir()
+    target.mkdir(mode=0o700, exist_ok=True)  # torch makes it so; a dangling link would make it fail
+    (private_dir / target.name).symlink_to(target, target_is_directory=True)
+
+
+def private_temp_env(private_dir: Path, env: dict[str, str]) -> dict[str, str]:
+    """The variables that make ``private_dir`` the temporary directory of a vLLM server whose environment is
+    ``env``, so that what vLLM leaves there at every start goes with the folder: its IPC sockets
+    (``VLLM_RPC_BASE_PATH``, default the temporary directory; three a start) and the file store of its one-process
+    executor (``vllm_dist_*``). Torch's compile cache stays where torch keeps it by default
+    (``TORCHINDUCTOR_CACHE_DIR``, and ``link_compile_cache``: later starts load it, ``VLLM_USE_AOT_COMPILE``
+    above). The folder is itself in the trainer's temporary directory (``$TMPDIR``). A socket's path holds 107 bytes
+    at most: a folder too deep for vLLM's ``<folder>/<uuid4>`` leaves the sockets in the trainer's temporary
+    directory. A value of ``VLLM_RPC_BASE_PATH`` or ``TORCHINDUCTOR_CACHE_DIR`` in ``env`` wins."""
+    temp = tempfile.gettempdir()
+    out = {"TMPDIR": str(private_dir)}
+    if "TORCHINDUCTOR_CACHE_DIR" not in env:
+        out["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache_dir())
+    if "VLLM_RPC_BASE_PATH" not in env:
+        fits = len(os.fsencode(private_dir)) + len("/00000000-0000-0000-0000-000000000000") <= MAX_SOCKET_PATH
+        out["VLLM_RPC_BASE_PATH"] = str(private_dir) if fits else temp
+    return out
 
 
 def write_guard(folder: Path) -> Path:

@@ -37,6 +37,7 @@ from lit_trainer.engine.launch import (
     check_vllm_importable,
     cuda_device_count,
     install_vllm_hint,
+    link_compile_cache,
     pick_port,
     resolve_api_key,
     resolve_device,
@@ -140,6 +141,7 @@ class InferenceServer:
         # 0700: nobody else can swap the guard's module
         self._private_dir, self._owner_fd = claim_folder(Path(tempfile.gettempdir()), PRIVATE_PREFIX)
         write_guard(self._private_dir)
+        link_compile_cache(self._private_dir)
         untie = self.config.weight_sync and resolve_device(self.config) == "cpu"
         serve_dir = untied_view(model_dir, cache_dir() / "vllm-views") if untie else None
         cmd = build_command(self.config, model_dir, self.port, python, serve_dir)

@@ -16,6 +16,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -32,11 +33,14 @@ from lit_trainer.engine.launch import (
     VLLMNotInstalledError,
     build_command,
     build_env,
+    compile_cache_dir,
+    link_compile_cache,
     pick_port,
+    private_temp_env,
     resolve_device,
     vllm_python,
 )
-from lit_trainer.engine.owned_folders import remove_abandoned
+from lit_trainer.engine.owned_folders import claim_folder, release_folder, remove_abandoned
 from lit_trainer.engine.served_model import TOOL_TEMPLATE, chat_template_for, prune_views, untied_view
 from lit_trainer.engine.server import PRIVATE_PREFIX, InferenceServer, ServerDiedError, StartupTimeoutError
 
@@ -81,8 +85,10 @@ def _kill_the_parent_and_find_no_orphan(config: dict, how: str, tmp_path: Path, 
     the signal ``how``, and check that no process of the server's group outlives it by a minute, and that the
     server's private folder (with vLLM's sockets in it, when ``sockets``) goes: at once on SIGINT, and on SIGKILL
     at the next launch's sweep (its owner is gone). ``temp``: the harness's temporary directory."""
+    # the compile cache of this machine's other vLLM starts (torch's default, under /tmp), not a cold one in ``temp``
+    inductor = private_temp_env(temp, {})["TORCHINDUCTOR_CACHE_DIR"]
     harness = subprocess.Popen([sys.executable, "-c", HARNESS, json.dumps(config)], stdout=subprocess.PIPE, text=True,
-                               env={**os.environ, "TMPDIR": str(temp)})
+                               env={**os.environ, "TMPDIR": str(temp), "TORCHINDUCTOR_CACHE_DIR": inductor})
     pgid = None
     try:
         line = harness.stdout.readline()
@@ -92,9 +98,11 @@ def _kill_the_parent_and_find_no_orphan(config: dict, how: str, tmp_path: Path, 
         assert len(group_members(pgid)) >= 1, "expected the server's process group"
         assert private_dir.parent == temp and private_dir.name.startswith(PRIVATE_PREFIX)
         assert stat.S_IMODE(private_dir.stat().st_mode) == 0o700
-        if sockets:  # vLLM's, none of them in the temporary directory itself
-            assert [p for p in private_dir.iterdir() if p.is_socket()], list(private_dir.iterdir())
-        assert [p for p in temp.iterdir() if p.is_socket()] == []
+        if sockets:  # vLLM's sockets and file store, none of them in the temporary directory itself
+            inside = list(private_dir.iterdir())
+            assert [p for p in inside if p.is_socket()] and [p for p in inside if p.name.startswith("vllm_dist_")], \
+                inside
+        assert _left_in(temp) == [private_dir.name]
         os.kill(harness.pid, getattr(signal, how))
         harness.wait(timeout=60)
         deadline = time.monotonic() + 60
@@ -104,7 +112,7 @@ def _kill_the_parent_and_find_no_orphan(config: dict, how: str, tmp_path: Path, 
         if how == "SIGKILL":  # no clean-up ran: the folder stays until a sweep finds its owner gone
             assert private_dir.is_dir()
             assert remove_abandoned(temp, PRIVATE_PREFIX) > 0
-        assert not private_dir.exists() and [p for p in temp.iterdir() if p.is_socket()] == []
+        assert _left_in(temp) == []
     finally:
         harness.kill()
         if pgid is not None and group_members(pgid):  # a failed run leaves no orphan behind either
@@ -169,15 +177,35 @@ def test_api_key_goes_through_the_environment_only(tmp_path: Path):
     assert "VLLM_API_KEY" not in build_env(InferenceConfig(device="cpu"), base={"VLLM_API_KEY": "stray"})
 
 
-def test_vllm_makes_its_sockets_in_the_servers_private_folder(tmp_path: Path):
-    """Not in the temporary directory, where vLLM leaves three at every start; unless the folder is too deep for a
-    socket's path (107 bytes), or the trainer's environment says where."""
-    env = build_env(InferenceConfig(device="cpu"), base={}, private_dir=tmp_path)
-    assert env["VLLM_RPC_BASE_PATH"] == str(tmp_path) and env["PYTHONPATH"] == str(tmp_path)
-    deep = Path("/tmp") / ("d" * 80)
-    assert "VLLM_RPC_BASE_PATH" not in build_env(InferenceConfig(device="cpu"), base={}, private_dir=deep)
-    theirs = build_env(InferenceConfig(device="cpu"), base={"VLLM_RPC_BASE_PATH": "/run/x"}, private_dir=tmp_path)
-    assert theirs["VLLM_RPC_BASE_PATH"] == "/run/x"
+def test_vllm_keeps_its_temporary_files_in_the_servers_private_folder(tmp_path: Path):
+    """Its sockets and its executor's file store (vLLM leaves them in the temporary directory at every start), but
+    not torch's compile cache, which later starts load; the sockets stay in the trainer's temporary directory when
+    the folder is too deep for a socket's path (107 bytes). The trainer's own settings of either win."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    env = build_env(InferenceConfig(device="cpu"), base={"TMPDIR": "/elsewhere"}, private_dir=tmp_path)
+    assert env["TMPDIR"] == env["VLLM_RPC_BASE_PATH"] == env["PYTHONPATH"] == str(tmp_path)
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == default_cache_dir()  # torch's default in the trainer's process
+    deep = Path(tempfile.gettempdir()) / ("d" * 80)
+    env = build_env(InferenceConfig(device="cpu"), base={}, private_dir=deep)
+    assert env["TMPDIR"] == str(deep) and env["VLLM_RPC_BASE_PATH"] == tempfile.gettempdir()
+    theirs = {"VLLM_RPC_BASE_PATH": "/run/x", "TORCHINDUCTOR_CACHE_DIR": "/cache/y"}
+    env = build_env(InferenceConfig(device="cpu"), base=theirs, private_dir=tmp_path)
+    assert {key: env[key] for key in theirs} == theirs
+
+
+def test_the_private_folder_links_to_the_compile_cache_and_goes_without_it(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch):
+    """Torch puts its precompiled headers under the temporary directory whatever TORCHINDUCTOR_CACHE_DIR says: the
+    server's folder links there, so they outlive the server (each start compiled them again without the link)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # this process's temporary directory
+    folder, fd = claim_folder(tmp_path, PRIVATE_PREFIX)
+    link_compile_cache(folder)
+    link = folder / compile_cache_dir().name
+    assert compile_cache_dir().parent == tmp_path and link.resolve() == compile_cache_dir()
+    (link / "precompiled_headers").mkdir()  # as torch does, through the link
+    release_folder(folder, fd)
+    assert not folder.exists() and (compile_cache_dir() / "precompiled_headers").is_dir()
 
 
 def test_cpu_environment_binds_threads_and_enables_weight_sync():
@@ -426,6 +454,11 @@ def _script(path: Path, body: str) -> Path:
     return path
 
 
+def _left_in(temp: Path) -> list[str]:
+    """What is in the temporary directory ``temp`` beside torch's compile cache (``launch.link_compile_cache``)."""
+    return sorted(p.name for p in temp.iterdir() if p.name != compile_cache_dir().name)
+
+
 def _fake_server(tmp_path: Path, server_body: str) -> Path:
     """A 'python' that answers lit's import probe like the real one, and runs ``server_body`` as the server."""
     probes = vllm_python(InferenceConfig())  # lit's checks for vLLM (-c) go to the real vLLM's environment
@@ -437,7 +470,7 @@ def test_shared_memory_a_killed_vllm_left_is_freed_and_nothing_else(tmp_path: Pa
     process still maps, one older than the server's launch, and a file of another name. Only the first goes."""
     import mmap
 
-    since = time.time()
+    since = time.time() - 1.0  # a file's time comes from the kernel's coarse clock, which may lag time.time()
     for name in ("psm_orphan", "psm_live", "psm_old", "lit-weights-x"):
         (tmp_path / name).write_bytes(b"\0" * 4096)
     os.utime(tmp_path / "psm_old", (since - 60, since - 60))
