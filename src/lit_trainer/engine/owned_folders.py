@@ -3,10 +3,11 @@
 A trainer killed without its clean-up (SIGKILL, the OOM killer) cannot remove what it made outside its run folder:
 the weight sync's folder in shared memory (``lit-weights-*``: the weights, 0.6 GB for 135M parameters in float32,
 held in RAM until the next reboot) and each vLLM server's private folder in the temporary directory (``lit-vllm-*``:
-the route guard's module and vLLM's IPC sockets, which vLLM would otherwise leave in the temporary directory at
-every start). Each such folder holds an owner file on which its trainer keeps an exclusive ``flock`` for as long
-as the folder is in use; the kernel lets go of it when the trainer dies, SIGKILL included, whatever became of its
-pid. Claiming a folder of a kind first removes those of that kind that no live process holds."""
+the route guard's module, and vLLM's own temporary directory, with the IPC sockets and the file store that vLLM
+would otherwise leave in the trainer's at every start). Each such folder holds an owner file on which its trainer
+keeps an exclusive ``flock`` for as long as the folder is in use; the kernel lets go of it when the trainer dies,
+SIGKILL included, whatever became of its pid. Claiming a folder of a kind first removes those of that kind that no
+live process holds."""
 
 from __future__ import annotations
 

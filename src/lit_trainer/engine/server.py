@@ -57,7 +57,8 @@ log = logging.getLogger(__name__)
 
 PRIVATE_PREFIX = "lit-vllm-"
 """A server's private folder, ``<temp>/lit-vllm-<random>`` (mode 0700): the route guard's module
-(``launch.write_guard``) and vLLM's IPC sockets (``launch.build_env``)."""
+(``launch.write_guard``), and vLLM's temporary directory with its IPC sockets and file store
+(``launch.private_temp_env``)."""
 
 _OOM_MARKERS = (
     "out of memory",

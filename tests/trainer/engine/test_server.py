@@ -36,7 +36,6 @@ from lit_trainer.engine.launch import (
     compile_cache_dir,
     link_compile_cache,
     pick_port,
-    private_temp_env,
     resolve_device,
     vllm_python,
 )
@@ -86,7 +85,7 @@ def _kill_the_parent_and_find_no_orphan(config: dict, how: str, tmp_path: Path, 
     server's private folder (with vLLM's sockets in it, when ``sockets``) goes: at once on SIGINT, and on SIGKILL
     at the next launch's sweep (its owner is gone). ``temp``: the harness's temporary directory."""
     # the compile cache of this machine's other vLLM starts (torch's default, under /tmp), not a cold one in ``temp``
-    inductor = private_temp_env(temp, {})["TORCHINDUCTOR_CACHE_DIR"]
+    inductor = str(compile_cache_dir())
     harness = subprocess.Popen([sys.executable, "-c", HARNESS, json.dumps(config)], stdout=subprocess.PIPE, text=True,
                                env={**os.environ, "TMPDIR": str(temp), "TORCHINDUCTOR_CACHE_DIR": inductor})
     pgid = None
