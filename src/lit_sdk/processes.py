@@ -39,6 +39,7 @@ log = logging.getLogger("lit.processes")
 _PR_SET_PDEATHSIG = 1
 _REAP_S = 10.0  # after SIGKILL: how long to wait for the child to be reaped and its group to empty
 _POLL_S = 0.02
+_AFFINITY = hasattr(os, "sched_setaffinity")  # Linux; elsewhere start_child's cpus are not applied
 # The process group of each child started (or seen alive) here: known even after the leader has been reaped.
 _GROUPS: weakref.WeakKeyDictionary[subprocess.Popen, int] = weakref.WeakKeyDictionary()
 
@@ -54,18 +55,22 @@ def _prctl() -> Callable[..., int] | None:
         return None
 
 
-def _die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` asking for SIGTERM when the calling thread dies; the child exits at once if its parent
-    already died between fork and prctl. Between fork and exec it makes only two system calls."""
-    prctl = _prctl()
-    if prctl is None:
+def _preexec(die_with_parent: bool, cpus: frozenset[int] | None) -> Callable[[], None] | None:
+    """A ``preexec_fn``: with ``die_with_parent``, ask for SIGTERM when the calling thread dies (the child exits at
+    once if its parent already died between fork and prctl); with ``cpus``, run on those cores only. Between fork
+    and exec it makes only system calls (three at most)."""
+    prctl = _prctl() if die_with_parent else None
+    if prctl is None and cpus is None:
         return None
     parent = os.getpid()
 
     def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent:
-            os._exit(1)
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+            if os.getppid() != parent:
+                os._exit(1)
 
     return preexec
 
@@ -80,13 +85,15 @@ def start_child(
     stdin=None,
     new_group: bool = True,
     die_with_parent: bool = True,
+    cpus: Iterable[int] | None = None,
 ) -> subprocess.Popen:
     """Start ``cmd`` as a child process; ``stdin``/``stdout``/``stderr`` are as for ``subprocess.Popen``.
 
     ``new_group``: the child starts a new session and leads its own process group (``stop_child`` then signals
     the whole group). ``die_with_parent`` (Linux): the kernel sends the child SIGTERM when the parent *thread* that
     calls this dies (``PR_SET_PDEATHSIG``), whatever the way it dies; start it from a thread that lives as long as
-    the child should.
+    the child should. ``cpus`` (Linux): the cores the child and every thread and process it starts may run on, set
+    before it runs anything (``sched_setaffinity``); None: this process's.
     """
     proc = subprocess.Popen(
         list(cmd),
@@ -96,7 +103,7 @@ def start_child(
         stdout=stdout,
         stderr=stderr,
         start_new_session=new_group,
-        preexec_fn=_die_with_parent() if die_with_parent else None,
+        preexec_fn=_preexec(die_with_parent, None if cpus is None or not _AFFINITY else frozenset(cpus)),
     )
     if new_group:
         _GROUPS[proc] = proc.pid

@@ -147,3 +147,25 @@ def test_child_dies_when_its_parent_is_killed(die_with_parent: bool):
         parent.stdout.close()
         if child is not None and alive(child):
             os.killpg(child, signal.SIGKILL)
+
+
+# Prints its own cores and its child's, one line each.
+CORES = textwrap.dedent(
+    """
+    import os, subprocess, sys
+    print(sorted(os.sched_getaffinity(0)), flush=True)
+    subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"], check=True)
+    """
+)
+
+
+@pytest.mark.parametrize("die_with_parent", [True, False])
+def test_a_child_runs_on_the_cores_it_is_given_and_so_do_its_children(die_with_parent: bool):
+    """``cpus``: the whole child on those cores, set before it runs (a child's threads and processes inherit it);
+    without ``cpus``, the parent's cores."""
+    mine = sorted(os.sched_getaffinity(0))
+    for cpus, expected in ((mine[-1:], mine[-1:]), (None, mine)):
+        proc = start_child([sys.executable, "-c", CORES], stdout=subprocess.PIPE, cpus=cpus,
+                           die_with_parent=die_with_parent)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and out.decode().split("\n")[:2] == [str(expected)] * 2, out

@@ -3,7 +3,8 @@ its own block of GPUs (CUDA). Pure functions of the config and of what this proc
 placement is checked by hand in the tests.
 
 - CPU, ``cpu_threads_bind = "all"``: the cores this process may run on are cut into ``servers`` contiguous parts,
-  server i binds part i (``VLLM_CPU_OMP_THREADS_BIND``), itself cut into ``tensor_parallel_size`` groups joined by
+  server i runs on part i (``server_cores``: the whole process, not only its OpenMP threads) and binds its OpenMP
+  threads there (``VLLM_CPU_OMP_THREADS_BIND``), the part itself cut into ``tensor_parallel_size`` groups joined by
   ``|`` (vLLM's syntax: one group of cores per tensor-parallel rank).
 - CUDA, several servers: server i sees the i-th block of ``tensor_parallel_size`` GPUs among those visible to this
   process (``CUDA_VISIBLE_DEVICES``). One server is left to vLLM's own choice (the first GPUs), as before. The
@@ -51,16 +52,28 @@ def split_cores(cores: Collection[int], parts: int) -> list[list[int]]:
     return out
 
 
-def threads_bind(config: InferenceConfig, index: int, cores: Collection[int]) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` of server ``index``: ``cpu_threads_bind`` when it names cores, else its share
-    of ``cores`` (the cores this process may use), one ``|``-separated group per tensor-parallel rank."""
+def server_cores(config: InferenceConfig, index: int, cores: Collection[int]) -> list[int] | None:
+    """The cores the whole process of CPU server ``index`` may run on (``start_child``'s ``cpus``): its share of
+    ``cores`` (the cores this process may use) with ``cpu_threads_bind = "all"``; None with a core list of the
+    user's, which binds vLLM's OpenMP threads only, as vLLM does. Binding the threads alone is not enough for
+    several servers: each one's other threads (its API server, its engine loop) ran on the other's cores, and two
+    servers of one core each, generating together, took 23 s for what either did alone in 1.6 s (2.2 s with each
+    process on its core; 2026-11-29, 2 cores)."""
     if config.cpu_threads_bind != "all":
-        return config.cpu_threads_bind  # one server only (InferenceConfig checks it)
+        return None  # one server only (InferenceConfig checks it)
     try:
-        share = split_cores(cores, config.servers)[index]
+        return split_cores(cores, config.servers)[index]
     except PlacementError:
         raise PlacementError(f"inference.servers = {config.servers} needs at least one CPU core each, and this "
                              f"process may use {len(cores)} ({cpu_list(cores)}): lower inference.servers") from None
+
+
+def threads_bind(config: InferenceConfig, index: int, cores: Collection[int]) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` of server ``index``: ``cpu_threads_bind`` when it names cores, else its share
+    of ``cores`` (``server_cores``), one ``|``-separated group per tensor-parallel rank."""
+    share = server_cores(config, index, cores)
+    if share is None:
+        return config.cpu_threads_bind
     try:
         return "|".join(cpu_list(group) for group in split_cores(share, config.tensor_parallel_size))
     except PlacementError:

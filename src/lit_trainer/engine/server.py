@@ -45,7 +45,7 @@ from lit_trainer.engine.launch import (
     write_guard,
 )
 from lit_trainer.engine.owned_folders import claim_folder, release_folder
-from lit_trainer.engine.placement import placement_env
+from lit_trainer.engine.placement import placement_env, server_cores
 from lit_trainer.engine.served_model import untied_view
 from lit_trainer.models import cache_dir, resolve_model
 from lit_trainer.progress import progress_bar
@@ -131,8 +131,8 @@ class InferenceServer:
         if self.process is not None:
             raise InferenceError("this InferenceServer is already started")
         # A machine too small for the servers fails here, before anything is started.
-        placement_env(self.config, self.index, resolve_device(self.config), os.environ, os.sched_getaffinity(0),
-                      cuda_device_count)
+        device = resolve_device(self.config)
+        placement_env(self.config, self.index, device, os.environ, os.sched_getaffinity(0), cuda_device_count)
         python = vllm_python(self.config)
         self.api_key = resolve_api_key(self.config)
         model_dir = resolve_model(self.config.model)
@@ -143,7 +143,7 @@ class InferenceServer:
         self._private_dir, self._owner_fd = claim_folder(Path(tempfile.gettempdir()), PRIVATE_PREFIX)
         write_guard(self._private_dir)
         link_compile_cache(self._private_dir)
-        untie = self.config.weight_sync and resolve_device(self.config) == "cpu"
+        untie = self.config.weight_sync and device == "cpu"
         serve_dir = untied_view(model_dir, cache_dir() / "vllm-views") if untie else None
         cmd = build_command(self.config, model_dir, self.port, python, serve_dir)
         logs = Path(self.config.log_dir).expanduser() if self.config.log_dir else cache_dir() / "logs"
@@ -154,11 +154,13 @@ class InferenceServer:
         with self.log_path.open("wb") as log_file:
             log_file.write((" ".join(cmd) + "\n").encode())
             log_file.flush()
-            # Own process group (stop() kills vLLM's engine-core children too); SIGTERM when this thread dies.
+            # Own process group (stop() kills vLLM's engine-core children too); SIGTERM when this thread dies; on
+            # CPU, the whole process on its share of the cores (placement.server_cores).
             env = build_env(self.config, api_key=self.api_key, admin_token=self.credentials.admin_token,
                             private_dir=self._private_dir, index=self.index)
+            cpus = server_cores(self.config, self.index, os.sched_getaffinity(0)) if device == "cpu" else None
             self.process = start_child(
-                cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env
+                cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env, cpus=cpus
             )
         atexit.register(self.stop)
         log.info("vLLM starting (pid %d) on %s, log %s", self.process.pid, self.base_url, self.log_path)

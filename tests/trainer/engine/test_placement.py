@@ -18,6 +18,7 @@ from lit_trainer.engine.placement import (
     cpu_list,
     gpu_block,
     placement_env,
+    server_cores,
     split_cores,
     threads_bind,
     visible_gpus,
@@ -52,6 +53,18 @@ def test_each_cpu_server_binds_its_share_of_the_cores():
     assert [threads_bind(three, i, {0, 1, 2, 3, 8, 9, 10}) for i in range(3)] == ["0-2", "3,8", "9-10"]
     assert threads_bind(InferenceConfig(device="cpu"), 0, {0, 1, 2, 3}) == "0-3"  # one server: every core
     assert threads_bind(InferenceConfig(device="cpu", cpu_threads_bind="4-5"), 0, {0, 1}) == "4-5"
+
+
+def test_each_cpu_server_process_runs_on_its_share_unless_the_user_binds_the_threads():
+    """The whole process (start_child's cpus), not only its OpenMP threads: two servers of one core each were 10x
+    slower generating together than either alone while their other threads ran on each other's core."""
+    two = InferenceConfig(device="cpu", servers=2)
+    assert [server_cores(two, i, {0, 1}) for i in (0, 1)] == [[0], [1]]
+    assert [server_cores(two, i, {3, 4, 5, 9}) for i in (0, 1)] == [[3, 4], [5, 9]]
+    assert server_cores(InferenceConfig(device="cpu"), 0, {0, 1, 2}) == [0, 1, 2]  # one server: every core
+    assert server_cores(InferenceConfig(device="cpu", cpu_threads_bind="1"), 0, {0, 1}) is None  # vLLM's way
+    with pytest.raises(PlacementError, match="inference.servers = 3 needs at least one CPU core each"):
+        server_cores(InferenceConfig(device="cpu", servers=3), 2, {0, 1})
 
 
 def test_cpu_tensor_parallel_ranks_get_a_group_of_cores_each():

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -216,6 +217,28 @@ def test_cpu_environment_binds_threads_and_enables_weight_sync():
     assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env
     assert build_env(InferenceConfig(device="cpu", enable_lora=True), base={})["VLLM_ALLOW_RUNTIME_LORA_UPDATING"]
     assert "VLLM_CPU_KVCACHE_SPACE" not in build_env(InferenceConfig(device="cuda"), base={})
+
+
+def test_each_of_several_cpu_servers_runs_on_its_share_of_the_cores(tmp_path: Path):
+    """The whole server process on its cores (placement.server_cores), through lit's own start-up code (the
+    stand-in for vLLM): its API server and engine threads too, not only vLLM's OpenMP threads."""
+    mine = sorted(os.sched_getaffinity(0))
+    python = _fake_server(tmp_path, f'exec {sys.executable} {STAND_IN} "$@"')
+    config = InferenceConfig(model=str(_fake_model(tmp_path / "m")), python=str(python), log_dir=str(tmp_path),
+                             device="cpu", servers=len(mine), startup_timeout_s=60)
+    servers = [InferenceServer(config, index=i).launch() for i in range(len(mine))]
+    try:
+        for server in servers:
+            server.wait_ready()
+        assert [sorted(os.sched_getaffinity(s.process.pid)) for s in servers] == [[core] for core in mine]
+    finally:
+        for server in servers:
+            server.stop()
+    one = InferenceServer(replace(config, servers=1)).start()
+    try:
+        assert sorted(os.sched_getaffinity(one.process.pid)) == mine
+    finally:
+        one.stop()
 
 
 def test_a_cpu_server_is_one_process():
