@@ -1,7 +1,6 @@
 """Fixtures shared by all test folders: the prepared default model, its trainer-side copy, and ONE vLLM server for
 the whole session (start-up takes about a minute on 2 cores); and how ``bash run.sh test``'s two pytest-xdist
-workers share the suite (``--dist loadfile``, changed below: the files with a vLLM test on one worker, but for
-``LAST_BESIDE``)."""
+workers share the suite (``--dist loadfile``, changed below: every file with a vLLM test on one worker)."""
 
 import os
 import tempfile
@@ -12,13 +11,6 @@ import pytest
 VLLM_FILES_ENV = "LIT_TEST_VLLM_FILES"
 """Where the workers write the test files that start vLLM (marker ``vllm``), for the scheduler in the main process,
 which collects nothing itself."""
-
-LAST_BESIDE = ("tests/e2e/test_readme_api.py", "tests/test_notebooks.py")
-"""Files that start a vLLM of their own, use no session server and kill no vLLM, each a unit of work of its own,
-queued last: the worker that runs out of quick files first (not the one with the vLLM unit) takes them and runs
-them beside the vLLM unit's last tests. Without them, one worker ended its files after 1,134 s of the run and
-the other ran the vLLM unit alone for 1,081 s more, with a core often idle (2026-11-29, 2 cores)."""
-
 
 def _file_of(nodeid: str) -> str:
     """The test file of a node id: ``tests/e2e/test_chaos.py`` of ``tests/e2e/test_chaos.py::test_sigkill...``."""
@@ -42,25 +34,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if path and hasattr(config, "workerinput"):
         files = sorted({_file_of(item.nodeid) for item in items if item.get_closest_marker("vllm")})
         Path(f"{path}.{config.workerinput['workerid']}").write_text("".join(f"{f}\n" for f in files))
-        # Both workers reorder alike (their collections must be the same). The files that use the session's
-        # server after the others, so that it starts late and does not hold its memory during the long runs of
-        # the vLLM unit beside LAST_BESIDE's; LAST_BESIDE's tests last, so that their units are queued last.
+        # The files that use the session's server after the others (both workers reorder alike: their collections
+        # must be the same), so that it starts after the long runs of the vLLM unit and does not hold its memory
+        # during them.
         session = {_file_of(item.nodeid) for item in items if "vllm_server" in getattr(item, "fixturenames", ())}
-        items.sort(key=lambda item: (_file_of(item.nodeid) in LAST_BESIDE, _file_of(item.nodeid) in session))
+        items.sort(key=lambda item: _file_of(item.nodeid) in session)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own choice of scheduler
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """``--dist loadfile`` (a file's tests run in order on one worker, as they were written to), but with every
-    file that starts vLLM (but ``LAST_BESIDE``'s) in one unit of work, taken first: those tests run one after
-    another on one worker, so the
+    file that starts vLLM in one unit of work, taken first: those tests run one after another on one worker, so the
     session's server starts once, the tests that kill a vLLM (and then free the shared memory that no process maps)
     never run beside another vLLM test, and no two runs of trainer + vLLM share the machine's memory. The other
     worker takes the quick files, a file at a time. On 2 cores the tests compete for the cores: with every vLLM test
     on one worker the suite took 2,339 s (2,299 s from a fresh clone, 14.6 GB in use at most); with the two longest
     vLLM files as units of their own beside it, longer (2,384 s, 18 of 24 GB in use); with test_train_options.py as a
     unit of its own, last, 2,449 s, and on CI its two-process run (2 trainers and a vLLM, beside a test of the vLLM
-    unit and the session's server) had a trainer process SIGKILLed, as the kernel's out-of-memory killer does."""
+    unit and the session's server) had a trainer process SIGKILLed, as the kernel's out-of-memory killer does. With
+    the README snippet's and the notebooks' files (their own vLLM each, no session server) as units queued last, so
+    that the worker done with the quick files ran them beside the vLLM unit's tail (which it had run alone for 1,081
+    s of a 2,216 s run), the suite took no less (2026-11-29, fresh clone: both sides of the overlap ran 1.6-1.8x
+    slower, the vLLM tests keep both cores busy) and 17.6 GB were in use at once instead of 11.8."""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -76,7 +71,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
                 for p in [Path(path), *written]:
                     p.unlink(missing_ok=True)
             file = _file_of(nodeid)
-            return "vllm" if file in self.vllm_files and file not in LAST_BESIDE else file
+            return "vllm" if file in self.vllm_files else file
 
     config.option.loadscopereorder = False  # collection order: tests/e2e (vLLM) first
     return VLLMFilesTogether(config, log)
