@@ -131,8 +131,8 @@ class InferenceServer:
         if self.process is not None:
             raise InferenceError("this InferenceServer is already started")
         # A machine too small for the servers fails here, before anything is started.
-        device = resolve_device(self.config)
-        placement_env(self.config, self.index, device, os.environ, os.sched_getaffinity(0), cuda_device_count)
+        device, cores = resolve_device(self.config), os.sched_getaffinity(0)
+        placement_env(self.config, self.index, device, os.environ, cores, cuda_device_count)
         python = vllm_python(self.config)
         self.api_key = resolve_api_key(self.config)
         model_dir = resolve_model(self.config.model)
@@ -158,7 +158,7 @@ class InferenceServer:
             # CPU, the whole process on its share of the cores (placement.server_cores).
             env = build_env(self.config, api_key=self.api_key, admin_token=self.credentials.admin_token,
                             private_dir=self._private_dir, index=self.index)
-            cpus = server_cores(self.config, self.index, os.sched_getaffinity(0)) if device == "cpu" else None
+            cpus = server_cores(self.config, self.index, cores) if device == "cpu" else None
             self.process = start_child(
                 cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env, cpus=cpus
             )
