@@ -5,9 +5,21 @@ test."""
 import asyncio
 import os
 import signal
+import time
 
 import lit_sdk as lit
 from lit_sdk import _context
+
+if os.environ.get("LIT_TEST_INSTRUMENT_DELAY_S"):  # a worker whose lit.instrument() takes this much longer
+    import lit_sdk.worker
+
+    _instrument = lit_sdk.worker.instrument
+
+    def _slow_instrument(*args, **kwargs):
+        time.sleep(float(os.environ["LIT_TEST_INSTRUMENT_DELAY_S"]))
+        return _instrument(*args, **kwargs)
+
+    lit_sdk.worker.instrument = _slow_instrument
 
 
 @lit.trace

@@ -181,6 +181,10 @@ class Worker:
         self._lost = 0
         """Spans of this process dropped or refused by the collector, as of the last flush."""
         self._stop = asyncio.Event()
+        self._instrumenting: asyncio.Future[Any] | None = None
+        """``lit.instrument()`` for the trainer that welcomed this worker, in a thread: it imports the frameworks'
+        instrumentors (about 3 s on a free core), and the loop goes on reading and sending heartbeats meanwhile, so
+        that a busy machine does not make the trainer take the worker for dead. Rollouts start once it is done."""
 
     async def run(self) -> int:
         """Serve until the trainer says ``stop`` (or the process is interrupted); the number of rollouts run."""
@@ -202,6 +206,8 @@ class Worker:
                     log.warning("lit worker: no answer from a trainer at %s for %.0f s; is lit train running, "
                                 "and is this its dispatch endpoint (it prints 'lit: workers connect to ...')? "
                                 "Still trying", self.connect, time.monotonic() - waiting_since)
+                if self._instrumenting is not None and self._instrumenting.done():
+                    self._instrumenting.result()  # instrument() raised: the worker stops, loudly
                 if time.monotonic() >= next_beat and not self._stop.is_set():
                     await self._heartbeat()
                     next_beat = time.monotonic() + self.heartbeat_s
@@ -245,7 +251,7 @@ class Worker:
             self.welcomed = True
             spans = reachable(message.spans_endpoint, self.trainer_host)
             urls = [reachable(u, self.trainer_host) for u in message.llm_base_urls]
-            instrument(endpoint=spans, llm_base_urls=urls)
+            self._instrumenting = asyncio.ensure_future(self._instrument(self._instrumenting, spans, urls))
         elif isinstance(message, Run):
             self.running[message.rollout_id] = asyncio.create_task(self._rollout(message))
         elif isinstance(message, Who):
@@ -253,9 +259,18 @@ class Worker:
         elif isinstance(message, Stop):
             self._stop.set()
 
+    @staticmethod
+    async def _instrument(before: asyncio.Future[Any] | None, spans: str, urls: list[str]) -> None:
+        """``instrument()`` in a thread, after the one a previous ``Welcome`` started: the last trainer's wins."""
+        if before is not None:
+            await before
+        await asyncio.to_thread(instrument, endpoint=spans, llm_base_urls=urls)
+
     async def _rollout(self, m: Run) -> None:
         lost_before = self._lost
         try:
+            if self._instrumenting is not None:  # a Run follows its trainer's Welcome: its spans must be traced
+                await asyncio.shield(self._instrumenting)
             status, reward, error = await self._run_agent(m)
             # The trainer reads the episode from the stored spans: deliver them before saying "done".
             undelivered = await self._flush(lost_before)

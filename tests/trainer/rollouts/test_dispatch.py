@@ -146,6 +146,18 @@ def test_a_hanging_rollout_times_out(rig):
     assert [r.status for r in store.rollouts_of_step(0)] == [RolloutStatus.TIMED_OUT] * 2
 
 
+def test_a_worker_keeps_its_place_while_it_instruments(rig, monkeypatch):
+    """A worker sets up lit.instrument() when the trainer welcomes it: about 3 s of imports on a free core, more on a
+    busy one, and a worker that sent no heartbeat meanwhile was taken for dead (on CI, 2026-11-29, with
+    worker_timeout_s = 5 s). Stretched here by 6 s, twice worker_timeout_s: the heartbeats go on, the rollout sent
+    meanwhile waits for it, runs once and is traced."""
+    monkeypatch.setenv("LIT_TEST_INSTRUMENT_DELAY_S", "6")
+    store, dispatcher, _ = rig("returns_task_value", max_attempts=1, worker_timeout_s=3.0)
+    [outcome] = dispatcher.run(requests(1))
+    assert (outcome.status, outcome.attempts, outcome.errors) == (RolloutStatus.SUCCEEDED, 1, [])
+    assert len(dispatcher.workers) == 1 and store.missing_spans(outcome.rollout_id) is None
+
+
 def test_a_worker_killed_mid_rollout_leads_to_a_retry_then_failed(rig):
     # worker_timeout_s leaves a busy machine slack: a live worker taken for dead would be served the retry itself
     store, dispatcher, procs = rig("kills_its_worker", workers=2, max_attempts=2, worker_timeout_s=5.0)
