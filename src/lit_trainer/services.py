@@ -80,7 +80,9 @@ def services(cfg: TrainConfig, store_path: Path, spool_dir: Path, keys_dir: Path
             print(f"lit: {stale} rollout attempt(s) a stopped run left queued or running are marked failed",
                   file=sys.stderr)
         collector = stack.enter_context(Collector(store, cfg.collector.endpoint, keys=keys))
-        fleet = stack.enter_context(Fleet(cfg.inference, cfg.weight_sync, weights))
+        fleet = Fleet(cfg.inference, cfg.weight_sync, weights)
+        stack.callback(fleet.stop)
+        fleet.launch()  # vLLM loads while the workers start: their URLs are known now
         dispatcher = stack.enter_context(Dispatcher(store, cfg.dispatch_endpoint.endpoint, collector.endpoint,
                                                     [s.openai_url for s in fleet.servers], cfg.dispatch, keys=keys))
         env = {**os.environ, "LIT_SPOOL_DIR": str(spool_dir), security.KEYS_ENV: str(folder)}
@@ -89,6 +91,7 @@ def services(cfg: TrainConfig, store_path: Path, spool_dir: Path, keys_dir: Path
         stack.callback(stop_workers, dispatcher, workers)
         print(f"lit: workers connect to {dispatcher.endpoint} ({len(workers)} local) with the keys in {folder} "
               f"({security.KEYS_ENV}={folder} lit worker ...)", file=sys.stderr)
+        fleet.wait_ready(meanwhile=dispatcher.answer)  # the workers are welcomed and set up their tracing meanwhile
         dispatcher.wait_for_workers(cfg.agent.local_workers, WORKER_START_TIMEOUT_S)
         runner = RolloutRunner(store, collector, fleet, dispatcher, cfg.agent, cfg.train.success_reward,
                                session=uuid.uuid4().hex[:8], vocab_size=vocab_size(cfg.inference.model))

@@ -104,9 +104,13 @@ class Fleet:
         self.stop()
 
     def start(self) -> Self:
-        """Start every server and open their syncs; on any failure stop what was started and raise. All servers
-        are launched from this thread (a server gets SIGTERM when the thread that launched it ends), then waited
-        for, so that they load at once."""
+        """Start every server and open their syncs; on any failure stop what was started and raise."""
+        return self.launch().wait_ready()
+
+    def launch(self) -> Self:
+        """Launch every server and return at once (``wait_ready`` waits for them; their URLs are known now). All
+        are launched from this thread (a server gets SIGTERM when the thread that launched it ends), so that they
+        load at once. On a failure, stop what was started and raise."""
         many = f"{self.inference.servers} vLLM servers" if self.inference.servers > 1 else "vLLM"
         print(f"lit: starting {many} on {self.inference.model} (about a minute on CPU)", file=sys.stderr, flush=True)
         try:
@@ -114,8 +118,18 @@ class Fleet:
                 server = InferenceServer(replace(self.inference, port=port), index=index)
                 self.servers.append(server)
                 server.launch()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self, meanwhile: Callable[[float], None] | None = None) -> Self:
+        """Wait for every launched server, then open their syncs; on any failure stop every server and raise.
+        ``meanwhile(seconds)`` is called between the health checks instead of sleeping that long (the trainer
+        answers its workers' hellos while vLLM loads)."""
+        try:
             for server in self.servers:
-                server.wait_ready()
+                server.wait_ready(meanwhile)
             self.syncs = [self._open_sync(i) for i in range(len(self.servers))] if self.weights else []
         except BaseException:
             self.stop()

@@ -22,6 +22,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -166,11 +167,12 @@ class InferenceServer:
         log.info("vLLM starting (pid %d) on %s, log %s", self.process.pid, self.base_url, self.log_path)
         return self
 
-    def wait_ready(self) -> Self:
+    def wait_ready(self, meanwhile: Callable[[float], None] | None = None) -> Self:
         """Return once the launched server answers ``/health``; stop it and raise ``InferenceError`` subclasses
-        if it dies or takes longer than ``startup_timeout_s`` (counted from its launch)."""
+        if it dies or takes longer than ``startup_timeout_s`` (counted from its launch). ``meanwhile(seconds)``:
+        called between the checks instead of sleeping that long (it may return sooner)."""
         try:
-            self._wait_healthy(self._t0)
+            self._wait_healthy(self._t0, meanwhile or time.sleep)
         except BaseException:
             self.stop()
             raise
@@ -178,7 +180,7 @@ class InferenceServer:
         log.info("vLLM ready on %s after %.0f s", self.base_url, self.startup_s)
         return self
 
-    def _wait_healthy(self, t0: float) -> None:
+    def _wait_healthy(self, t0: float, meanwhile: Callable[[float], None]) -> None:
         bar = progress_bar(desc=f"starting vLLM ({self.config.served_model_name})", total=None,
                            bar_format="{desc}: {elapsed}  {postfix}", leave=False)
         try:
@@ -194,7 +196,7 @@ class InferenceServer:
                     )
                 bar.set_postfix_str(self._last_log_line()[:80], refresh=False)
                 bar.update(0)  # redraws the elapsed time
-                time.sleep(0.5)
+                meanwhile(0.5)
         finally:
             bar.close()
 

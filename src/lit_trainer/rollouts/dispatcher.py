@@ -282,6 +282,11 @@ class Dispatcher:
                                     f"{timeout_s:.0f} s; check the worker processes' output")
             self._drain(100)
 
+    def answer(self, seconds: float) -> None:
+        """Read and answer what the workers send, for up to ``seconds`` (it returns once it handled some): their
+        hellos get a welcome, so that they set up their tracing while the trainer waits for something else."""
+        self._drain(int(seconds * 1000))
+
     def run(self, requests: Sequence[RolloutRequest], on_progress: Callable[[Outcome], None] | None = None,
             check: Callable[[], None] | None = None, enough: Callable[[int], bool] | None = None) -> list[Outcome]:
         """Run every request, and those ``carried`` over from the previous ``run``, to an end (success, or failure

@@ -40,8 +40,8 @@ class Server:
         Server.events.append(f"launch {self.index} on {self.port}")
         return self
 
-    def wait_ready(self) -> Server:
-        Server.events.append(f"ready {self.index}")
+    def wait_ready(self, meanwhile=None) -> Server:
+        Server.events.append(f"ready {self.index}" + (" (doing something meanwhile)" if meanwhile else ""))
         return self
 
     def start(self) -> Server:
@@ -104,6 +104,13 @@ def test_servers_are_all_launched_before_any_is_waited_for_and_stopped_last_firs
     assert all(s.closed for s in RecordingSync.made)
 
 
+def test_launch_returns_before_any_server_is_waited_for_and_the_wait_does_what_it_is_given_meanwhile():
+    fleet = fleet_of().launch()  # services: the workers start now
+    assert Server.events == ["launch 0 on 8000", "launch 1 on 8001"] and fleet.syncs == []
+    assert fleet.wait_ready(meanwhile=lambda seconds: None) is fleet and len(fleet.syncs) == 2
+    assert Server.events[2:] == ["ready 0 (doing something meanwhile)", "ready 1 (doing something meanwhile)"]
+
+
 def test_each_sync_gets_its_servers_credentials_and_a_rendezvous_port_of_its_own():
     fleet = started()
     assert [s.base_url for s in fleet.syncs] == fleet.base_urls
@@ -123,10 +130,10 @@ def test_a_fleet_that_takes_no_weights_opens_no_sync_and_restarts_without_a_push
 
 def test_a_server_that_fails_to_start_stops_the_ones_already_launched():
     class Failing(Server):
-        def wait_ready(self):
+        def wait_ready(self, meanwhile=None):
             if self.index == 1:
                 raise ServerDiedError("vLLM exited with code 1: see the log")
-            return super().wait_ready()
+            return super().wait_ready(meanwhile)
 
     fleet_module.InferenceServer = Failing
     with pytest.raises(ServerDiedError, match="code 1"):

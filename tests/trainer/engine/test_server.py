@@ -241,6 +241,21 @@ def test_each_of_several_cpu_servers_runs_on_its_share_of_the_cores(tmp_path: Pa
         one.stop()
 
 
+def test_wait_ready_does_what_it_is_given_between_its_checks(tmp_path: Path):
+    """``meanwhile(0.5)`` instead of each half-second sleep while the server loads (the trainer answers its workers'
+    hellos then: services.py), until ``/health`` answers."""
+    python = _fake_server(tmp_path, f'sleep 1.5; exec {sys.executable} {STAND_IN} "$@"')
+    config = InferenceConfig(model=str(_fake_model(tmp_path / "m")), python=str(python), log_dir=str(tmp_path),
+                             startup_timeout_s=60)
+    asked: list[float] = []
+    server = InferenceServer(config).launch()
+    try:
+        server.wait_ready(meanwhile=lambda seconds: (asked.append(seconds), time.sleep(seconds)))
+        assert len(asked) >= 2 and set(asked) == {0.5} and server.is_healthy()
+    finally:
+        server.stop()
+
+
 def test_a_cpu_server_is_one_process():
     """launch.ONE_PROCESS: the engine in the API server's process and the model in the engine's (measured there:
     a start 20 s shorter and more tokens/s); a value in the trainer's environment wins; tensor parallelism and CUDA
