@@ -10,27 +10,21 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from stand_in_vllm import STAND_IN, fake_model, fake_server
+
 from lit_trainer.config import AgentConfig, TrainConfig
 from lit_trainer.engine.config import InferenceConfig
 from lit_trainer.rollouts.dispatcher import Dispatcher
 from lit_trainer.services import services
 
 TESTS = Path(__file__).parents[1]
-STAND_IN = TESTS / "trainer" / "engine" / "_vllm_stand_in.py"
 
 
 def test_the_workers_are_welcomed_while_vllm_loads(tmp_path, monkeypatch):
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text('{"vocab_size": 64}')
-    welcomed = tmp_path / "welcomed"
-    # vLLM's stand-in comes up once the test has seen the worker welcomed (the probes go to the real vLLM's python)
-    from lit_trainer.engine.launch import vllm_python
-
-    python = tmp_path / "fake-python"
-    python.write_text(f'#!/bin/sh\nif [ "$1" = "-c" ]; then exec {vllm_python(InferenceConfig())} "$@"; fi\n'
-                      f'while [ ! -e {welcomed} ]; do sleep 0.1; done\nexec {sys.executable} {STAND_IN} "$@"\n')
-    python.chmod(0o755)
+    model = fake_model(tmp_path / "model")
+    welcomed = tmp_path / "welcomed"  # vLLM's stand-in comes up once the test has seen the worker welcomed
+    python = fake_server(tmp_path, f'while [ ! -e {welcomed} ]; do sleep 0.1; done\n'
+                                   f'exec {sys.executable} {STAND_IN} "$@"')
     answer = Dispatcher.answer
 
     def answer_and_note(self, seconds):
@@ -39,7 +33,6 @@ def test_the_workers_are_welcomed_while_vllm_loads(tmp_path, monkeypatch):
             welcomed.touch()
 
     monkeypatch.setattr(Dispatcher, "answer", answer_and_note)
-    monkeypatch.syspath_prepend(str(TESTS))
     monkeypatch.setenv("PYTHONPATH", str(TESTS))
     cfg = TrainConfig(model=str(model), agent=AgentConfig(function="rollout_agents:returns_task_value"),
                       inference=InferenceConfig(model=str(model), python=str(python), log_dir=str(tmp_path),

