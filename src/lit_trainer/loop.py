@@ -12,7 +12,8 @@ others take their share of each update (``follow``); with ``policy.shard`` they 
 weights (gathering them for a push, scoring the sync check, writing a checkpoint: ``together``).
 
 Rollouts that fail after every retry give no episode, never a reward of 0; a task left with fewer than
-``min_group_size`` episodes is skipped.
+``min_group_size`` episodes is skipped. A step none of whose rollouts gave an episode stops the run with the cause
+(``RolloutBatch.nothing_to_train``): the next step would fail the same way.
 """
 
 from __future__ import annotations
@@ -115,11 +116,12 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
             t0, restarts = time.perf_counter(), fleet.restarts
             batch = feed.take(step)
             step += 1
-            failed = batch.all_failed()
-            if failed:  # a broken agent (or tasks it cannot run): stop now, with the reason, not after N steps
-                raise RolloutsFailed(f"step {step}: {failed}. No step can train on that: fix the agent (run it on "
-                                     "one task with lit_trainer.Playground to see it fail), then start again; "
-                                     f"every attempt's error is in {out.store} (lit show --run {out.dir})")
+            nothing = batch.nothing_to_train()
+            if nothing:  # a broken agent, tasks it cannot run, a wrong agent.agents: stop now, not after N steps
+                raise RolloutsFailed(f"step {step}: {nothing}. No step can train on that: fix the agent or the "
+                                     "config (run the agent on one task with lit_trainer.Playground: it shows the "
+                                     "error, or the spans and the episode), then start again; every rollout is in "
+                                     f"{out.store} (lit show --run {out.dir})")
             episodes, guided = batch.episodes, {}
             if encode:  # a reference for each failed group whose task has one
                 more, guided = guide(episodes, references, encode, cfg.train.success_reward,

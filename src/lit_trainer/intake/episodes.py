@@ -31,6 +31,7 @@ SpanRecords in, Episodes out.
 from __future__ import annotations
 
 import bisect
+import collections
 import enum
 import math
 from array import array
@@ -144,7 +145,7 @@ def build_episode(spans: Iterable[SpanRecord], agents: Collection[str] | None = 
     timeline = sorted(members, key=_TIME_ORDER)
     calls, skipped = _select_calls(timeline, agents)
     if not calls:
-        return UnusableRollout(rollout_id, Unusable.NO_LLM_CALLS, f"{skipped} calls skipped, agents={agents}")
+        return UnusableRollout(rollout_id, Unusable.NO_LLM_CALLS, _why_no_calls(timeline, agents, skipped))
     rewards = _rewards(timeline, calls)
     bad = _bad_value(root, calls, rewards, vocab_size)
     if bad is not None:
@@ -289,6 +290,19 @@ def _select_calls(timeline: list[SpanRecord], agents: Collection[str] | None) ->
             continue
         calls.append(span)
     return calls, skipped
+
+
+def _why_no_calls(timeline: list[SpanRecord], agents: Collection[str] | None, skipped: int) -> str:
+    """What a rollout without a usable call did call: the words that point at the fix."""
+    if skipped:
+        return (f"{skipped} LLM call(s) of the selected agents failed or carry no token ids (token ids are recorded "
+                "for calls to the engine's base_url with lit.instrument() on)")
+    others = collections.Counter(str(s.attributes.get(sc.AGENT_NAME, "")) for s in timeline if _is_llm_call(s))
+    if not others:
+        return "the rollout made no LLM call that lit recorded (lit.instrument() off, or the engine not called)"
+    names = ", ".join(f"{name or '(no name)'!r} x{n}" for name, n in sorted(others.items()))
+    return (f"its LLM calls are by other agents: {names}; the agents selected for training (agent.agents): "
+            f"{', '.join(map(repr, sorted(agents or ())))}")
 
 
 def _preceding_call(start_ns: int, call_starts: list[int]) -> int:

@@ -132,7 +132,7 @@ class StepFeed:
         tasks = sample_tasks(drawable, plan.seed, step, plan.tasks_per_step)
         batch = self.runner.run(tasks, plan.group_size, plan.temperature, step, training_label(step), version,
                                 self._enough if plan.min_step_groups else None, restarts=MAX_ENGINE_RESTARTS)
-        if plan.extra_rollouts and not batch.all_failed():  # a broken agent: the loop stops; no more draws
+        if plan.extra_rollouts and not batch.nothing_to_train():  # a broken agent: the loop stops; no more draws
             batch = self._draw_more(step, version, drawable, tasks, batch)
         if curriculum:
             batch.metrics.update(curriculum.metrics(self.tasks, step))

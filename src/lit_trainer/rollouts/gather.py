@@ -14,20 +14,23 @@ log = logging.getLogger("lit")
 
 
 def gather_episodes(store: Store, outcomes: list[Outcome], agents: tuple[str, ...], success: float,
-                    vocab_size: int | None = None) -> tuple[list[Episode], dict[str, float]]:
-    """Episodes of the succeeded rollouts (saved to the store), and counts; failures give no episode, and neither
-    does a rollout whose spans are not all stored (``rollouts/unusable_incomplete``: the dispatcher retries those,
-    this is the last guard). Tasks that carry a string ``"kind"`` also get ``accuracy/<kind>`` and
-    ``reward/<kind>`` (``per_kind``). ``vocab_size``: the policy's, which every token id must be below
-    (``build_episode``)."""
+                    vocab_size: int | None = None) -> tuple[list[Episode], dict[str, float], dict[str, str]]:
+    """Episodes of the succeeded rollouts (saved to the store), counts, and why succeeded rollouts gave none (by
+    reason, as in ``rollouts/unusable_<reason>``: its words and the first such rollout's detail). Failures give no
+    episode, and neither does a rollout whose spans are not all stored (``rollouts/unusable_incomplete``: the
+    dispatcher retries those, this is the last guard). Tasks that carry a string ``"kind"`` also get
+    ``accuracy/<kind>`` and ``reward/<kind>`` (``per_kind``). ``vocab_size``: the policy's, which every token id
+    must be below (``build_episode``)."""
     episodes: list[Episode] = []
     returns_of: dict[str, float] = {}
     unusable: collections.Counter[str] = collections.Counter()
+    why: dict[str, str] = {}
     for outcome in outcomes:
         if outcome.status is not RolloutStatus.SUCCEEDED:
             continue
         if store.missing_spans(outcome.rollout_id) is not None:
             unusable["incomplete"] += 1
+            why.setdefault("incomplete", f"its spans were not all stored (the first: rollout {outcome.rollout_id})")
             continue
         result = build_episode(store.spans_of_rollout(outcome.rollout_id), agents or None, vocab_size)
         if isinstance(result, UnusableRollout):
@@ -36,6 +39,9 @@ def gather_episodes(store: Store, outcomes: list[Outcome], agents: tuple[str, ..
                             "counted in the metrics, not logged", result.rollout_id, result.reason.name.lower(),
                             result.reason.value, result.detail)
             unusable[result.reason.name.lower()] += 1
+            detail = f": {result.detail}" if result.detail else ""
+            why.setdefault(result.reason.name.lower(),
+                           f"{result.reason.value} (the first: rollout {result.rollout_id}{detail})")
             continue
         store.save_episode(outcome.rollout_id, result.to_dict(), result.episode_return)
         episodes.append(result)
@@ -56,7 +62,7 @@ def gather_episodes(store: Store, outcomes: list[Outcome], agents: tuple[str, ..
     }
     for key, value in per_kind(outcomes, returns_of, success).items():
         metrics.setdefault(key, value)  # a kind named "mean" does not replace reward/mean
-    return episodes, metrics
+    return episodes, metrics, why
 
 
 def per_kind(outcomes: list[Outcome], returns_of: dict[str, float], success: float) -> dict[str, float]:

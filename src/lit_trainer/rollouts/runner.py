@@ -60,7 +60,8 @@ class AgentConfig:
 
 
 class RolloutsFailed(RuntimeError):
-    """Every rollout of a training step failed: nothing can train, and the next step would fail the same way."""
+    """No rollout of a training step gave an episode (every one failed, or none had anything to train on):
+    nothing can train, and the next step would fail the same way."""
 
 
 @dataclass(frozen=True)
@@ -74,14 +75,26 @@ class RolloutBatch:
     from an earlier run are older than the run's own (``RolloutRequest.version``)."""
     failures: list[str] = field(default_factory=list)
     """Why each rollout that failed after every retry failed (its last attempt's error), in the order they ended."""
+    unusable: dict[str, str] = field(default_factory=dict)
+    """Why rollouts that succeeded gave no episode, by reason (``rollouts/unusable_<reason>``): its words and the
+    first such rollout's detail (``gather_episodes``)."""
 
-    def all_failed(self) -> str | None:
-        """When every rollout failed: what to tell the user (how many, and the first one's error); else None."""
+    def nothing_to_train(self) -> str | None:
+        """When no rollout gave an episode (every one failed, or gave nothing to train on: no LLM call of the
+        selected agents, no reward...): what to tell the user, with how many and the first of each cause; else
+        None."""
         requested = int(self.metrics.get("rollouts/requested", 0))
-        if not requested or self.metrics.get("rollouts/succeeded", 0):
+        if not requested or self.episodes:
             return None
         first = self.failures[0] if self.failures else "no error was reported"
-        return f"all {requested} rollouts failed; the first: {first}"
+        failed = requested - int(self.metrics.get("rollouts/succeeded", 0))
+        if failed >= requested:
+            return f"all {requested} rollouts failed; the first: {first}"
+        causes = [f"{int(self.metrics.get(f'rollouts/unusable_{key}', 0))} gave no episode: {why}"
+                  for key, why in self.unusable.items()]
+        if failed:
+            causes.append(f"{failed} failed; the first: {first}")
+        return f"none of the {requested} rollouts gave an episode to train on: {'; '.join(causes)}"
 
 
 def server_of(k: int, tasks: int, step: int, servers: int) -> int:
@@ -152,8 +165,8 @@ class RolloutRunner:
         with bar:
             outcomes = self.dispatcher.run(requests, progress, check=self.check, enough=enough)
         self.check()
-        episodes, metrics = gather_episodes(self.store, outcomes, self.agent.agents, self.success_reward,
-                                            self.vocab_size)
+        episodes, metrics, unusable = gather_episodes(self.store, outcomes, self.agent.agents, self.success_reward,
+                                                      self.vocab_size)
         if enough is not None:
             earlier = {group_of(o.request) for o in outcomes if o.request.step != step}
             metrics["rollouts/carried_groups"] = float(len(earlier))
@@ -161,4 +174,4 @@ class RolloutRunner:
         dispatched = min((o.request.version for o in outcomes), default=version)
         failures = [o.errors[-1] if o.errors else o.status.value for o in outcomes
                     if o.status is not RolloutStatus.SUCCEEDED]
-        return RolloutBatch(episodes, metrics, dispatched, failures)
+        return RolloutBatch(episodes, metrics, dispatched, failures, unusable)

@@ -123,6 +123,22 @@ def test_two_agents_only_one_trained():
     assert [tr.agent for tr in only_critic.transitions] == ["critic"]
     nobody = build_episode(t.spans, agents={"planner"})
     assert isinstance(nobody, UnusableRollout) and nobody.reason is Unusable.NO_LLM_CALLS
+    assert nobody.detail == ("its LLM calls are by other agents: 'critic' x1, 'solver' x2; the agents selected "
+                             "for training (agent.agents): 'planner'")  # the names that point at the fix
+
+
+def test_a_rollout_without_a_usable_call_says_what_it_did_call():
+    no_ids = Tree()
+    root = no_ids.root()
+    no_ids.llm(root, 10, token_ids=False)
+    no_ids.llm(root, 20, status=STATUS_ERROR)
+    no_ids.llm(root, 30, agent="critic", token_ids=False)  # not selected: not counted
+    result = build_episode(no_ids.spans, agents={"solver"})
+    assert result.reason is Unusable.NO_LLM_CALLS and result.detail.startswith(
+        "2 LLM call(s) of the selected agents failed or carry no token ids"), result
+    silent = Tree()
+    silent.root()
+    assert build_episode(silent.spans).detail.startswith("the rollout made no LLM call that lit recorded")
 
 
 def test_parallel_tool_calls_and_tool_errors_are_counted_on_the_call_before():

@@ -60,9 +60,12 @@ def test_rollouts_spread_over_workers_and_their_spans_are_stored_first(rig):
     assert len(rows) == 12 and {r.status for r in rows} == {RolloutStatus.SUCCEEDED}
     assert all(r.started_at and r.ended_at for r in rows)
     # The worker flushed before reporting: every root span is in the store when "done" arrives.
-    episodes, metrics = gather_episodes(store, outcomes, (), 1.0)
+    episodes, metrics, why = gather_episodes(store, outcomes, (), 1.0)
     assert episodes == []  # no LLM call: reported as unusable, never an episode with reward 0
     assert metrics["rollouts/unusable_no_llm_calls"] == 12 and metrics["rollouts/failed"] == 0
+    assert why == {"no_llm_calls": "no LLM call of the selected agents carries token ids (the first: rollout "
+                                   "r0-a1: the rollout made no LLM call that lit recorded (lit.instrument() off, or "
+                                   "the engine not called))"}
 
 
 def test_groups_not_ended_carry_over_to_the_next_run_still_running(rig):
@@ -110,7 +113,7 @@ def test_an_agent_that_raises_is_retried_then_failed_never_reward_zero(rig):
     assert [(r.rollout_id, r.attempt, r.status) for r in rows] == [
         ("r0-a1", 1, RolloutStatus.FAILED), ("r0-a2", 2, RolloutStatus.FAILED)]
     assert "RuntimeError: agent bug on purpose" in rows[0].error
-    episodes, metrics = gather_episodes(store, [outcome], (), 1.0)
+    episodes, metrics, _ = gather_episodes(store, [outcome], (), 1.0)
     assert episodes == [] and metrics["rollouts/failed"] == 1 and metrics["accuracy"] == 0.0
 
 
@@ -166,7 +169,7 @@ def test_a_worker_killed_mid_rollout_leads_to_a_retry_then_failed(rig):
     assert all("died or went silent" in e for e in outcome.errors)
     assert [p.wait(10) for p in procs] == [-9, -9]  # each attempt took one worker down
     assert not dispatcher.workers
-    episodes, metrics = gather_episodes(store, [outcome], (), 1.0)
+    episodes, metrics, _ = gather_episodes(store, [outcome], (), 1.0)
     assert episodes == [] and metrics["rollouts/failed"] == 1
 
 
@@ -232,7 +235,7 @@ def test_accuracy_and_reward_per_task_kind(tmp_path):
             if reward is not None:
                 store.add_spans(rollout_spans(f"r{i}-a1", reward))
             outcomes.append(Outcome(RolloutRequest(f"r{i}", str(i), task, NO_LLM, 0), status, f"r{i}-a1", 1))
-        episodes, metrics = gather_episodes(store, outcomes, (), 1.0)
+        episodes, metrics, _ = gather_episodes(store, outcomes, (), 1.0)
     assert len(episodes) == 6 and metrics["rollouts/unusable"] == 1
     assert metrics["accuracy"] == 3 / 9 and metrics["reward/mean"] == 3.5 / 6
     assert metrics["accuracy/in_template"] == 1 / 3 and metrics["reward/in_template"] == 0.5
@@ -246,5 +249,5 @@ def test_accuracy_and_reward_per_task_kind(tmp_path):
     without_kinds = {k: v for k, v in metrics.items() if k not in per_kind}
     assert accuracy_line(without_kinds) == "accuracy 0.333"
     with SqliteStore(tmp_path / "other.sqlite") as store:
-        _, plain = gather_episodes(store, [], (), 1.0)
+        _, plain, _ = gather_episodes(store, [], (), 1.0)
     assert math.isnan(plain["accuracy"]) and not [k for k in plain if k.startswith("accuracy/")]

@@ -251,7 +251,7 @@ def test_the_extra_draws_stop_when_every_task_has_run():
 def test_a_step_whose_rollouts_all_failed_draws_no_more():
     runner = GroupRunner(solved_when_even, failing=True)
     batch = StepFeed(runner, [{"id": i} for i in range(40)], dynamic_plan(extra=40)).take(0)
-    assert len(runner.asked) == 1 and batch.all_failed().startswith("all 8 rollouts failed")
+    assert len(runner.asked) == 1 and batch.nothing_to_train().startswith("all 8 rollouts failed")
     assert "sampling/draws" not in batch.metrics
 
 

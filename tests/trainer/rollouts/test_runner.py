@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from lit_trainer.engine.server import ServerDiedError
+from lit_trainer.intake.episodes import Episode
 from lit_trainer.intake.store import RolloutStatus
 from lit_trainer.rollouts.dispatcher import Outcome, RolloutRequest
 from lit_trainer.rollouts.runner import AgentConfig, RolloutRunner, server_of
@@ -119,11 +120,20 @@ def test_groups_carried_over_make_the_batch_as_old_as_their_dispatch():
     assert batch.metrics["rollouts/carried_groups"] == 1 and batch.metrics["rollouts/groups_in_flight"] == 0
 
 
-def test_a_batch_whose_rollouts_all_failed_says_so_with_the_first_error():
+def test_a_batch_with_nothing_to_train_on_says_why_with_the_first_of_each_cause():
     from lit_trainer.rollouts.runner import RolloutBatch
 
     failed = RolloutBatch([], {"rollouts/requested": 4.0, "rollouts/succeeded": 0.0}, 0,
                           ["RuntimeError: agent bug", "timed_out"])
-    assert failed.all_failed() == "all 4 rollouts failed; the first: RuntimeError: agent bug"
-    assert RolloutBatch([], {"rollouts/requested": 4.0, "rollouts/succeeded": 1.0}, 0, ["x"]).all_failed() is None
-    assert RolloutBatch([], {"rollouts/requested": 0.0, "rollouts/succeeded": 0.0}, 0).all_failed() is None
+    assert failed.nothing_to_train() == "all 4 rollouts failed; the first: RuntimeError: agent bug"
+    unusable = {"no_reward": "the rollout gave no reward (the first: rollout r2)",
+                "no_llm_calls": "no LLM call (the first: rollout r3: its LLM calls are by other agents: 'calc' x1)"}
+    mixed = RolloutBatch([], {"rollouts/requested": 4.0, "rollouts/succeeded": 3.0, "rollouts/unusable_no_reward": 1.0,
+                              "rollouts/unusable_no_llm_calls": 2.0}, 0, ["RuntimeError: agent bug"], unusable)
+    assert mixed.nothing_to_train() == (
+        "none of the 4 rollouts gave an episode to train on: 1 gave no episode: the rollout gave no reward (the "
+        "first: rollout r2); 2 gave no episode: no LLM call (the first: rollout r3: its LLM calls are by other "
+        "agents: 'calc' x1); 1 failed; the first: RuntimeError: agent bug")
+    one_episode = RolloutBatch([Episode("r4", "t", 1, [], 1.0, 1.0)], mixed.metrics, 0, ["x"], unusable)
+    assert one_episode.nothing_to_train() is None  # something to train on: the step goes on
+    assert RolloutBatch([], {"rollouts/requested": 0.0, "rollouts/succeeded": 0.0}, 0).nothing_to_train() is None
