@@ -63,7 +63,7 @@ def evaluate(cfg: TrainConfig, checkpoint: str | Path | None = None, output: Pat
     cfg = replace(cfg, train=replace(cfg.train, output_dir=str(run.dir)))
     _, val_tasks = load_tasks(cfg.data)
     check_agent(cfg)
-    run.dir.mkdir(parents=True, exist_ok=True)
+    run.create()
     run.save_config(cfg.to_dict())  # the model whose tokens lit show decodes
     log = MetricsLog(run.eval_metrics)
     with services(cfg, run.eval_store, run.spool, run.keys) as svc:

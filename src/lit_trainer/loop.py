@@ -55,7 +55,7 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
 
     quiet_library_bars()
     out = RunFolder(cfg.train.output_dir)
-    out.dir.mkdir(parents=True, exist_ok=True)
+    out.create()
     start = out.latest_checkpoint()
     if start is not None and not resume:
         raise ConfigError(f"{out.dir} already holds checkpoints (latest: step {start.step}): continue it with "

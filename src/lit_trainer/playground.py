@@ -69,8 +69,8 @@ class Playground:
     def __enter__(self) -> Playground:
         if self.cfg.security.keys_dir:
             raise ValueError("the playground runs on loopback without keys: leave [security] keys_dir empty")
-        self.folder.mkdir(parents=True, exist_ok=True)
         run = RunFolder(self.folder)
+        run.create("the playground's folder")
         run.save_config(self.cfg.to_dict())
         try:
             self.store = self._stack.enter_context(SqliteStore(run.store))

@@ -26,6 +26,7 @@ of a ``lit eval`` too. Steps are the user's (from 1, as the console counts them)
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,17 @@ class RunFolder:
 
     def __repr__(self) -> str:
         return f"RunFolder({str(self.dir)!r})"
+
+    def create(self, what: str = "train.output_dir") -> None:
+        """Make the folder (and its parents) if it is not there, or say in words which setting (``what``) names a
+        folder lit cannot write to: a ValueError, before anything starts."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"{what} {str(self.dir)!r} cannot be made ({exc.strerror or exc}): give a folder lit "
+                             "can write to") from exc
+        if not os.access(self.dir, os.W_OK | os.X_OK):
+            raise ValueError(f"{what} {str(self.dir)!r} is not writable: give a folder lit can write to")
 
     @property
     def config(self) -> Path:

@@ -81,6 +81,18 @@ def _cli(*args: str, block: str = "") -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
 
 
+def test_an_output_folder_lit_cannot_make_is_named_in_one_line_before_anything_starts(tmp_path):
+    (tmp_path / "a_file").write_text("")  # a folder under a file cannot be made, whoever runs the test (root too)
+    folder = tmp_path / "a_file" / "run"
+    for command in ("train", "eval"):
+        out = _cli(command, "examples/calc/config.toml", f"train.output_dir='{folder}'")
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+        assert out.stderr.strip().splitlines()[-1] == (
+            f"lit: error: train.output_dir '{folder}' cannot be made (Not a directory): give a folder lit can "
+            "write to"), out.stderr
+        assert "starting vLLM" not in out.stderr
+
+
 def test_overrides_are_accepted_after_options_too(tmp_path):
     config = tmp_path / "c.toml"
     config.write_text('[agent]\nfunction = "m:f"\n')
