@@ -206,8 +206,10 @@ class Collector:
             busy = " (the address is already in use: another trainer is running?)" if exc.errno == errno.EADDRINUSE \
                 else ""
             raise CollectorError(
-                f"the collector cannot bind {self.requested_endpoint}{busy}: {exc}. Choose another endpoint with "
-                "Collector(endpoint=...) and point the agents at it (LIT_ENDPOINT or lit.instrument(endpoint=...))"
+                f"the collector cannot bind {self.requested_endpoint}{busy}: {exc}. Choose another endpoint "
+                "([collector] endpoint in a lit train config, Collector(endpoint=...) in Python; tcp://127.0.0.1:0 "
+                "picks a free port) and point agents you started yourself at it (LIT_ENDPOINT or "
+                "lit.instrument(endpoint=...))"
             ) from None
         self._endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._limit.listen(self._endpoint)

@@ -226,8 +226,8 @@ class Dispatcher:
         except zmq.ZMQError as exc:
             self.sock.close()
             self._limit.release()
-            raise DispatchError(f"cannot listen for workers on {endpoint}: {exc} (is another trainer running? "
-                                "set dispatch.endpoint to a free port, or tcp://127.0.0.1:0 for any)") from None
+            raise DispatchError(f"cannot listen for workers on {endpoint}: {exc} (is another trainer running? set "
+                                "[dispatch_endpoint] endpoint to a free port, or tcp://127.0.0.1:0 for any)") from None
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._limit.listen(self.endpoint)
 
