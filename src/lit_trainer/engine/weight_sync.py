@@ -69,7 +69,7 @@ class SyncReport:
 def separate_aliases(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The same tensors, with a copy for each name that aliases an earlier one (tied embeddings:
     ``lm_head.weight`` is ``embed_tokens.weight``). safetensors refuses tensors that share memory; the head is
-    kept under its own name because lit serves tied models untied on CPU (see ``inference.untied_view``), and a
+    kept under its own name because lit serves tied models untied on CPU (see ``served_model.untied_view``), and a
     tied server simply skips it."""
     seen: set[tuple[int, int, tuple[int, ...]]] = set()
     out: dict[str, torch.Tensor] = {}
