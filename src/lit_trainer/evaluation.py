@@ -64,10 +64,11 @@ def evaluate(cfg: TrainConfig, checkpoint: str | Path | None = None, output: Pat
     _, val_tasks = load_tasks(cfg.data)
     check_agent(cfg)
     run.create()
-    run.save_config(cfg.to_dict())  # the model whose tokens lit show decodes
-    log = MetricsLog(run.eval_metrics)
-    with services(cfg, run.eval_store, run.spool, run.keys) as svc:
-        metrics = validate(svc.runner, val_tasks, log, step, 0.0, title=what)
+    with run.in_use("lit eval"):  # another lit eval of the same checkpoint stops at once
+        run.save_config(cfg.to_dict())  # the model whose tokens lit show decodes
+        log = MetricsLog(run.eval_metrics)
+        with services(cfg, run.eval_store, run.spool, run.keys) as svc:
+            metrics = validate(svc.runner, val_tasks, log, step, 0.0, title=what)
     result = {"model": model, "evaluated": what, "step": step, "tasks": len(val_tasks),
               "output_dir": str(run.dir), **metrics}
     if output:

@@ -18,7 +18,9 @@ Rollouts that fail after every retry give no episode, never a reward of 0; a tas
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -50,12 +52,19 @@ T = TypeVar("T")
 
 
 def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
-    """Train as ``cfg`` says; the last validation's metrics."""
-    from lit_trainer.learner.policy import Policy
-
+    """Train as ``cfg`` says; the last validation's metrics. The main process holds the output folder meanwhile
+    (``RunFolder.in_use``): a second ``lit train`` on it stops at once."""
     quiet_library_bars()
     out = RunFolder(cfg.train.output_dir)
     out.create()
+    main = os.environ.get("RANK", "0") == "0"  # under torchrun the other processes write nothing there
+    with out.in_use("lit train") if main else contextlib.nullcontext():
+        return _run(cfg, resume, out)
+
+
+def _run(cfg: TrainConfig, resume: bool, out: RunFolder) -> dict[str, Any]:
+    from lit_trainer.learner.policy import Policy
+
     start = out.latest_checkpoint()
     if start is not None and not resume:
         raise ConfigError(f"{out.dir} already holds checkpoints (latest: step {start.step}): continue it with "

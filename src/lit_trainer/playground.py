@@ -71,8 +71,9 @@ class Playground:
             raise ValueError("the playground runs on loopback without keys: leave [security] keys_dir empty")
         run = RunFolder(self.folder)
         run.create("the playground's folder")
-        run.save_config(self.cfg.to_dict())
         try:
+            self._stack.enter_context(run.in_use("a Playground", "the playground's folder"))
+            run.save_config(self.cfg.to_dict())
             self.store = self._stack.enter_context(SqliteStore(run.store))
             collector = self._stack.enter_context(Collector(self.store, "tcp://127.0.0.1:0"))
             print(f"lit: starting vLLM on {self.cfg.model} (about a minute on CPU)", file=sys.stderr, flush=True)

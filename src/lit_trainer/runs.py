@@ -5,6 +5,7 @@
         metrics.jsonl                one record per training step and per validation
         curve.png                    held-out and training accuracy against minutes
         STORE_FILE                   the store (SQLite): every span, rollout attempt, episode, advantage
+        LOCK_FILE                    held by the lit train that writes the folder, with its pid and host
         spool/                       spans the local workers have not delivered yet
         checkpoints/step-000012/     one checkpoint (learner/checkpoint.py writes it; DONE last)
         rollouts/ROLLOUT_ID.html     pages written by ``lit show``
@@ -25,8 +26,12 @@ of a ``lit eval`` too. Steps are the user's (from 1, as the console counts them)
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import socket
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -40,6 +45,8 @@ from lit_trainer.viewer import RolloutView, view_rollout
 
 STORE_FILE = "lit.sqlite"
 """The store's file in a run's folder."""
+LOCK_FILE = ".lit-in-use"
+"""The file a ``lit train``, ``lit eval`` or Playground holds a lock on while it writes the folder (``in_use``)."""
 CHECKPOINT_PREFIX = "step-"
 EVAL_DIR = "eval"
 """The folder, in a run's folder, of the ``lit eval`` of each of its checkpoints."""
@@ -110,6 +117,30 @@ class RunFolder:
                              "can write to") from exc
         if not os.access(self.dir, os.W_OK | os.X_OK):
             raise ValueError(f"{what} {str(self.dir)!r} is not writable: give a folder lit can write to")
+
+    @contextlib.contextmanager
+    def in_use(self, command: str, what: str = "train.output_dir") -> Iterator[None]:
+        """Hold the folder while ``command`` (``lit train``...) writes it: an exclusive ``flock`` on ``LOCK_FILE``,
+        which the kernel lets go of when this process ends, however it ends. A second command on the same folder
+        (a ``--resume`` while the run still trains, ``bash run.sh train`` in two terminals) stops at once with a
+        ValueError that names the one that holds it, instead of writing the same store, metrics and checkpoints."""
+        handle = (self.dir / LOCK_FILE).open("a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another lit process"
+            handle.close()
+            raise ValueError(f"{what} {str(self.dir)!r} is in use by {holder}: wait until it ends, or choose another "
+                             f"{what}") from None
+        try:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"{command} (pid {os.getpid()} on {socket.gethostname()})\n")
+            handle.flush()
+            yield
+        finally:
+            handle.close()  # lets go of the lock
 
     @property
     def config(self) -> Path:
