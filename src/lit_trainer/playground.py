@@ -70,9 +70,9 @@ class Playground:
         if self.cfg.security.keys_dir:
             raise ValueError("the playground runs on loopback without keys: leave [security] keys_dir empty")
         run = RunFolder(self.folder)
-        run.create("the playground's folder")
+        run.create("Playground folder")
         try:
-            self._stack.enter_context(run.in_use("a Playground", "the playground's folder"))
+            self._stack.enter_context(run.in_use("a Playground", "Playground folder"))
             run.save_config(self.cfg.to_dict())
             self.store = self._stack.enter_context(SqliteStore(run.store))
             collector = self._stack.enter_context(Collector(self.store, "tcp://127.0.0.1:0"))
