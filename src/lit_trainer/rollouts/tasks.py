@@ -4,12 +4,15 @@ A wrong ``[data]`` section raises ValueError naming the key and the fix."""
 from __future__ import annotations
 
 import json
+import logging
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from lit_sdk.worker import check_takes, load_target
+
+log = logging.getLogger("lit")
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,25 @@ def load_tasks(data: DataConfig) -> tuple[list[dict], list[dict]]:
         if problem:
             raise ValueError(f"[data] tasks = {data.tasks}: the {name} split {problem}. Each split must be a "
                              "non-empty list of dicts, each with an 'id' that no other task of the split has")
+    shared = shared_with_training(*splits)
+    if shared:
+        log.warning("lit: warning: [data] tasks = %s: %d of the %d validation tasks are also in the train split (the "
+                    "same fields apart from 'id'; the first: id %r): held-out accuracy counts what the model may "
+                    "have learnt by heart; take them out of one split", data.tasks, len(shared), len(splits[1]),
+                    shared[0])
     return list(splits[0]), list(splits[1])
+
+
+def shared_with_training(train: list[dict], validation: list[dict]) -> list[object]:
+    """The ids of the validation tasks that a training task repeats exactly: every field the same but ``id``
+    (near-duplicates, a question reworded, are not found here). Tasks with no field but their ``id`` are left out:
+    there is nothing in them to learn by heart."""
+    seen = {_content(task) for task in train}
+    return [task["id"] for task in validation if len(task) > 1 and _content(task) in seen]
+
+
+def _content(task: dict) -> str:
+    return json.dumps({k: v for k, v in task.items() if k != "id"}, sort_keys=True, default=repr)
 
 
 def _as_list(made: object, source: str, split: str) -> list:
@@ -84,4 +105,13 @@ def _broken_rule(tasks: list) -> str | None:
 def _read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         raise ValueError(f"[data] no {path.name} in {path.parent}")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    tasks = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            tasks.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"[data] {path} line {number} is not JSON ({exc.msg}, column {exc.colno}): one task, a "
+                             "JSON object, per line") from None
+    return tasks

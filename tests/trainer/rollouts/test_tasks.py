@@ -61,6 +61,32 @@ def test_a_wrong_data_section_names_the_problem(tmp_path: Path, train, validatio
         load_tasks(DataConfig(tasks=str(tmp_path)))
 
 
+def test_a_line_that_is_not_json_is_named_with_its_file_and_number(tmp_path: Path):
+    (tmp_path / "train.jsonl").write_text('{"id": 1, "q": "a"}\n\n{"id": 2, "q": "b"},\n')
+    write_split(tmp_path, "validation", [{"id": 3}])
+    with pytest.raises(ValueError) as raised:
+        load_tasks(DataConfig(tasks=str(tmp_path)))
+    assert str(raised.value) == (f"[data] {tmp_path / 'train.jsonl'} line 3 is not JSON (Extra data, column 20): one "
+                                 "task, a JSON object, per line")
+
+
+def test_validation_tasks_that_repeat_a_training_task_are_warned_about(tmp_path: Path, caplog):
+    write_split(tmp_path, "train", [{"id": 1, "q": "2+2", "answer": 4}, {"id": 2, "q": "3+3", "answer": 6}])
+    write_split(tmp_path, "validation", [{"id": "v1", "q": "5+5", "answer": 10}, {"id": "v2", "answer": 6, "q": "3+3"},
+                                         {"id": "v3", "q": "3+3", "answer": 7}])
+    train, val = load_tasks(DataConfig(tasks=str(tmp_path)))
+    assert len(train) == 2 and len(val) == 3  # a warning: the split stays as the user made it
+    [record] = [r for r in caplog.records if r.name == "lit"]
+    assert record.levelname == "WARNING" and record.getMessage() == (
+        f"lit: warning: [data] tasks = {tmp_path}: 1 of the 3 validation tasks are also in the train split (the "
+        "same fields apart from 'id'; the first: id 'v2'): held-out accuracy counts what the model may have learnt "
+        "by heart; take them out of one split")
+    caplog.clear()
+    write_split(tmp_path, "validation", [{"id": "v1"}, {"id": "v2", "q": "3+3 "}])  # only an id; not the same
+    load_tasks(DataConfig(tasks=str(tmp_path)))
+    assert not [r for r in caplog.records if r.name == "lit"]
+
+
 def test_no_tasks_configured_says_how_to_set_them():
     with pytest.raises(ValueError, match=r"\[data\] tasks is not set"):
         load_tasks(DataConfig())
