@@ -190,10 +190,11 @@ def _model_check(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     import lit_trainer
     from lit_trainer.evaluation import accuracy_line
+    from lit_trainer.learner import distributed
 
     run = lit_trainer.train(lit_trainer.load_config(args.config, args.overrides), resume=args.resume)
     validations = run.validations()
-    if validations and os.environ.get("RANK", "0") == "0":  # under torchrun, the main process says it
+    if validations and distributed.is_launch_main():  # under torchrun, the main process says it
         print(f"final held-out {accuracy_line(validations[-1])}")
     return 0
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -57,7 +56,7 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
     quiet_library_bars()
     out = RunFolder(cfg.train.output_dir)
     out.create()
-    main = os.environ.get("RANK", "0") == "0"  # under torchrun the other processes write nothing there
+    main = distributed.is_launch_main()  # under torchrun the other processes write nothing there
     with out.in_use("lit train") if main else contextlib.nullcontext():
         return _run(cfg, resume, out)
 

@@ -39,6 +39,12 @@ BUCKET_ELEMENTS = 1 << 25
 bucket instead of one per tensor, without a second copy of a large model's gradients."""
 
 
+def is_launch_main() -> bool:
+    """Whether this is the main process of its launch (``RANK`` 0 under torchrun or ``accelerate launch``; a plain
+    ``lit train`` is), known before accelerate starts: the one that holds the run folder and speaks to the user."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def on_cpu_processes() -> bool:
     """Whether this is one of several processes (``torchrun`` set ``WORLD_SIZE``) on a machine without CUDA: then
     accelerate must be told to run on the CPU, or it would not join the processes' gloo group."""
