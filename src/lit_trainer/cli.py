@@ -325,6 +325,9 @@ def _show(args: argparse.Namespace) -> int:
             episode_return = run.episode_return(row.rollout_id)
             shown = "-" if episode_return is None else f"{episode_return:+.3f}"
             print(f"{row.rollout_id:<{width}}  {row.task_id:<10} {row.status.value:<10} {shown}")
+        if stale := run.rollouts(rows[0].step, validation, superseded=True):
+            print(f"left out: {len(stale)} superseded rollout(s) of this step, made by a run that stopped before "
+                  f"its next checkpoint (the step was trained again), e.g. {stale[0].rollout_id}", file=sys.stderr)
     return 0
 
 
@@ -341,7 +344,10 @@ def _listed_rollouts(run, step: int | None, validation: bool) -> tuple[list, boo
         last = run.last_step(validation)
         if last is None:
             raise ValueError(f"no {'validation ' if validation else ''}rollouts in {run.dir} yet")
-        raise ValueError(f"no rollouts of {step_name(step, validation)} in {run.dir}; the last with any is "
+        stale = run.rollouts(step, validation, superseded=True) if step is not None else []
+        aside = (f" ({len(stale)} superseded: made by a run that stopped before its next checkpoint, e.g. "
+                 f"{stale[0].rollout_id})") if stale else ""
+        raise ValueError(f"no rollouts of {step_name(step, validation)} in {run.dir}{aside}; the last with any is "
                          f"{step_name(last, validation)}")
     return rows, validation
 

@@ -33,6 +33,7 @@ from lit_trainer import pipeline
 from lit_trainer.config import ConfigError, TrainConfig
 from lit_trainer.engine.fleet import SERVING_DTYPES
 from lit_trainer.evaluation import validate
+from lit_trainer.intake.store import Store
 from lit_trainer.learner import checkpoint as ckpt
 from lit_trainer.learner import distributed
 from lit_trainer.metrics import STEP_LINE_LEGEND, MetricsLog, memory_gb, plot_curve, step_line
@@ -44,7 +45,7 @@ from lit_trainer.rollouts.feed import StepFeed, StepPlan
 from lit_trainer.rollouts.guidance import check_references, guide, reference_encoder, references_of
 from lit_trainer.rollouts.runner import RolloutsFailed
 from lit_trainer.rollouts.tasks import load_tasks
-from lit_trainer.runs import RunFolder
+from lit_trainer.runs import Checkpoint, RunFolder
 from lit_trainer.services import check_agent, services
 
 T = TypeVar("T")
@@ -58,13 +59,31 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
     out.create()
     main = distributed.is_launch_main()  # under torchrun the other processes write nothing there
     with out.in_use("lit train") if main else contextlib.nullcontext():
-        return _run(cfg, resume, out)
+        try:
+            return _run(cfg, resume, out)
+        except KeyboardInterrupt:
+            if main:
+                print(f"lit: {_how_to_go_on(out, cfg)}", file=sys.stderr)
+            raise
+
+
+def _how_to_go_on(out: RunFolder, cfg: TrainConfig) -> str:
+    """What an interrupted run's user can do next."""
+    config, latest = cfg.source or "CONFIG", out.latest_checkpoint()
+    if latest is None:
+        return (f"stopped before the first checkpoint: `lit train {config}` starts again in {out.dir} (what this "
+                f"run logged is set aside there, not deleted)")
+    return (f"stopped: `lit train {config} --resume` continues from the last checkpoint, step {latest.step} "
+            f"({latest.path}); the steps after it train again")
 
 
 def _run(cfg: TrainConfig, resume: bool, out: RunFolder) -> dict[str, Any]:
     from lit_trainer.learner.policy import Policy
 
     start = out.latest_checkpoint()
+    if resume and start is None and distributed.is_launch_main():
+        print(f"lit: --resume: no checkpoint in {out.dir} to resume from: training starts at step 1",
+              file=sys.stderr)
     if start is not None and not resume:
         raise ConfigError(f"{out.dir} already holds checkpoints (latest: step {start.step}): continue it with "
                           "--resume, or choose another train.output_dir")
@@ -106,6 +125,8 @@ def _run(cfg: TrainConfig, resume: bool, out: RunFolder) -> dict[str, Any]:
         if start:
             fleet.push_weights(weights.latest(), version=str(start.step))
             print(f"lit: resumed from {start.path} (step {start.step})", file=sys.stderr)
+        if superseded := _supersede(out, store, start):
+            print(f"lit: {superseded}", file=sys.stderr)
         log = MetricsLog(out.metrics, policy.accelerator, cfg.train.trackers, cfg.to_dict())
         step, minutes, last_val = state["step"], state["minutes"], {}
         if step == 0 and cfg.train.val_every:
@@ -174,6 +195,19 @@ def _run(cfg: TrainConfig, resume: bool, out: RunFolder) -> dict[str, Any]:
               f"`lit eval {config} --checkpoint {out.dir}` evaluates it, `lit show --run {out.dir}` shows its "
               f"rollouts, `lit train {config} --resume train.steps={final.step * 2}` trains on", file=sys.stderr)
     return last_val
+
+
+def _supersede(out: RunFolder, store: Store, start: Checkpoint | None) -> str:
+    """Set aside what a stopped run left of the steps this run trains again (``RunFolder.supersede``); what was set
+    aside, in words, or "" when nothing was."""
+    records, rollouts = out.supersede(store, start.step if start else None)
+    if not records and not rollouts:
+        return ""
+    which = (f"had logged steps after step {start.step}, which this run trains again" if start else
+             "wrote no checkpoint, so this run starts it over")
+    return (f"the run that stopped here {which}: its {records} metrics record(s) of them moved to "
+            f"{out.superseded_metrics.name}, and its {rollouts} rollout(s) of them stay in the store, marked "
+            "superseded (lit show lists a step's own only)")
 
 
 def together(policy: Any, fn: Callable[..., T], *args: Any, main_only: dict[str, Any] | None = None) -> T:

@@ -110,6 +110,45 @@ def _drop_cut_line(path: Path) -> None:
             f.truncate(data.rfind(b"\n") + 1)
 
 
+def supersede(path: Path, keep_through: int, to: Path) -> int:
+    """Move the records of the steps after ``keep_through`` from ``path`` to the end of ``to``; the number moved. A
+    stopped run logged them after its last checkpoint (of step ``keep_through``; -1: it wrote none), and the run
+    now starting on its folder trains those steps again: left in place, each would come twice in the curve and in
+    ``Run.metrics``. ``to`` is written and synced before ``path`` is replaced (atomically), so a kill in between
+    leaves a record in both files, never in neither."""
+    _drop_cut_line(path)
+    if not path.exists():
+        return 0
+    kept, moved = [], []
+    for number, line in enumerate(path.read_text().splitlines(keepends=True), 1):
+        if not line.strip():
+            continue
+        try:
+            step = json.loads(line)["step"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}:{number} is not a metrics record ({exc}); lit leaves the file as it is: "
+                             "mend or remove that line, then start the run again") from None
+        (moved if step > keep_through else kept).append(line)
+    if not moved:
+        return 0
+    with to.open("a") as f:
+        f.writelines(moved)
+        f.flush()
+        os.fsync(f.fileno())
+    staging = path.with_name(f".{path.name}.tmp")
+    with staging.open("w") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(staging, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+    return len(moved)
+
+
 def read(path: Path) -> list[dict[str, Any]]:
     """The records of a metrics file; a last line cut short by a kill is left out, any other bad line raises."""
     if not path.exists():

@@ -3,6 +3,8 @@
     <train.output_dir>/
         config.json                  the settings the run used
         metrics.jsonl                one record per training step and per validation
+        metrics.superseded.jsonl     the records of steps a stopped run logged after its last checkpoint, which
+                                     the run that took the folder over (``--resume``, or a new start) trained again
         curve.png                    held-out and training accuracy against minutes
         STORE_FILE                   the store (SQLite): every span, rollout attempt, episode, advantage
         LOCK_FILE                    held by the lit train that writes the folder, with its pid and host
@@ -38,8 +40,8 @@ from typing import Any
 
 from lit_trainer import steps
 from lit_trainer.intake.episodes import Episode, UnusableRollout, build_episode
-from lit_trainer.intake.store import RolloutRow, SqliteStore
-from lit_trainer.metrics import plot_curve
+from lit_trainer.intake.store import RolloutRow, SqliteStore, Store
+from lit_trainer.metrics import plot_curve, supersede
 from lit_trainer.metrics import read as read_metrics
 from lit_trainer.viewer import RolloutView, view_rollout
 
@@ -154,6 +156,25 @@ class RunFolder:
     @property
     def metrics(self) -> Path:
         return self.dir / "metrics.jsonl"
+
+    @property
+    def superseded_metrics(self) -> Path:
+        return self.dir / "metrics.superseded.jsonl"
+
+    def supersede(self, store: Store, checkpoint_step: int | None) -> tuple[int, int]:
+        """Set aside what a stopped run left of the steps that the run now starting trains again: those after the
+        checkpoint it resumes from (``checkpoint_step``), or all of them when it starts from the beginning (None).
+        Their metrics records move to ``metrics.superseded.jsonl``; their rollouts stay in the store, marked
+        superseded, which ``Run`` leaves out of a step's rollouts. (Records moved, rollouts newly marked.)"""
+        keep_through = -1 if checkpoint_step is None else checkpoint_step
+        records = supersede(self.metrics, keep_through, self.superseded_metrics)
+        last, stale = store.last_step(), []
+        for recorded in range(max(keep_through, 0), -1 if last is None else last + 1):
+            for row in store.rollouts_of_step(recorded):
+                kind = steps.kind_of(row.rollout_id)  # None: not a run's rollout (a Playground's): left alone
+                if kind is not None and steps.shown_step(recorded, kind == "validation") > keep_through:
+                    stale.append(row.rollout_id)
+        return records, store.supersede(stale, checkpoint_step or 0) if stale else 0
 
     @property
     def curve(self) -> Path:
@@ -291,11 +312,14 @@ class Run:
             self._store = SqliteStore(self._store_file)
         return self._store
 
-    def rollouts(self, step: int | None = None, validation: bool = False) -> list[RolloutRow]:
+    def rollouts(self, step: int | None = None, validation: bool = False,
+                 superseded: bool = False) -> list[RolloutRow]:
         """The rollout attempts of training step ``step`` (from 1, as the console, metrics.jsonl and the
         checkpoints count); with ``validation``, of the validation after ``step`` steps (0: the one before
         training; a ``lit eval``'s: its checkpoint's step). Default: the last that has any (``last_step``). Each
-        row's ``step`` is that step too: the store's own count (steps.py) is converted here, never rewritten."""
+        row's ``step`` is that step too: the store's own count (steps.py) is converted here, never rewritten.
+        ``superseded``: instead, those of the step that a stopped run made and a later run (resumed from an
+        earlier checkpoint, or started again) made anew (``RunFolder.supersede``)."""
         if step is None:
             step = self.last_step(validation)
             if step is None:
@@ -303,8 +327,14 @@ class Run:
         recorded = steps.recorded_step(step, validation)
         if recorded < 0:
             return []
-        return [replace(row, step=step) for row in self.store().rollouts_of_step(recorded)
+        return [replace(row, step=step) for row in self._rollouts_recorded(recorded, validation, superseded)]
+
+    def _rollouts_recorded(self, recorded: int, validation: bool, superseded: bool = False) -> list[RolloutRow]:
+        """The store's rollouts of its step ``recorded``: the training or validation ones, superseded or not."""
+        rows = [row for row in self.store().rollouts_of_step(recorded)
                 if (steps.kind_of(row.rollout_id) == "validation") == validation]
+        marked = self.store().superseded([row.rollout_id for row in rows])
+        return [row for row in rows if (row.rollout_id in marked) == superseded]
 
     def last_step(self, validation: bool = False) -> int | None:
         """The last training step (from 1) that has rollouts, or with ``validation`` the step of the last
@@ -318,8 +348,7 @@ class Run:
         candidates = (range(last, -1, -1) if not validation else
                       sorted({last, *(r["step"] for r in self.validations())}, reverse=True))
         for recorded in candidates:
-            rows = store.rollouts_of_step(recorded)
-            if any((steps.kind_of(row.rollout_id) == "validation") == validation for row in rows):
+            if self._rollouts_recorded(recorded, validation):
                 return steps.shown_step(recorded, validation)
         return None
 

@@ -108,7 +108,8 @@ def _view(store: Store, rollout_id: str, decode: Decode | None) -> RolloutView:
     stored = store.get_episode(rollout_id)
     episode = Episode.from_dict(stored.data) if stored is not None else _rebuild_episode(spans)
     body = render_rollout(rollout_id, spans, rollout, episode, store.advantages_of_rollout(rollout_id), decode,
-                          stored=stored is not None, trainer_logprobs=store.trainer_logprobs_of_rollout(rollout_id))
+                          stored=stored is not None, trainer_logprobs=store.trainer_logprobs_of_rollout(rollout_id),
+                          superseded_from=store.superseded([rollout_id]).get(rollout_id))
     return RolloutView(rollout_id, body)
 
 
@@ -148,11 +149,13 @@ def _decoder(tokenizer: Any) -> Decode | None:
 def render_rollout(rollout_id: str, spans: Sequence[SpanRecord], rollout: RolloutRow | None,
                    episode: Episode | UnusableRollout | str, advantages: dict[int, float],
                    decode: Decode | None, stored: bool = True,
-                   trainer_logprobs: dict[int, list[float]] | None = None) -> str:
+                   trainer_logprobs: dict[int, list[float]] | None = None,
+                   superseded_from: int | None = None) -> str:
     """The page's HTML fragment. ``advantages`` maps transition index → advantage; ``decode`` turns one token id
     into text (None: show ids); ``episode`` is a string where the spans make none (why); ``stored`` says
     whether ``episode`` is the one the trainer kept;
-    ``trainer_logprobs`` maps transition index → the trainer's token logprobs (for the gap)."""
+    ``trainer_logprobs`` maps transition index → the trainer's token logprobs (for the gap); ``superseded_from``:
+    the step a later run restarted from, which trained this rollout's step again (store ``supersede``)."""
     transitions = {t.span_id: t for t in episode.transitions} if isinstance(episode, Episode) else {}
     calls = [s for s in sorted(spans, key=lambda s: (s.start_ns, s.end_ns, s.span_id)) if s.name == sc.LLM_SPAN]
     numbers = {s.span_id: k for k, s in enumerate(calls, 1)}
@@ -160,7 +163,7 @@ def render_rollout(rollout_id: str, spans: Sequence[SpanRecord], rollout: Rollou
     uid = f"lit{uuid.uuid4().hex[:12]}"  # the colour switch's radio names: one per view among a notebook's outputs
     parts = [f'<div class="lit-view"><style>{_CSS}</style>',
              _header(rollout_id, spans, rollout, episode, stored, decode,
-                     {t.index: numbers.get(t.span_id, 0) for t in transitions.values()}),
+                     {t.index: numbers.get(t.span_id, 0) for t in transitions.values()}, superseded_from),
              _switch(uid),
              '<div class="lit-body">', _legend(),
              "<h3>Span tree</h3>", _tree(spans, uid, numbers, transitions, advantages, attach),
@@ -183,7 +186,7 @@ def _switch(uid: str) -> str:
 
 def _header(rollout_id: str, spans: Sequence[SpanRecord], rollout: RolloutRow | None,
             episode: Episode | UnusableRollout | str, stored: bool, decode: Decode | None,
-            call_of: dict[int, int]) -> str:
+            call_of: dict[int, int], superseded_from: int | None = None) -> str:
     """Who, what, how it ended; ``call_of`` maps a transition index to its call's number."""
     root = next((s for s in spans if s.name == sc.ROLLOUT_SPAN and s.parent_id is None), None)
     attrs = root.attributes if root is not None else {}
@@ -191,6 +194,10 @@ def _header(rollout_id: str, spans: Sequence[SpanRecord], rollout: RolloutRow | 
             ("step", f"{_step(rollout)}, attempt {rollout.attempt}" if rollout else "not in the store"),
             ("status", rollout.status.value + (f": {rollout.error}" if rollout and rollout.error else "")
              if rollout else "unknown")]
+    if superseded_from is not None:
+        again = f"resumed from step {superseded_from}" if superseded_from else "started again from the beginning"
+        rows.append(("superseded", f"yes: its run stopped before its next checkpoint, and the run {again} trained "
+                                   "this step anew, without it"))
     if isinstance(episode, Episode):
         source = "" if stored else " (not stored by the trainer: rebuilt from the spans for this page)"
         rows += [("return", f"{_num(episode.episode_return)}{source}"),

@@ -12,6 +12,7 @@ import pytest
 
 import lit_trainer as lt
 from lit_trainer.intake.store import RolloutRow, RolloutStatus, SqliteStore
+from lit_trainer.runs import RunFolder
 
 SESSION = "0a1b2c3d"
 """A run's session, as rollout ids start with it (``<session>-s<step>-t<task>-g<k>-a<attempt>``)."""
@@ -89,6 +90,48 @@ def test_a_run_folder_reads_back_metrics_rollouts_and_checkpoints(run_dir: Path)
         curve = run.plot()
         assert curve.path == run_dir / "curve.png" and curve._repr_png_().startswith(b"\x89PNG")
         assert run.spans(f"{SESSION}-s0-t1-g0-a1") == []
+
+
+def test_a_run_taking_over_a_stopped_runs_folder_sets_aside_the_steps_it_trains_again(run_dir: Path):
+    """The fixture's run stopped after step 2 with its checkpoint of step 2 torn: a ``--resume`` from an earlier
+    checkpoint of step 1 trains step 2 again. The stopped run's records and rollouts of step 2 (and of the
+    validation after it) are set aside, none deleted; those of step 1 and before stay. A start from the beginning
+    (no checkpoint) sets aside everything."""
+    folder = RunFolder(run_dir)
+    before = (run_dir / "metrics.jsonl").read_text().splitlines()
+    with SqliteStore(run_dir / "lit.sqlite") as store:
+        assert folder.supersede(store, 1) == (2, 3)  # train 2 and validation 2; s1-t2, s1-t3 and val2-t9
+        assert folder.supersede(store, 1) == (0, 0)  # nothing twice
+    with lt.open_run(run_dir) as run:
+        assert [(r["kind"], r["step"]) for r in run.metrics()] == [("validation", 0), ("train", 1)]
+        assert run.rollouts(step=2) == [] and run.last_step() == 1 and run.last_step(validation=True) == 0
+        assert [r.task_id for r in run.rollouts(step=2, superseded=True)] == ["t2", "t3"]
+        assert [r.rollout_id for r in run.rollouts(step=2, validation=True, superseded=True)] == [
+            f"{SESSION}-val2-t9-g0-a1"]
+        assert [r.task_id for r in run.rollouts(step=1)] == ["t1"]  # before the checkpoint: kept
+        run.plot()  # the curve of what the resumed run keeps
+    set_aside = (run_dir / "metrics.superseded.jsonl").read_text().splitlines()
+    assert set_aside == before[2:4]  # the lines as they were; the line a kill cut short is gone
+    assert not list(run_dir.glob(".metrics*"))  # no staging file left
+
+    with SqliteStore(run_dir / "lit.sqlite") as store:
+        assert folder.supersede(store, None) == (2, 2)  # started again: validation 0 and step 1 too
+        assert store.superseded([f"{SESSION}-s0-t1-g0-a1", f"{SESSION}-s1-t2-g0-a1"]) == {
+            f"{SESSION}-s0-t1-g0-a1": 0, f"{SESSION}-s1-t2-g0-a1": 1}  # each with the step its run restarted from
+        assert store.counts()["rollouts"] == 5  # every rollout kept
+    assert (run_dir / "metrics.jsonl").read_text() == ""
+    assert (run_dir / "metrics.superseded.jsonl").read_text().splitlines() == before[2:4] + before[:2]
+
+
+def test_a_damaged_metrics_line_stops_the_set_aside_and_changes_nothing(tmp_path: Path):
+    from lit_trainer.metrics import supersede
+
+    metrics, aside = tmp_path / "metrics.jsonl", tmp_path / "metrics.superseded.jsonl"
+    metrics.write_text('{"kind": "train", "step": 1}\nnot json\n{"kind": "train", "step": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2 is not a metrics record .* mend or remove that line"):
+        supersede(metrics, 1, aside)
+    assert metrics.read_text().count("\n") == 3 and not aside.exists()
+    assert supersede(tmp_path / "none.jsonl", 0, aside) == 0 and not aside.exists()
 
 
 def test_open_run_refuses_a_folder_that_is_not_a_run(tmp_path: Path):

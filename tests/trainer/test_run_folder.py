@@ -54,3 +54,21 @@ def test_lit_train_and_eval_on_a_folder_in_use_stop_in_one_line_before_anything_
         f"lit: error: train.output_dir '{tmp_path}' is in use by lit train (pid {os.getpid()} on "
         f"{socket.gethostname()}): wait until it ends, or choose another train.output_dir"), out.stderr
     assert "starting vLLM" not in out.stderr and not (tmp_path / "config.json").exists()
+
+
+def test_an_interrupted_run_says_how_to_go_on_from_its_last_checkpoint_or_from_the_start(tmp_path: Path):
+    from lit_trainer import load_config
+    from lit_trainer.loop import _how_to_go_on
+
+    config = tmp_path / "config.toml"
+    config.write_text(f'[agent]\nfunction = "m:f"\n[train]\noutput_dir = "{tmp_path / "run"}"\n')
+    cfg = load_config(config)
+    out = RunFolder(cfg.train.output_dir)
+    assert _how_to_go_on(out, cfg) == (f"stopped before the first checkpoint: `lit train {config}` starts again in "
+                                       f"{out.dir} (what this run logged is set aside there, not deleted)")
+    for step, done in ((2, True), (4, False)):  # step 4's was being written when the interrupt came
+        out.checkpoint(step).path.mkdir(parents=True)
+        if done:
+            (out.checkpoint(step).path / "DONE").write_text("")
+    assert _how_to_go_on(out, cfg) == (f"stopped: `lit train {config} --resume` continues from the last checkpoint, "
+                                       f"step 2 ({out.checkpoint(2).path}); the steps after it train again")

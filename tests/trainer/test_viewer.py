@@ -20,7 +20,7 @@ from lit_trainer.config import TrainConfig
 from lit_trainer.intake.episodes import Episode, Transition, build_episode
 from lit_trainer.intake.store import AdvantageRow, RolloutRow, RolloutStatus, SqliteStore
 from lit_trainer.pipeline import prepare
-from lit_trainer.runs import Run
+from lit_trainer.runs import Run, RunFolder
 
 TRACE = "ab" * 16
 SCRIPT = "<script>alert(1)</script>"
@@ -245,6 +245,30 @@ def test_lit_show_writes_the_page_and_lists_the_last_training_steps_rollouts(run
     assert main(["show", "missing", "--run", str(run_dir)]) == 1
     assert main(["show", "--run", str(run_dir / "nowhere")]) == 1
     assert "no lit.sqlite" in capsys.readouterr().err
+
+
+def test_lit_show_lists_a_steps_own_rollouts_and_names_those_a_resumed_run_superseded(run_dir, capsys):
+    """A run stopped during training step 2 (no checkpoint of it), resumed from step 1, ran step 2 again: the
+    listing of step 2 is the resumed run's, and says how many of the stopped run's it left out; each of those
+    still opens, its page saying it was superseded."""
+    with SqliteStore(run_dir / "lit.sqlite") as store:
+        _, _, old_a, old_b = fill_run(store, [("val0", 0, 0), ("s0", 0, 1), ("s1", 1, 0), ("s1", 1, 1)])
+        assert RunFolder(run_dir).supersede(store, 1) == (0, 2)
+        (new,) = fill_run(store, [("s1", 1, 1)])
+    assert main(["show", "--run", str(run_dir)]) == 0
+    err, rows = listed(capsys)
+    assert rows == [[new, "t1", "succeeded", "+1.000"]]
+    assert "left out: 2 superseded rollout(s) of this step" in err and old_a in err
+    assert main(["show", old_b, "--run", str(run_dir)]) == 0
+    page = (run_dir / "rollouts" / f"{old_b}.html").read_text()
+    assert "superseded" in page and "the run resumed from step 1 trained this step anew" in page
+    assert main(["show", new, "--run", str(run_dir)]) == 0
+    assert "superseded" not in (run_dir / "rollouts" / f"{new}.html").read_text()
+    capsys.readouterr()
+    with SqliteStore(run_dir / "lit.sqlite") as store:
+        store.supersede([new], 1)  # as if that run stopped too before its checkpoint of step 2
+    assert main(["show", "--run", str(run_dir), "--step", "2"]) == 1
+    assert "no rollouts of training step 2" in (err := capsys.readouterr().err) and "(3 superseded" in err
 
 
 def test_lit_show_opens_the_folder_lit_eval_wrote(tmp_path, capsys):

@@ -152,6 +152,8 @@ class Store(Protocol):
     def get_rollout(self, rollout_id: str) -> RolloutRow | None: ...
     def rollouts_of_step(self, step: int) -> list[RolloutRow]: ...
     def last_step(self) -> int | None: ...
+    def supersede(self, rollout_ids: Iterable[str], restart_step: int) -> int: ...
+    def superseded(self, rollout_ids: Sequence[str]) -> dict[str, int]: ...
     def add_tasks(self, rows: Iterable[TaskRow]) -> int: ...
     def get_task(self, task_id: str) -> TaskRow | None: ...
     def save_episode(self, rollout_id: str, data: dict[str, Any], episode_return: float | None) -> None: ...
@@ -182,6 +184,8 @@ _ADDED = """
 CREATE TABLE IF NOT EXISTS advantages (
     rollout_id TEXT NOT NULL, transition INTEGER NOT NULL, step INTEGER NOT NULL, advantage REAL NOT NULL,
     trainer_logprobs BLOB, PRIMARY KEY (rollout_id, transition)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS superseded (
+    rollout_id TEXT PRIMARY KEY, restart_step INTEGER NOT NULL, at REAL NOT NULL) WITHOUT ROWID;
 """
 """Tables added to schema version 2 (see ``SCHEMA_VERSION``)."""
 _ROLLOUT_KEY_IN, _ROLLOUT_KEY_OUT = "coalesce(?, x'')", "nullif(rollout_id, x'')"
@@ -406,6 +410,29 @@ class SqliteStore:
     def last_step(self) -> int | None:
         """The latest step of any rollout (validation rollouts count too); None when there is no rollout."""
         return self._conn().execute("SELECT max(step) FROM rollouts").fetchone()[0]
+
+    def supersede(self, rollout_ids: Iterable[str], restart_step: int) -> int:
+        """Mark rollouts as superseded: a stopped run made them for steps that the run now starting trains again,
+        from its checkpoint of ``restart_step`` (0: from the start). They are kept as they are; readers leave them
+        out of a step's rollouts (``runs.Run.rollouts``). How many were not marked before (an id the store has no
+        rollout of is not marked)."""
+        values = [(restart_step, time.time(), rollout_id) for rollout_id in rollout_ids]
+        conn = self._conn()
+        with self._write(conn):
+            before = conn.total_changes
+            conn.executemany("INSERT OR IGNORE INTO superseded (rollout_id, restart_step, at) "
+                             "SELECT rollout_id, ?, ? FROM rollouts WHERE rollout_id = ?", values)
+            return conn.total_changes - before
+
+    def superseded(self, rollout_ids: Sequence[str]) -> dict[str, int]:
+        """Of ``rollout_ids``, those superseded (``supersede``), each with the step its run was restarted from."""
+        found: dict[str, int] = {}
+        conn = self._conn()
+        for i in range(0, len(rollout_ids), _IN_CHUNK):
+            chunk = list(rollout_ids[i:i + _IN_CHUNK])
+            found.update(conn.execute(f"SELECT rollout_id, restart_step FROM superseded WHERE rollout_id IN "
+                                      f"({','.join('?' * len(chunk))})", chunk).fetchall())
+        return found
 
     # -- tasks and episodes -------------------------------------------------------------------------------------
 

@@ -1,0 +1,111 @@
+"""A run stopped with Ctrl-C between checkpoints, then resumed, with nothing stood in (real vLLM, worker, ZeroMQ,
+SQLite): the interrupted run says how to go on, and the resumed one trains the steps after its checkpoint again.
+What the stopped run had logged of those steps used to stay in metrics.jsonl, so that each came twice in the curve
+and in ``Run.metrics``, and its rollouts of them were listed beside the resumed run's; they are now set aside
+(``metrics.superseded.jsonl``; the store marks the rollouts superseded), none deleted."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lit_sdk.processes import group_members
+from lit_trainer.runs import Run
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+TESTS = Path(__file__).parents[1]
+
+CONFIG = """
+model = "{model}"
+[agent]
+function = "rollout_agents:reply_length_parity"
+concurrency = 4
+max_tokens = 16
+[data]
+tasks = "rollout_agents:parity_tasks"
+train_size = 8
+val_size = 4
+[train]
+steps = 3
+tasks_per_step = 1
+group_size = 2
+val_every = 1
+checkpoint_every = 2
+output_dir = "{out}"
+[inference]
+cpu_kv_cache_gb = 1
+# vLLM without torch.compile starts about 24 s sooner (bench/vllm_start.py); the compiled default runs in the
+# session server (conftest.py), test_server.py's engine-core test and test_train_options.py's lit eval
+extra_args = ["--enforce-eager"]
+"""
+
+
+def _lit_train(config: Path, *args: str, interrupt_after: str | None = None) -> tuple[int, str, str]:
+    """``lit train config args`` in a session of its own; with ``interrupt_after``, Ctrl-C as a terminal sends it
+    (SIGINT to the whole process group) once that line is printed. (return code, stdout, stderr)."""
+    env = {**os.environ, "PYTHONPATH": str(TESTS), "CI": "true"}
+    errors = config.with_name(f"stderr-{time.monotonic_ns()}.txt")
+    with errors.open("w") as sink, subprocess.Popen(
+            [sys.executable, "-m", "lit_trainer.cli", "train", str(config), *args], env=env, stdout=subprocess.PIPE,
+            stderr=sink, text=True, start_new_session=True) as proc:
+        out = []
+        try:
+            for line in proc.stdout:
+                out.append(line)
+                if interrupt_after is not None and line.startswith(interrupt_after):
+                    os.killpg(proc.pid, signal.SIGINT)
+                    interrupt_after = None
+            code = proc.wait(timeout=600)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while group_members(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert group_members(proc.pid) == [], f"processes of lit train outlived it: {group_members(proc.pid)}"
+    return code, "".join(out), errors.read_text()
+
+
+def test_a_run_interrupted_between_checkpoints_resumes_and_sets_aside_what_it_trains_again(prepared_model: Path,
+                                                                                           tmp_path: Path):
+    out = tmp_path / "run"
+    config = tmp_path / "config.toml"
+    config.write_text(CONFIG.format(model=prepared_model, out=out))
+    # stopped during the validation after step 3, before that step's checkpoint (the last is step 2's)
+    code, stdout, stderr = _lit_train(config, interrupt_after="step 3/3")
+    assert code == 130 and "lit: interrupted" in stderr and "Traceback" not in stderr, stderr[-3000:]
+    assert (f"lit: stopped: `lit train {config} --resume` continues from the last checkpoint, step 2 "
+            f"({out / 'checkpoints' / 'step-000002'}); the steps after it train again") in stderr, stderr[-3000:]
+    assert not (out / "checkpoints" / "step-000003").exists()
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if r["kind"] == "train"] == [1, 2, 3]
+    with Run(out) as run:
+        stopped_run_step_3 = {r.rollout_id for r in run.rollouts(step=3)}
+    assert len(stopped_run_step_3) == 2
+
+    code, stdout, stderr = _lit_train(config, "--resume")
+    assert code == 0 and "resumed from" in stderr and "(step 2)" in stderr, stderr[-3000:]
+    assert "lit: the run that stopped here had logged steps after step 2, which this run trains again: its 1 " \
+           "metrics record(s) of them moved to metrics.superseded.jsonl" in stderr, stderr[-3000:]
+    assert "step 3/3" in stdout and "step 2/3" not in stdout, stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3]  # each step once
+    assert [r["step"] for r in records if r["kind"] == "validation"] == [0, 1, 2, 3]
+    aside = [json.loads(line) for line in (out / "metrics.superseded.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in aside] == [("train", 3)]
+    assert aside[0]["time"] < records[-2]["time"]  # the stopped run's step 3, not the resumed run's
+    assert (out / "checkpoints" / "step-000003" / "DONE").exists() and (out / "curve.png").stat().st_size > 0
+    with Run(out) as run:
+        step_3 = {r.rollout_id for r in run.rollouts(step=3)}
+        assert len(step_3) == 2 and not step_3 & stopped_run_step_3  # the resumed run's own
+        assert {r.rollout_id for r in run.rollouts(step=3, superseded=True)} == stopped_run_step_3
+        assert len(run.rollouts(step=2)) == 2 and run.rollouts(step=2, superseded=True) == []  # kept
+        print(f"set aside: {len(aside)} record, {len(stopped_run_step_3)} training rollouts of step 3 and "
+              f"{len(run.rollouts(step=3, validation=True, superseded=True))} of the validation after it")
