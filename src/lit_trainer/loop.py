@@ -127,7 +127,8 @@ def _run(cfg: TrainConfig, resume: bool, out: RunFolder) -> dict[str, Any]:
             print(f"lit: resumed from {start.path} (step {start.step})", file=sys.stderr)
         if superseded := _supersede(out, store, start):
             print(f"lit: {superseded}", file=sys.stderr)
-        log = MetricsLog(out.metrics, policy.accelerator, cfg.train.trackers, cfg.to_dict())
+        log = MetricsLog(out.metrics, policy.accelerator, cfg.train.trackers, cfg.to_dict(),
+                         first_step=start.step + 1 if start else 0)
         step, minutes, last_val = state["step"], state["minutes"], {}
         if step == 0 and cfg.train.val_every:
             last_val = validate(svc.runner, val_tasks, log, step, minutes)

@@ -95,6 +95,24 @@ def test_trackers_get_every_name_under_its_kind_and_a_flat_config(tmp_path):
     assert MetricsLog(tmp_path / "n.jsonl", accelerator, []).accelerator is None  # no trackers named: none used
 
 
+def test_tensorboard_hides_what_a_stopped_run_logged_of_the_steps_a_resumed_run_logs_again(tmp_path):
+    """The stopped run logged steps 1-3, its checkpoint was of step 2: the resumed run logs step 3 again, and
+    TensorBoard shows each step once, step 3 as the resumed run logged it (both event files are kept)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for first_step, values in ((0, {1: 0.1, 2: 0.2, 3: 0.3}), (3, {3: 0.9})):
+        accelerator = Accelerator(cpu=True, log_with="tensorboard", project_dir=str(tmp_path))
+        log = MetricsLog(tmp_path / "metrics.jsonl", accelerator, ["tensorboard"], {}, first_step=first_step)
+        for step, value in values.items():
+            log.log(step, {"reward/mean": value})
+        log.close()
+    events = EventAccumulator(str(tmp_path / "lit"))
+    events.Reload()
+    shown = [(e.step, round(e.value, 3)) for e in events.Scalars("train/reward/mean")]
+    assert shown == [(1, 0.1), (2, 0.2), (3, 0.9)], shown
+    assert len(list((tmp_path / "lit").glob("events.out.tfevents.*"))) == 2
+
+
 def test_plot_curve_writes_a_png_and_nothing_without_data(tmp_path):
     path = tmp_path / "metrics.jsonl"
     assert plot_curve(path, tmp_path / "none.png") is None
