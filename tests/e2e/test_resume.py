@@ -2,7 +2,8 @@
 SQLite): the interrupted run says how to go on, and the resumed one trains the steps after its checkpoint again.
 What the stopped run had logged of those steps used to stay in metrics.jsonl, so that each came twice in the curve
 and in ``Run.metrics``, and its rollouts of them were listed beside the resumed run's; they are now set aside
-(``metrics.superseded.jsonl``; the store marks the rollouts superseded), none deleted."""
+(``metrics.superseded.jsonl``; the store marks the rollouts superseded), none deleted. SIGTERM stops it as Ctrl-C
+does."""
 
 from __future__ import annotations
 
@@ -109,3 +110,34 @@ def test_a_run_interrupted_between_checkpoints_resumes_and_sets_aside_what_it_tr
         assert len(run.rollouts(step=2)) == 2 and run.rollouts(step=2, superseded=True) == []  # kept
         print(f"set aside: {len(aside)} record, {len(stopped_run_step_3)} training rollouts of step 3 and "
               f"{len(run.rollouts(step=3, validation=True, superseded=True))} of the validation after it")
+
+
+def test_sigterm_stops_lit_train_as_ctrl_c_does_with_its_vllm_server(prepared_model: Path, tmp_path: Path):
+    """``kill``, a job scheduler's or a container's stop sends SIGTERM to the trainer alone: it used to end on the
+    spot, saying nothing, its vLLM server left to the kernel's parent-death signal. It now stops as Ctrl-C does
+    (here while vLLM starts): its server stopped, how to go on said, exit code 143."""
+    import psutil
+
+    config = tmp_path / "config.toml"
+    config.write_text(CONFIG.format(model=prepared_model, out=tmp_path / "run"))
+    env = {**os.environ, "PYTHONPATH": str(TESTS), "CI": "true"}
+    with subprocess.Popen([sys.executable, "-m", "lit_trainer.cli", "train", str(config)], env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            trainer, deadline, server = psutil.Process(proc.pid), time.monotonic() + 300, []
+            while not server and time.monotonic() < deadline and proc.poll() is None:
+                time.sleep(0.2)
+                server = [p for p in trainer.children(recursive=True) if "vllm" in " ".join(p.cmdline())]
+            assert server, "no vLLM server started"
+            descendants = trainer.children(recursive=True)
+            proc.send_signal(signal.SIGTERM)
+            _, stderr = proc.communicate(timeout=180)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 143 and "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.strip().splitlines()[-2:] == [
+        f"lit: stopped before the first checkpoint: `lit train {config}` starts again in {tmp_path / 'run'} (what "
+        "this run logged is set aside there, not deleted)", "lit: stopped by SIGTERM"], stderr[-3000:]
+    _, alive = psutil.wait_procs(descendants, timeout=30)
+    assert alive == [], f"processes of lit train outlived it: {alive}"
