@@ -34,6 +34,7 @@ import importlib
 import inspect
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -54,10 +55,12 @@ from lit_sdk.processes import start_child, stop_children
 from lit_sdk.protocol import security
 from lit_sdk.protocol.codec import ProtocolError
 from lit_sdk.protocol.dispatch import (
+    MAX_ERROR_CHARS,
     MAX_HOST_CHARS,
     MAX_LISTED,
     MAX_SLOTS,
     TO_WORKER,
+    Bye,
     Done,
     Heartbeat,
     Hello,
@@ -175,6 +178,12 @@ class Worker:
         self.worker_id = f"{socket.gethostname()[:64]}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
         self.running: dict[str, asyncio.Task] = {}
         """Rollouts from their ``Run`` until their ``Done`` is sent."""
+        self.handed_back = 0
+        """Rollouts this process was running when it was stopped by other than the trainer (Ctrl-C, SIGTERM, an
+        error): its ``Bye`` tells the trainer, which runs them again at once rather than after this worker's
+        silence."""
+        self.terminated = False
+        """Whether SIGTERM stopped it (``run`` then raises CancelledError)."""
         self.stuck: set[str] = set()
         """Timed-out sync calls whose thread has not ended: each holds a thread of the pool."""
         self.completed = 0
@@ -188,7 +197,7 @@ class Worker:
 
     async def run(self) -> int:
         """Serve until the trainer says ``stop`` (or the process is interrupted); the number of rollouts run."""
-        ctx = zmq.asyncio.Context.instance()
+        ctx = zmq.asyncio.Context()  # its own, terminated below: what is queued goes out before the process ends
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 2000)
         security.guard_client(self.sock, self.connect, security.client_keys(), "lit worker")
@@ -197,6 +206,8 @@ class Worker:
         await self._hello()
         next_beat = time.monotonic() + self.heartbeat_s
         waiting_since, said = time.monotonic(), 0
+        self._stop_on_sigterm()
+        reason = None
         try:
             while not self._stop.is_set():
                 if await self.sock.poll(max(0, min(200, (next_beat - time.monotonic()) * 1000))):
@@ -211,13 +222,38 @@ class Worker:
                 if time.monotonic() >= next_beat and not self._stop.is_set():
                     await self._heartbeat()
                     next_beat = time.monotonic() + self.heartbeat_s
+        except asyncio.CancelledError:  # Ctrl-C (asyncio.run cancels on SIGINT), or SIGTERM
+            reason = "SIGTERM" if self.terminated else "Ctrl-C"
+            raise
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            raise
         finally:
+            running = len(self.running)
             for task in self.running.values():
                 task.cancel()
             await asyncio.gather(*self.running.values(), return_exceptions=True)
+            if reason is not None and self.welcomed:  # not the trainer's stop: it still counts on this process
+                with contextlib.suppress(zmq.ZMQError):
+                    await self.sock.send(encode_dispatch(Bye(reason[-MAX_ERROR_CHARS:])))
+                    self.handed_back = running
             self._pool.shutdown(wait=False, cancel_futures=True)
-            self.sock.close()
+            self.sock.close(linger=None if self.welcomed else 0)  # no trainer answered: nobody to wait for
+            ctx.term()  # waits until what is still queued (a bye, the last Done) is sent, for up to LINGER (2 s)
         return self.completed
+
+    def _stop_on_sigterm(self) -> None:
+        """SIGTERM (``kill``, a container's stop, the trainer stopping its local workers) ends ``run`` as Ctrl-C
+        does, through its clean-up; Python's default would end the process on the spot. Only in the main thread
+        of a POSIX process (asyncio's signal handlers)."""
+        main = asyncio.current_task()
+
+        def terminate() -> None:
+            self.terminated = True
+            main.cancel()
+
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, terminate)
 
     async def _hello(self) -> None:
         hello = Hello(self.concurrency, os.getpid(), socket.gethostname()[:MAX_HOST_CHARS], self.worker_id)
@@ -348,12 +384,6 @@ class Worker:
         future.add_done_callback(release)
 
 
-def serve(target: str, connect: str, concurrency: int) -> int:
-    """Run one worker process until the trainer stops it."""
-    fn = load_agent(target)
-    return asyncio.run(Worker(fn, connect, concurrency).run())
-
-
 def spawn(target: str, connect: str, concurrency: int, env: dict[str, str] | None = None,
           die_with_parent: bool = True) -> subprocess.Popen:
     """Start one worker process (``python -m lit_sdk.worker``) in its own process group; on Linux it gets SIGTERM
@@ -385,16 +415,33 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lit worker: error: {exc}", file=sys.stderr)
         return 1
     if args.processes == 1:
-        with contextlib.suppress(KeyboardInterrupt):
-            n = serve(args.target, args.connect, args.concurrency)
-            log.info("lit worker: stopped by the trainer after %d rollouts", n)
+        worker = Worker(load_agent(args.target), args.connect, args.concurrency)
+        try:
+            n = asyncio.run(worker.run())
+        except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C; SIGTERM (Worker._stop_on_sigterm)
+            back = (f"; the {worker.handed_back} it was running went back to the trainer, which runs them again"
+                    if worker.handed_back else "")
+            print(f"lit worker: stopped by {'SIGTERM' if worker.terminated else 'Ctrl-C'} after "
+                  f"{worker.completed} rollouts{back}", file=sys.stderr)
+            return 128 + signal.SIGTERM if worker.terminated else 130
+        log.info("lit worker: stopped by the trainer after %d rollouts", n)
         return 0
     children = [spawn(args.target, args.connect, args.concurrency) for _ in range(args.processes)]
+
+    def terminate(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt("SIGTERM")
+
+    signal.signal(signal.SIGTERM, terminate)
     try:
         codes = [child.wait() for child in children]
-    except KeyboardInterrupt:  # the children have their own process groups: Ctrl-C reached only this one
+    except KeyboardInterrupt as exc:  # the children have their own process groups: Ctrl-C reached only this one
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        # SIGTERM to each: each hands its rollouts back to the trainer (Worker._hand_back) and ends
         stop_children(children, grace_s=10, name="lit worker processes")
-        return 130
+        terminated = exc.args == ("SIGTERM",)
+        print(f"lit worker: stopped by {'SIGTERM' if terminated else 'Ctrl-C'}, and its {len(children)} processes "
+              "with it", file=sys.stderr)
+        return 128 + signal.SIGTERM if terminated else 130
     return max(codes)
 
 

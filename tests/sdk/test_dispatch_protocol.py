@@ -20,6 +20,7 @@ from lit_sdk.protocol.codec import MAX_FRAME_BYTES, VERSION, ProtocolError
 from lit_sdk.protocol.dispatch import (
     TO_TRAINER,
     TO_WORKER,
+    Bye,
     Done,
     Heartbeat,
     Hello,
@@ -46,6 +47,7 @@ MESSAGES = [
     Done("r0-a1", 1, "succeeded", 0.5, None),
     Done("r0-a2", 2, "failed", None, "RuntimeError: agent bug"),
     Done("r0-a3", 3, "timed_out"),
+    Bye("SIGTERM"),
     Welcome("tcp://127.0.0.1:7373", ["http://127.0.0.1:8000/v1", "http://gpu-2:8000/v1"]),
     Welcome("tcp://0.0.0.0:7373"),
     Run("r0-a1", "task0", 1, {"id": 1, "nested": [1, "a", None, {"k": 2.5}], "blob": b"\x00\xff"}, LLM_DICT,
@@ -71,7 +73,7 @@ def test_every_message_round_trips_exactly(message):
 
 
 def test_the_wire_tags_are_those_of_before():
-    assert [cls.TAG for cls in TO_TRAINER] == ["hello", "hb", "done"]
+    assert [cls.TAG for cls in TO_TRAINER] == ["hello", "hb", "done", "bye"]
     assert [cls.TAG for cls in TO_WORKER] == ["welcome", "run", "who", "stop"]
 
 
@@ -110,7 +112,8 @@ BAD = [
     (wire({"v": 2, "t": "hb", "running": 0}), "version", "protocol version 2 is not supported (this side speaks 1)"),
     (wire({"v": "1", "t": "hb", "running": 0}), "version", "protocol version '1' is not supported"),
     (wire({"v": True, "t": "hb", "running": 0}), "version", "protocol version True is not supported"),
-    (wire({"v": 1, "t": "bogus"}), "type", "unknown dispatch message type 'bogus' (known: hello, hb, done, welcome"),
+    (wire({"v": 1, "t": "bogus"}), "type",
+     "unknown dispatch message type 'bogus' (known: hello, hb, done, bye, welcome"),
     (wire({"v": 1}), "type", "unknown dispatch message type None"),
     (wire({"v": 1, "t": "hello", "slots": 2, "pid": 1}), "shape", "a 'hello' message lacks its field 'host'"),
     (hello(slots="x"), "shape", "'hello' field 'slots' must be an integer, got 'x' (a string)"),
@@ -142,6 +145,8 @@ BAD = [
     (done(reward="1.0"), "shape", "'reward' must be a number or nil, got '1.0' (a string)"),
     (done(reward=False), "shape", "'reward' must be a number or nil, got False (a boolean)"),
     (done(error=3), "shape", "'error' must be a string or nil, got 3 (an integer)"),
+    (wire({"v": 1, "t": "bye"}), "shape", "a 'bye' message lacks its field 'reason'"),
+    (wire({"v": 1, "t": "bye", "reason": "r" * 8193}), "shape", "'reason' must be 0 to 8192 characters long"),
     (wire({"v": 1, "t": "welcome", "spans_endpoint": "x", "llm_base_urls": ["a", 3]}), "shape",
      "'llm_base_urls' must be a list of strings, got a list"),
     (wire({"v": 1, "t": "welcome", "spans_endpoint": "x", "llm_base_urls": "a"}), "shape",

@@ -14,6 +14,7 @@ from lit_sdk.protocol.dispatch import (
     ROLLOUT_STATUSES,
     TO_TRAINER,
     TO_WORKER,
+    Bye,
     DispatchMessage,
     Done,
     Heartbeat,
@@ -68,6 +69,6 @@ __all__ = [
     "PartFrame", "ProtocolError", "SpanRecord", "SpansFrame", "decode_frame", "decode_frame_packed", "encode_ack",
     "encode_busy", "encode_nack", "encode_parts", "encode_span_dicts", "encode_spans", "pack_span",
     # dispatch
-    "ROLLOUT_STATUSES", "TO_TRAINER", "TO_WORKER", "DispatchMessage", "Done", "Heartbeat", "Hello", "Run", "Stop",
-    "ToTrainer", "ToWorker", "Welcome", "Who", "decode_dispatch", "encode_dispatch",
+    "ROLLOUT_STATUSES", "TO_TRAINER", "TO_WORKER", "Bye", "DispatchMessage", "Done", "Heartbeat", "Hello", "Run",
+    "Stop", "ToTrainer", "ToWorker", "Welcome", "Who", "decode_dispatch", "encode_dispatch",
 ]

@@ -80,6 +80,17 @@ class Done:
     """What went wrong, for ``failed`` and ``timed_out``."""
 
 
+@dataclass(frozen=True, slots=True)
+class Bye:
+    """A worker leaves before the trainer stopped it (Ctrl-C, SIGTERM, an error of its own): the trainer fails at
+    once, and retries elsewhere, the attempts it was running, and hands it nothing more. A worker that leaves
+    without a word is found out by ``worker_timeout_s`` of silence instead."""
+
+    TAG: ClassVar[str] = "bye"
+    reason: str
+    """Why, in words (``Ctrl-C``, ``SIGTERM``, its error)."""
+
+
 # -- trainer → worker ----------------------------------------------------------------------------------------------
 
 
@@ -132,10 +143,10 @@ class Stop:
     TAG: ClassVar[str] = "stop"
 
 
-ToTrainer = Hello | Heartbeat | Done
+ToTrainer = Hello | Heartbeat | Done | Bye
 ToWorker = Welcome | Run | Who | Stop
 DispatchMessage = ToTrainer | ToWorker
-TO_TRAINER: tuple[type, ...] = (Hello, Heartbeat, Done)
+TO_TRAINER: tuple[type, ...] = (Hello, Heartbeat, Done, Bye)
 TO_WORKER: tuple[type, ...] = (Welcome, Run, Who, Stop)
 
 Rule = tuple[Callable[[Any], bool], str]
@@ -163,6 +174,7 @@ _RULES: dict[tuple[type, str], Rule] = {
     (Done, "attempt"): _ATTEMPT,
     (Done, "status"): (lambda s: s in ROLLOUT_STATUSES, "one of " + ", ".join(ROLLOUT_STATUSES)),
     (Done, "error"): _chars(0, MAX_ERROR_CHARS),
+    (Bye, "reason"): _chars(0, MAX_ERROR_CHARS),
     (Run, "rollout_id"): _ID,
     (Run, "task_id"): _chars(0, MAX_ID_CHARS),
     (Run, "attempt"): _ATTEMPT,

@@ -46,6 +46,7 @@ from lit_sdk.protocol import security
 from lit_sdk.protocol.codec import ProtocolError
 from lit_sdk.protocol.dispatch import (
     TO_TRAINER,
+    Bye,
     Done,
     Heartbeat,
     Hello,
@@ -374,6 +375,17 @@ class Dispatcher:
                 for attempt in self._attempts_of(worker):
                     self._finish(attempt, RolloutStatus.FAILED, f"worker {worker.label} died or went silent")
 
+    def _on_bye(self, worker: _Worker, bye: Bye) -> None:
+        """A worker leaves (Ctrl-C, SIGTERM, its own error): its attempts fail now and are retried elsewhere, not
+        after ``worker_timeout_s`` of silence, and it gets no more."""
+        log.warning("lit: worker %s stopped (%s); its %d rollouts will be retried", worker.label, bye.reason,
+                    len(worker.running))
+        del self.workers[worker.identity]
+        self._limit.doubt(worker.fd)  # its connection goes next: it holds no place
+        for attempt in self._attempts_of(worker):
+            self._finish(attempt, RolloutStatus.FAILED, f"worker {worker.label} stopped before it ended "
+                                                        f"({bye.reason})")
+
     def _attempts_of(self, worker: _Worker) -> list[_Attempt]:
         """The attempts of this round running on ``worker`` (forgetting those of a round that ended)."""
         worker.running &= self._round.running.keys()
@@ -432,6 +444,8 @@ class Dispatcher:
                 self._on_done(worker, message)
             elif isinstance(message, Heartbeat):
                 self._on_heartbeat(worker, message)
+            elif isinstance(message, Bye):
+                self._on_bye(worker, message)
 
     def _on_hello(self, identity: bytes, hello: Hello, fd: int) -> None:
         """Welcome a worker: a new one, or a known one (by ``worker_id``) back on a new connection."""

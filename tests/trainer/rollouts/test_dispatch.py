@@ -3,6 +3,10 @@ raise, hang, or take their worker down. The agents (rollout_agents.py) make no L
 
 import math
 import os
+import signal
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -171,6 +175,36 @@ def test_a_worker_killed_mid_rollout_leads_to_a_retry_then_failed(rig):
     assert not dispatcher.workers
     episodes, metrics, _ = gather_episodes(store, [outcome], (), 1.0)
     assert episodes == [] and metrics["rollouts/failed"] == 1
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
+def test_a_worker_stopped_mid_rollout_hands_it_back_and_another_runs_it_at_once(rig, stop):
+    """Ctrl-C or SIGTERM on a worker (a container's stop, a scheduler's) used to leave its rollout to the trainer's
+    worker_timeout_s (here 120 s) of silence before a retry; SIGTERM ended it on the spot. The worker now says
+    ``bye`` as it stops: the trainer fails its rollout, hands it nothing more, and the retry runs on another
+    worker at once."""
+    store, dispatcher, procs = rig("returns_after_its_seconds", workers=1, max_attempts=2, worker_timeout_s=120.0)
+    request = RolloutRequest("r0", "task0", {"id": 0, "value": 1.0, "seconds": 2.0}, NO_LLM, 0)
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(dispatcher.run, [request])
+        deadline = time.monotonic() + 60
+        while [r.status for r in store.rollouts_of_step(0)] != [RolloutStatus.RUNNING]:
+            assert time.monotonic() < deadline and not running.done(), "the rollout never started"
+            time.sleep(0.05)
+        procs[0].send_signal(stop)
+        stopped_at = time.monotonic()
+        assert procs[0].wait(30) == (130 if stop == signal.SIGINT else 143)
+        procs.append(spawn("rollout_agents:returns_after_its_seconds", dispatcher.endpoint, 4,
+                           {**os.environ, "PYTHONPATH": str(TESTS)}))
+        [outcome] = running.result(timeout=90)
+        waited = time.monotonic() - stopped_at
+    why = "Ctrl-C" if stop == signal.SIGINT else "SIGTERM"
+    stopped = f"worker {socket.gethostname()}:{procs[0].pid} stopped before it ended ({why})"
+    assert (outcome.status, outcome.attempts, outcome.reward) == (RolloutStatus.SUCCEEDED, 2, 1.0)
+    assert outcome.errors == [f"attempt 1: {stopped}"] and waited < 60, (outcome.errors, waited)
+    assert [(r.status, r.error) for r in store.rollouts_of_step(0)] == [
+        (RolloutStatus.FAILED, stopped), (RolloutStatus.SUCCEEDED, None)]
+    print(f"retried and done {waited:.1f} s after the stop (worker_timeout_s 120)")
 
 
 def test_no_worker_is_a_clear_error(rig):
