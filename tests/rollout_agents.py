@@ -89,6 +89,14 @@ async def hangs(task, llm):
 
 
 @lit.trace
+def sync_hangs(task, llm):
+    """A sync agent stuck in a call that never returns (Python cannot stop its thread); it creates the file
+    ``task["mark"]`` once in the call."""
+    open(task["mark"], "w").close()
+    time.sleep(3600)
+
+
+@lit.trace
 def kills_its_worker(task, llm):
     os.kill(os.getpid(), signal.SIGKILL)
 

@@ -38,6 +38,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import uuid
@@ -81,6 +82,8 @@ WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
+AGENT_THREADS = "lit-agent"
+"""The name prefix of the threads that run sync agent functions."""
 NO_ANSWER_S = 10.0
 """A worker that no trainer has answered for this long says so (and again after twice as long, and so on)."""
 
@@ -202,7 +205,7 @@ class Worker:
         self.sock.setsockopt(zmq.LINGER, 2000)
         security.guard_client(self.sock, self.connect, security.client_keys(), "lit worker")
         self.sock.connect(self.connect)
-        self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="lit-agent")
+        self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix=AGENT_THREADS)
         await self._hello()
         next_beat = time.monotonic() + self.heartbeat_s
         waiting_since, said = time.monotonic(), 0
@@ -392,6 +395,24 @@ def spawn(target: str, connect: str, concurrency: int, env: dict[str, str] | Non
     return start_child(cmd, env=env, die_with_parent=die_with_parent)
 
 
+def _past_stuck_calls(code: int) -> int:
+    """``code``, once the agents' threads have ended; when a sync agent call never returns (Python cannot stop a
+    thread, and joins every one of them at exit, so the process would never end), the process ends here with
+    ``code``, without waiting for it."""
+    deadline = time.monotonic() + 1.0
+    busy = [t for t in threading.enumerate() if t.name.startswith(AGENT_THREADS) and t.is_alive()]
+    for thread in busy:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    stuck = [t for t in busy if t.is_alive()]
+    if not stuck:
+        return code
+    log.warning("lit worker: %d sync agent call(s) never returned; exiting without them", len(stuck))
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lit worker", description="Run agent rollouts for a lit trainer.")
     parser.add_argument("target", help="the @lit.trace agent function, as module:function")
@@ -423,9 +444,9 @@ def main(argv: list[str] | None = None) -> int:
                     if worker.handed_back else "")
             print(f"lit worker: stopped by {'SIGTERM' if worker.terminated else 'Ctrl-C'} after "
                   f"{worker.completed} rollouts{back}", file=sys.stderr)
-            return 128 + signal.SIGTERM if worker.terminated else 130
+            return _past_stuck_calls(128 + signal.SIGTERM if worker.terminated else 130)
         log.info("lit worker: stopped by the trainer after %d rollouts", n)
-        return 0
+        return _past_stuck_calls(0)
     children = [spawn(args.target, args.connect, args.concurrency) for _ in range(args.processes)]
 
     def terminate(signum: int, frame: object) -> None:

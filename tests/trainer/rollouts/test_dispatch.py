@@ -207,6 +207,27 @@ def test_a_worker_stopped_mid_rollout_hands_it_back_and_another_runs_it_at_once(
     print(f"retried and done {waited:.1f} s after the stop (worker_timeout_s 120)")
 
 
+def test_a_worker_stopped_while_a_sync_agent_call_never_returns_exits_at_once(rig, tmp_path):
+    """Python joins the agents' threads at exit, and one stuck in a call never ends: a stopped worker used to wait
+    for it (until the trainer's grace ran out and SIGKILL came). It exits now, saying what it left running."""
+    store, dispatcher, procs = rig("sync_hangs", workers=1, max_attempts=2, worker_timeout_s=120.0)
+    mark = tmp_path / "in-the-call"
+    request = RolloutRequest("r0", "task0", {"id": 0, "value": 1.0, "mark": str(mark)}, NO_LLM, 0)
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(dispatcher.run, [request])
+        deadline = time.monotonic() + 60
+        while not mark.exists():
+            assert time.monotonic() < deadline and not running.done(), "the agent's call never started"
+            time.sleep(0.05)
+        procs[0].send_signal(signal.SIGTERM)
+        procs.append(spawn("rollout_agents:returns_task_value", dispatcher.endpoint, 4,
+                           {**os.environ, "PYTHONPATH": str(TESTS)}))  # takes the retry: the dispatcher's run ends
+        code = procs[0].wait(30)
+        [outcome] = running.result(timeout=90)
+    assert code == 143
+    assert (outcome.status, outcome.attempts) == (RolloutStatus.SUCCEEDED, 2)  # handed back, then run elsewhere
+
+
 def test_no_worker_is_a_clear_error(rig):
     _, dispatcher, _ = rig("returns_task_value", workers=0, no_worker_timeout_s=0.5)
     with pytest.raises(DispatchError, match="lit worker --connect"):
