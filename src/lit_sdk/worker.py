@@ -457,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         codes = [child.wait() for child in children]
     except KeyboardInterrupt as exc:  # the children have their own process groups: Ctrl-C reached only this one
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        # SIGTERM to each: each hands its rollouts back to the trainer (Worker._hand_back) and ends
+        # SIGTERM to each: each says bye to the trainer (its rollouts are retried elsewhere at once) and ends
         stop_children(children, grace_s=10, name="lit worker processes")
         terminated = exc.args == ("SIGTERM",)
         print(f"lit worker: stopped by {'SIGTERM' if terminated else 'Ctrl-C'}, and its {len(children)} processes "
