@@ -77,6 +77,31 @@ def resolve_model(name_or_path: str | os.PathLike[str], cache: Path | None = Non
     return folder
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
+"""Files of which a model folder holds at least one when it has a tokenizer transformers can load."""
+
+
+def check_model_folder(folder: Path, weights: bool = True, tokenizer: bool = True) -> None:
+    """Raise one ModelError naming what ``folder`` lacks for transformers to load it: a config.json that is a JSON
+    object with a ``model_type``, and (as asked) weights and tokenizer files. transformers would say it as a
+    traceback, or as advice to install sentencepiece where the tokenizer files are missing."""
+    config_file = folder / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelError(f"cannot read {config_file} as JSON ({exc}): a Hugging Face model folder's config.json is "
+                         "the one its model was saved with") from None
+    if not isinstance(config, dict) or not config.get("model_type"):
+        raise ModelError(f"{config_file} names no model_type, so transformers cannot tell the model's architecture "
+                         "(a Hugging Face causal-LM's config.json has one, e.g. \"llama\")")
+    if weights and not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+        raise ModelError(f"'{folder}' holds no weights (*.safetensors or *.bin): give the folder a model was saved "
+                         "into (save_pretrained)")
+    if tokenizer and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelError(f"'{folder}' holds no tokenizer (one of {', '.join(TOKENIZER_FILES)}): save the model's "
+                         "tokenizer into it too (tokenizer.save_pretrained)")
+
+
 def vocab_size(name_or_path: str | os.PathLike[str]) -> int | None:
     """The number of token ids the model embeds (``vocab_size`` of its config.json, also under ``text_config``);
     None when the config does not say. Token ids at or above it cannot be trained on."""
@@ -123,6 +148,7 @@ def greedy_reply(folder: Path, prompt: str, max_new_tokens: int = 32) -> str:
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as exc:
         raise ModelError(f"checking a model needs the trainer extra: {pip_install('trainer')} ({exc})") from exc
+    check_model_folder(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     model.eval()

@@ -104,3 +104,34 @@ def test_cache_dir_follows_lit_cache_dir(monkeypatch, tmp_path: Path):
     monkeypatch.delenv("LIT_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
     assert models.cache_dir() == tmp_path / "x" / "lit"
+
+
+def test_a_model_folder_transformers_cannot_load_is_named_with_what_it_lacks(tmp_path: Path, prepared_model: Path):
+    """transformers said these as a traceback (a config that is not JSON), or as advice to install sentencepiece
+    (no tokenizer files); lit model check and lit train now say what the folder lacks, in one line."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    cases = [("{bad", "cannot read .*config.json as JSON"), ('{"hidden_size": 8}', "names no model_type"),
+             ((prepared_model / "config.json").read_text(), r"holds no weights \(\*.safetensors or \*.bin\)")]
+    for config, error in cases:
+        (folder / "config.json").write_text(config)
+        with pytest.raises(ModelError, match=error):
+            models.check_model_folder(folder)
+    (folder / "model.safetensors").symlink_to(prepared_model / "model.safetensors")
+    with pytest.raises(ModelError, match="holds no tokenizer .*tokenizer.save_pretrained"):
+        models.check_model_folder(folder)
+    models.check_model_folder(folder, tokenizer=False)  # what the update needs
+    out = _lit("model", "check", str(folder))
+    assert out.returncode == 1 and out.stderr.strip().splitlines() == [
+        f"lit: error: '{folder}' holds no tokenizer (one of tokenizer.json, tokenizer.model, vocab.json, "
+        "spiece.model, vocab.txt): save the model's tokenizer into it too (tokenizer.save_pretrained)"], out.stderr
+    (folder / "config.json").write_text('{"hidden_size": 8}')
+    config = tmp_path / "config.toml"
+    config.write_text(f'model = "{folder}"\n[agent]\nfunction = "examples.calc.agent:calc_agent"\n[data]\n'
+                      f'tasks = "examples.calc.tasks:make_tasks"\n[train]\noutput_dir = "{tmp_path / "run"}"\n')
+    out = _lit("train", str(config))
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"lit: error: {folder / 'config.json'} names no model_type, so transformers cannot tell the model's "
+        "architecture (a Hugging Face causal-LM's config.json has one, e.g. \"llama\")"), out.stderr[-3000:]
+    assert "starting vLLM" not in out.stderr

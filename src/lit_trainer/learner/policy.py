@@ -27,7 +27,7 @@ import torch
 from lit_trainer.learner import compiling, distributed, logprobs, lora, memory, precision, sharding
 from lit_trainer.learner.batching import MicroBatch
 from lit_trainer.learner.schedule import LR_SCHEDULES
-from lit_trainer.models import resolve_model
+from lit_trainer.models import check_model_folder, resolve_model
 
 log = logging.getLogger("lit")
 
@@ -369,6 +369,7 @@ def _model_config(model: str) -> tuple[Path, object]:
     from transformers import AutoConfig
 
     folder = Path(resolve_model(model))
+    check_model_folder(folder, weights=False, tokenizer=False)  # weights: _load, after the memory check
     config = AutoConfig.from_pretrained(folder)
     precision.check_model_dtype(config, str(folder))
     return folder, config
@@ -378,6 +379,7 @@ def _load(folder: Path, dtype: torch.dtype) -> torch.nn.Module:
     """The causal LM in ``folder`` with its weights in ``dtype``."""
     from transformers import AutoModelForCausalLM
 
+    check_model_folder(folder, tokenizer=False)  # the update needs no tokenizer; vLLM's start checks it
     return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
 
 
