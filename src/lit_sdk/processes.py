@@ -27,12 +27,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["group_members", "start_child", "stop_child", "stop_children", "wait_children"]
+__all__ = ["TERMINATED", "group_members", "sigterm_as_interrupt", "start_child", "stop_child", "stop_children",
+           "wait_children"]
 
 log = logging.getLogger("lit.processes")
 
@@ -42,6 +44,31 @@ _POLL_S = 0.02
 _AFFINITY = hasattr(os, "sched_setaffinity")  # Linux; elsewhere start_child's cpus are not applied
 # The process group of each child started (or seen alive) here: known even after the leader has been reaped.
 _GROUPS: weakref.WeakKeyDictionary[subprocess.Popen, int] = weakref.WeakKeyDictionary()
+
+
+TERMINATED = "SIGTERM"
+"""The argument of the KeyboardInterrupt that SIGTERM raises within ``sigterm_as_interrupt``."""
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within it, SIGTERM (``kill``, a job scheduler's or a container's stop) raises ``KeyboardInterrupt(TERMINATED)``
+    in the main thread, so that the command stops as Ctrl-C stops it, through its clean-up; Python's default would
+    end the process on the spot. A second SIGTERM ends it at once. Outside the main thread (signals reach only
+    that one) it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise KeyboardInterrupt(TERMINATED)
+
+    before = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 @functools.cache

@@ -52,7 +52,7 @@ import zmq.asyncio
 
 from lit_sdk import _context
 from lit_sdk.instrument import flush, instrument
-from lit_sdk.processes import start_child, stop_children
+from lit_sdk.processes import TERMINATED, sigterm_as_interrupt, start_child, stop_children
 from lit_sdk.protocol import security
 from lit_sdk.protocol.codec import ProtocolError
 from lit_sdk.protocol.dispatch import (
@@ -448,18 +448,13 @@ def main(argv: list[str] | None = None) -> int:
         log.info("lit worker: stopped by the trainer after %d rollouts", n)
         return _past_stuck_calls(0)
     children = [spawn(args.target, args.connect, args.concurrency) for _ in range(args.processes)]
-
-    def terminate(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt("SIGTERM")
-
-    signal.signal(signal.SIGTERM, terminate)
     try:
-        codes = [child.wait() for child in children]
+        with sigterm_as_interrupt():
+            codes = [child.wait() for child in children]
     except KeyboardInterrupt as exc:  # the children have their own process groups: Ctrl-C reached only this one
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         # SIGTERM to each: each says bye to the trainer (its rollouts are retried elsewhere at once) and ends
         stop_children(children, grace_s=10, name="lit worker processes")
-        terminated = exc.args == ("SIGTERM",)
+        terminated = exc.args == (TERMINATED,)
         print(f"lit worker: stopped by {'SIGTERM' if terminated else 'Ctrl-C'}, and its {len(children)} processes "
               "with it", file=sys.stderr)
         return 128 + signal.SIGTERM if terminated else 130

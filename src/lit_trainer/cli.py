@@ -7,18 +7,16 @@ Errors that a user can fix (a bad path, a missing extra) end the command with on
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
 import sys
 import textwrap
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from lit_sdk.install import pip_install
+from lit_sdk.processes import TERMINATED, sigterm_as_interrupt
 from lit_trainer import __version__
 from lit_trainer.metrics import STEP_LINE_LEGEND
 from lit_trainer.models import DEFAULT_MODEL, ModelError
@@ -63,30 +61,6 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `lit config keys | head`: the reader had enough
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-
-
-TERMINATED = "SIGTERM"
-"""The argument of the KeyboardInterrupt that SIGTERM raises in ``lit train`` and ``lit eval``."""
-
-
-@contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM (``kill``, a job scheduler's or a container's stop) stops the command as Ctrl-C does: its servers
-    and workers stopped, its attempts ended, what to do next said. Python's default would end the process on the
-    spot, leaving the clean-up to the next run. A second SIGTERM ends it at once."""
-    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
-        yield
-        return
-
-    def interrupt(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        raise KeyboardInterrupt(TERMINATED)
-
-    before = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, before)
 
 
 _TRAINER_MODULES = ("torch", "transformers", "accelerate", "peft", "safetensors", "gguf", "sentencepiece", "tqdm",
@@ -223,7 +197,7 @@ def _train(args: argparse.Namespace) -> int:
     from lit_trainer.evaluation import accuracy_line
     from lit_trainer.learner import distributed
 
-    with _sigterm_as_interrupt():
+    with sigterm_as_interrupt():  # stops as Ctrl-C does
         run = lit_trainer.train(lit_trainer.load_config(args.config, args.overrides), resume=args.resume)
     validations = run.validations()
     if validations and distributed.is_launch_main():  # under torchrun, the main process says it
@@ -237,7 +211,7 @@ def _eval(args: argparse.Namespace) -> int:
     config = lit_trainer.load_config(args.config, args.overrides)
     # train.output_dir given here names the eval's folder; the config file's is the run's, not written into
     explicit = any(item.partition("=")[0].strip() == "train.output_dir" for item in args.overrides)
-    with _sigterm_as_interrupt():
+    with sigterm_as_interrupt():  # stops as Ctrl-C does
         result = lit_trainer.evaluate(config, args.checkpoint, args.output,
                                       config.train.output_dir if explicit else None)
     # the result line itself was printed by the validation: "checkpoint ... (step N): accuracy"

@@ -135,15 +135,9 @@ def supersede(path: Path, keep_through: int, to: Path) -> int:
         (moved if step > keep_through else kept).append(line)
     if not moved:
         return 0
-    with to.open("a") as f:
-        f.writelines(moved)
-        f.flush()
-        os.fsync(f.fileno())
+    _write_synced(to, moved, "a")
     staging = path.with_name(f".{path.name}.tmp")
-    with staging.open("w") as f:
-        f.writelines(kept)
-        f.flush()
-        os.fsync(f.fileno())
+    _write_synced(staging, kept, "w")
     os.replace(staging, path)
     directory = os.open(path.parent, os.O_RDONLY)
     try:
@@ -151,6 +145,14 @@ def supersede(path: Path, keep_through: int, to: Path) -> int:
     finally:
         os.close(directory)
     return len(moved)
+
+
+def _write_synced(path: Path, lines: list[str], mode: str) -> None:
+    """Write (``"w"``) or append (``"a"``) ``lines`` to ``path`` and sync them to the disk."""
+    with path.open(mode) as f:
+        f.writelines(lines)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def read(path: Path) -> list[dict[str, Any]]:
