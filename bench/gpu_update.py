@@ -9,7 +9,8 @@ built from a config and saved to a temporary folder once (nothing is downloaded)
 
 The runs, most wanted first (the time budget cuts from the end): lit bf16 on the agent batch with the device's
 default micro-batch budget (``max_tokens_per_micro_batch = 0``) and with ``--budget-tokens``; lit bf16 on the long
-context; the plain baseline on the agent batch; lit fp32 on the agent batch, then on the long context. The plain
+context; the plain baseline on the agent batch; on a GPU, lit bf16 under ``policy.compile`` on the agent batch at both
+budgets (its warm-up compiles); lit fp32 on the agent batch, then on the long context. The plain
 baseline is what one writes by hand: every row padded whole (``make_micro_batches(share_prompts=False)`` under
 ``--budget-tokens``, halved once on CUDA OOM), the model's forward under ``torch.autocast(bfloat16)`` over fp32
 weights, an fp32 log-softmax of the full logits, lit's clipped loss (``step_loss``), backward, gradient clipping and
@@ -108,7 +109,7 @@ TINY_BATCHES = {"agent": Batch(groups=2, rollouts=4, prompt=64, response=16),
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    path: str  # "lit" (Policy.update) or "plain" (the hand-written baseline)
+    path: str  # "lit" (Policy.update), "compiled" (the same under policy.compile) or "plain" (the baseline)
     precision: str  # "fp32" or "bf16"
     batch: str  # "agent" or "long"
     budget: int  # max_tokens_per_micro_batch; 0: the device's default
@@ -120,16 +121,19 @@ class Run:
         return config.max_tokens_per_micro_batch
 
     def label(self, device: torch.device) -> str:
-        path = "lit" if self.path == "lit" else "plain (padded rows)"
+        path = {"lit": "lit", "compiled": "lit", "plain": "plain (padded rows)"}[self.path]
+        compiled = " compiled (policy.compile)" if self.path == "compiled" else ""
         default = "default " if self.budget == 0 else ""
-        return f"{self.batch}: {path} {self.precision}, {default}{self.tokens(device)}-token micro-batches"
+        return f"{self.batch}: {path} {self.precision}{compiled}, {default}{self.tokens(device)}-token micro-batches"
 
 
-def plan(budget_tokens: int) -> list[Run]:
-    """The runs, most wanted first; consecutive runs of one (path, precision) share one loaded model."""
+def plan(budget_tokens: int, compiled: bool) -> list[Run]:
+    """The runs, most wanted first; consecutive runs of one (path, precision) share one loaded model. ``compiled``:
+    with lit bf16 under ``policy.compile`` too (on a GPU, where it pays; its first update compiles)."""
+    with_compile = [Run("compiled", "bf16", "agent", 0, 60), Run("compiled", "bf16", "agent", budget_tokens, 10)]
     return [Run("lit", "bf16", "agent", 0, 45), Run("lit", "bf16", "agent", budget_tokens, 10),
             Run("lit", "bf16", "long", 0, 10), Run("plain", "bf16", "agent", budget_tokens, 40),
-            Run("lit", "fp32", "agent", 0, 55), Run("lit", "fp32", "long", 0, 25)]
+            *(with_compile if compiled else []), Run("lit", "fp32", "agent", 0, 55), Run("lit", "fp32", "long", 0, 25)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,8 +405,9 @@ Loaded = Policy | tuple[torch.nn.Module, torch.optim.Optimizer]
 
 
 def load(bench: Bench, folder: Path, path: str, precision: str) -> Loaded:
-    if path == "lit":
-        return Policy(PolicyConfig(model=str(folder), precision=precision, learning_rate=LEARNING_RATE))
+    if path in ("lit", "compiled"):
+        return Policy(PolicyConfig(model=str(folder), precision=precision, learning_rate=LEARNING_RATE,
+                                   compile=path == "compiled"))
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(bench.device)
     return model, adamw([p for p in model.parameters() if p.requires_grad])
 
@@ -442,7 +447,7 @@ def measure(bench: Bench, loaded: Loaded, run: Run) -> dict:
     label = run.label(bench.device)
     bench.clock.log(f"{label} ...")
     try:
-        m = (measure_lit if run.path == "lit" else measure_plain)(bench, loaded, run)
+        m = (measure_plain if run.path == "plain" else measure_lit)(bench, loaded, run)
     except Exception as exc:
         traceback.print_exc()
         return failed(bench, run, exc)
@@ -598,7 +603,7 @@ def main() -> int:
         clock.log(f"random-init Qwen2 of {params(n_params)} saved to {folder}")
         data = {name: make_transitions(b, shape.vocab, seed=i) for i, (name, b) in enumerate(batches.items())}
         bench = Bench(clock, device, shape, n_params, peak_tflops, reps, 0.0 if args.tiny else 1.0, data)
-        run_all(bench, folder, plan(budget_tokens), result)
+        run_all(bench, folder, plan(budget_tokens, compiled=device.type == "cuda"), result)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     result["targets"] = targets(result["runs"], budget_tokens)

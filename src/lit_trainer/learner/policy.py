@@ -82,9 +82,9 @@ class PolicyConfig:
     one process there is nothing to shard and this changes nothing. Full fine-tune only: LoRA is not sharded."""
     compile: bool = False
     """Compile the decoder's layers with ``torch.compile`` (learner/compiling.py): the same update, for a first one
-    that compiles. Worth it on a GPU (bench/README.md: on one H200 a 1.5B model's bf16 update 21-25 % shorter, after
-    15-20 s of compilation); on a 2-core CPU the calc update was no faster (1.01x). On the CPU it needs a C++
-    compiler. Not with ``shard`` (not run yet)."""
+    that compiles. Worth it on a GPU (bench/README.md: on one H200 a 1.5B model's bf16 update 18 % shorter at the
+    default micro-batch budget and 21 % at 8192 tokens, with less memory, after 12-20 s of compilation); on a 2-core
+    CPU the calc update was no faster (1.01x). On the CPU it needs a C++ compiler. Not with ``shard`` (not run yet)."""
     compute_entropy: bool = False
     """Also give the loss each response token's entropy (the ``loss/entropy`` metric). It costs one more pass over
     the response positions' logits (bench/update_throughput.py measures how much), so it is off by default; an

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -41,9 +42,10 @@ def pairs(seed: int = 3) -> list[tuple[Transition, float]]:
     return out
 
 
-def _step(policy: Policy, loss: LossConfig, update: UpdateConfig) -> dict:
+def _step(policy: Policy, loss: LossConfig, update: UpdateConfig, rows: list[tuple[Transition, float]] | None = None
+          ) -> dict:
     kept: dict[int, list[float]] = {}
-    metrics = run_update(policy, pairs(), update, loss, BatchingConfig(max_tokens_per_micro_batch=48), pad_id=0,
+    metrics = run_update(policy, rows or pairs(), update, loss, BatchingConfig(max_tokens_per_micro_batch=48), pad_id=0,
                          seed=1, trainer_logprobs=kept)
     weights = policy.state_dict()
     return {"device": str(policy.device), "metrics": metrics,
@@ -62,6 +64,19 @@ def full_fine_tune(folder: Path, move: Move) -> dict:
         move(policy.reference)
     return _step(policy, LossConfig(kl_beta=0.1, is_correction="truncate"),
                  UpdateConfig(mini_batches=2, recompute_old_logprobs=True))
+
+
+def bonus_and_guidance(folder: Path, move: Move) -> dict:
+    """The entropy bonus (its gradient through the chunked LM head) and a guided row (``train.guidance``: no
+    behaviour logprobs, so the learner takes its own before the update) in one full fine-tune step."""
+    torch.manual_seed(0)
+    policy = Policy(PolicyConfig(model=str(folder), precision="fp32", learning_rate=1e-3))
+    if move:
+        move(policy.model)
+    rows = pairs()
+    guided, advantage = rows[3]
+    rows[3] = (replace(guided, logprobs=None, guided=True), advantage)
+    return _step(policy, LossConfig(entropy_coef=0.05), UpdateConfig(), rows)
 
 
 def lora(folder: Path, move: Move) -> dict:
@@ -96,4 +111,4 @@ def sync(folder: Path, move: Move) -> dict:
     return {"device": str(policy.device), "check_logprobs": check, "file_sums": sums}
 
 
-SCENARIOS = {"full_fine_tune": full_fine_tune, "lora": lora, "sync": sync}
+SCENARIOS = {"full_fine_tune": full_fine_tune, "bonus_and_guidance": bonus_and_guidance, "lora": lora, "sync": sync}

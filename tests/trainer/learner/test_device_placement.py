@@ -50,7 +50,7 @@ def assert_same(cpu: object, device: object, where: str = "", rel: float = 1e-5)
         assert cpu == device, where
 
 
-SCENARIOS = ("full_fine_tune", "lora", "sync")
+SCENARIOS = ("full_fine_tune", "bonus_and_guidance", "lora", "sync")
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
