@@ -33,7 +33,8 @@ checkpoint is written, ``--resume`` continues to step 3, and ``lit eval --checkp
   step fails in every rollout and carries a reference, which joins its group and is trained on, its behaviour
   logprobs the trainer's own, computed by both shards: ``guided_groups``); with an 8-token micro-batch budget
   (``batching.max_tokens_per_micro_batch``: each task's rows are a micro-batch of their own, shared out among
-  the processes).
+  the processes); with each process's sharded decoder layers compiled (``policy.compile``), and the resumed
+  process's whole ones.
 
 Both train, resume and evaluate on vLLM without torch.compile (``--enforce-eager``: about 24 s less per start,
 bench/vllm_start.py; lit's compiled default starts in the session's server and test_server.py's). Both sample at
@@ -97,7 +98,8 @@ OPTIONS = {
                      "policy.shard=true", "train.trackers=['tensorboard']",
                      "policy.lr_schedule='cosine'", "policy.warmup_steps=2", "inference.cpu_kv_cache_gb=1",
                      "inference.extra_args=['--enforce-eager']", "train.guidance=true",
-                     "data.tasks='rollout_agents:guided_parity_tasks'", "batching.max_tokens_per_micro_batch=8"],
+                     "data.tasks='rollout_agents:guided_parity_tasks'", "batching.max_tokens_per_micro_batch=8",
+                     "policy.compile=true"],
 }
 RESUME_OPTIONS = {"lora_kl": ["inference.servers=1"], "ppo_schedule": []}
 """What ``--resume`` changes beside ``train.steps=3``."""

@@ -84,7 +84,8 @@ class PolicyConfig:
     """Compile the decoder's layers with ``torch.compile`` (learner/compiling.py): the same update, for a first one
     that compiles. Worth it on a GPU (bench/README.md: on one H200 a 1.5B model's bf16 update 18 % shorter at the
     default micro-batch budget and 21 % at 8192 tokens, with less memory, after 12-20 s of compilation); on a 2-core
-    CPU the calc update was no faster (1.01x). On the CPU it needs a C++ compiler. Not with ``shard`` (not run yet)."""
+    CPU the calc update was no faster (1.01x). On the CPU it needs a C++ compiler. With ``shard`` each process
+    compiles its sharded layers (FSDP2's gathers and reductions run between the compiled graphs)."""
     compute_entropy: bool = False
     """Also give the loss each response token's entropy (the ``loss/entropy`` metric). It costs one more pass over
     the response positions' logits (bench/update_throughput.py measures how much), so it is off by default; an
@@ -105,9 +106,6 @@ class PolicyConfig:
             raise ValueError("PolicyConfig.lora_rank must be >= 0 (0 = full fine-tune)")
         if self.precision not in precision.PRECISIONS:
             raise ValueError(f"PolicyConfig.precision must be one of {precision.PRECISIONS}, got {self.precision!r}")
-        if self.compile and self.shard:
-            raise ValueError("PolicyConfig.compile has not run with a sharded policy (FSDP2) yet: set compile = false, "
-                             "or shard = false")
         if self.shard and self.lora_rank:
             raise ValueError("PolicyConfig.shard shards a full fine-tune; a LoRA policy (lora_rank > 0) is not "
                              "sharded: its trained part is small, and every process holds the frozen base whole "

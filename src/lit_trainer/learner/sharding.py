@@ -28,10 +28,11 @@ from lit_trainer.learner import lora
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated decoder blocks of a Hugging Face causal LM (the classes its ``_no_split_modules`` names), peft
-    wrappers looked through; ValueError when it names none."""
+    wrappers looked through, sharded ones too (FSDP2 gives a sharded layer a subclass of its own class); ValueError
+    when it names none."""
     base = lora.base_model(model)
     names = set(getattr(base, "_no_split_modules", None) or ())
-    layers = [m for m in base.modules() if type(m).__name__ in names]
+    layers = [m for m in base.modules() if any(c.__name__ in names for c in type(m).__mro__)]
     if not layers:
         raise ValueError(f"{type(base).__name__} names no decoder layer class (_no_split_modules): lit cannot "
                          "shard it; train it without sharding")

@@ -15,8 +15,12 @@ from torch.testing import assert_close
 from lit_trainer.learner import sharding
 
 
-def check(model_dir: Path, device: str, backend: str) -> None:
+def check(model_dir: Path, device: str, backend: str, compile_: bool = False) -> None:
+    """``compile_``: the sharded model's layers compiled too (``policy.compile`` with ``policy.shard``), after the
+    sharding, as the policy does."""
     from transformers import AutoModelForCausalLM
+
+    from lit_trainer.learner import compiling
 
     dist = torch.distributed
     with tempfile.TemporaryDirectory() as rendezvous:
@@ -26,6 +30,8 @@ def check(model_dir: Path, device: str, backend: str) -> None:
             whole = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
             sharded = copy.deepcopy(whole)
             assert sharding.shard(sharded) == len(sharding.decoder_layers(whole)) > 0
+            if compile_:  # the sharded layers are still found as the model's layers (FSDP2 subclasses them)
+                assert compiling.compile_decoder(sharded) == len(compiling.decoder_modules(whole))
             whole.to(device)
             sharded.to(device)  # the embeddings and head: whole, like the layers' shards already there
             assert any(sharding.is_sharded(p) for p in sharded.parameters())
@@ -33,8 +39,10 @@ def check(model_dir: Path, device: str, backend: str) -> None:
             ids = ids.to(device)
             losses = []
             for model in (whole, sharded):
-                out = model(input_ids=ids, labels=ids)
-                out.loss.backward()
+                for length in (13, 16):  # two lengths: the compiled graph is shape-generic (dynamic=True)
+                    model.zero_grad(set_to_none=True)
+                    out = model(input_ids=ids[:, :length], labels=ids[:, :length])
+                    out.loss.backward()
                 losses.append(out.logits)
             assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-5)
             norm_whole = torch.nn.utils.clip_grad_norm_(list(whole.parameters()), 0.5)
@@ -44,6 +52,8 @@ def check(model_dir: Path, device: str, backend: str) -> None:
             for name, p in sharded.named_parameters():
                 g = p.grad.full_tensor() if sharding.is_sharded(p.grad) else p.grad
                 assert_close(g, grads[name].grad, rtol=1e-4, atol=1e-6)
+            if compile_:
+                assert all(m._compiled_call_impl is not None for m in compiling.decoder_modules(sharded))
             gathered = sharding.full_state_dict(sharded, dtype=torch.bfloat16, device="cpu")
             for name, t in whole.state_dict().items():
                 assert gathered[name].device.type == "cpu" and gathered[name].dtype == torch.bfloat16

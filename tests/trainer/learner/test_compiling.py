@@ -46,8 +46,6 @@ def test_a_compiled_decoder_gives_the_eager_update(tiny_model: Path, options: di
 
 
 def test_compile_is_refused_where_it_cannot_run(tiny_model: Path, monkeypatch: pytest.MonkeyPatch):
-    with pytest.raises(ValueError, match="compile has not run with a sharded policy"):
-        PolicyConfig(compile=True, shard=True)
     monkeypatch.setattr(compiling.shutil, "which", lambda name: None)
     monkeypatch.delenv("CXX", raising=False)
     assert compiling.missing_compiler(torch.device("cuda")) is None  # a GPU's kernels need none

@@ -75,7 +75,8 @@ def test_a_compiled_decoder_on_the_gpu_gives_the_eager_bf16_update(tiny_model: P
         assert compiled[key] == pytest.approx(eager[key], rel=2e-2, abs=1e-4), key  # bf16 kernels may differ
 
 
-def test_fsdp2_on_the_gpu_over_nccl_matches_the_whole_model(tiny_model: Path):
+@pytest.mark.parametrize("compile_", [False, True], ids=["eager", "compiled"])
+def test_fsdp2_on_the_gpu_over_nccl_matches_the_whole_model(tiny_model: Path, compile_: bool):
     from one_rank_shard import check
 
-    check(tiny_model, "cuda:0", "nccl")  # one rank: NCCL refuses two processes on one GPU
+    check(tiny_model, "cuda:0", "nccl", compile_)  # one rank: NCCL refuses two processes on one GPU

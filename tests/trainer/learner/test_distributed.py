@@ -182,7 +182,8 @@ def test_the_gradient_norm_and_clip_in_one_process_are_torchs():
                  atol=1e-6)
 
 
-def test_fsdp2_in_a_one_process_group_matches_the_whole_model(tiny_model: Path):
+@pytest.mark.parametrize("compile_", [False, True], ids=["eager", "compiled"])
+def test_fsdp2_in_a_one_process_group_matches_the_whole_model(tiny_model: Path, compile_: bool):
     from one_rank_shard import check
 
-    check(tiny_model, "cpu", "gloo")  # test_cuda.py runs the same on a GPU over NCCL
+    check(tiny_model, "cpu", "gloo", compile_)  # test_cuda.py runs the same on a GPU over NCCL
