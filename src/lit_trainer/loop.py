@@ -128,7 +128,9 @@ def _run(cfg: TrainConfig, resume: bool, out: RunFolder) -> dict[str, Any]:
         if superseded := _supersede(out, store, start):
             print(f"lit: {superseded}", file=sys.stderr)
         log = MetricsLog(out.metrics, policy.accelerator, cfg.train.trackers, cfg.to_dict(),
-                         first_step=start.step + 1 if start else 0)
+                         first_step=start.step + 1 if start else 0,
+                         wandb_id=_wandb_run(out, go_on=start is not None and not superseded)
+                         if "wandb" in cfg.train.trackers else None)
         step, minutes, last_val = state["step"], state["minutes"], {}
         if step == 0 and cfg.train.val_every:
             last_val = validate(svc.runner, val_tasks, log, step, minutes)
@@ -209,6 +211,16 @@ def _supersede(out: RunFolder, store: Store, start: Checkpoint | None) -> str:
     return (f"the run that stopped here {which}: its {records} metrics record(s) of them moved to "
             f"{out.superseded_metrics.name}, and its {rollouts} rollout(s) of them stay in the store, marked "
             "superseded (lit show lists a step's own only)")
+
+
+def _wandb_run(out: RunFolder, go_on: bool) -> str:
+    """The W&B run this run logs to (``RunFolder.wandb_run``), saying so when it is not the one the folder logged to
+    before."""
+    run_id, replaced = out.wandb_run(go_on)
+    if replaced:
+        print(f"lit: W&B: logging to a new W&B run, {run_id}: the folder's earlier one, {replaced}, holds steps this "
+              "run trains again, and W&B keeps a step only once", file=sys.stderr)
+    return run_id
 
 
 def together(policy: Any, fn: Callable[..., T], *args: Any, main_only: dict[str, Any] | None = None) -> T:

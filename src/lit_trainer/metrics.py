@@ -70,19 +70,21 @@ def check_trackers(trackers: Sequence[str]) -> None:
 
 class MetricsLog:
     def __init__(self, path: Path, accelerator: Any = None, trackers: Sequence[str] = (), config: dict | None = None,
-                 first_step: int = 0):
+                 first_step: int = 0, wandb_id: str | None = None):
         """``trackers`` start on ``accelerator``, which logs under its ``project_dir``: TensorBoard's event files go
         to ``project_dir/lit/``; W&B's run folder to ``path``'s folder (the run's output folder) unless ``WANDB_DIR``
         says otherwise. ``first_step``: the first step this run logs (a resumed run's: its checkpoint's + 1);
         TensorBoard hides what earlier runs in the folder logged from there on (``purge_step``), as
-        ``RunFolder.supersede`` sets aside their records."""
+        ``RunFolder.supersede`` sets aside their records. ``wandb_id``: the W&B run to log to, resumed if it exists
+        (``RunFolder.wandb_run`` chooses it; None: a new one of W&B's choosing)."""
         self.path = path
         _drop_cut_line(path)  # a resumed run appends after the last whole record, not onto a half-written one
         self.accelerator = accelerator if trackers else None
         if self.accelerator is not None:
             wandb_dir = os.environ.get("WANDB_DIR") or str(path.parent)  # wandb's own default is ./wandb
+            same_run = {"id": wandb_id, "resume": "allow"} if wandb_id else {}
             self.accelerator.init_trackers("lit", config=_flat(config or {}), init_kwargs={
-                "wandb": {"dir": wandb_dir}, "tensorboard": {"purge_step": first_step}})
+                "wandb": {"dir": wandb_dir, **same_run}, "tensorboard": {"purge_step": first_step}})
             started = {tracker.name for tracker in self.accelerator.trackers}
             if missing := [name for name in trackers if name not in started]:
                 raise RuntimeError(f"accelerate did not start the tracker(s) {missing} of train.trackers: the "

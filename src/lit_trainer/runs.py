@@ -8,6 +8,8 @@
         curve.png                    held-out and training accuracy against minutes
         STORE_FILE                   the store (SQLite): every span, rollout attempt, episode, advantage
         LOCK_FILE                    held by the lit train that writes the folder, with its pid and host
+        WANDB_ID_FILE                the W&B run the folder logs to (``train.trackers = ["wandb"]``), which a
+                                     ``--resume`` goes on logging to
         spool/                       spans the local workers have not delivered yet
         checkpoints/step-000012/     one checkpoint (learner/checkpoint.py writes it; DONE last)
         rollouts/ROLLOUT_ID.html     pages written by ``lit show``
@@ -33,6 +35,7 @@ import fcntl
 import json
 import os
 import socket
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -49,6 +52,8 @@ STORE_FILE = "lit.sqlite"
 """The store's file in a run's folder."""
 LOCK_FILE = ".lit-in-use"
 """The file a ``lit train``, ``lit eval`` or Playground holds a lock on while it writes the folder (``in_use``)."""
+WANDB_ID_FILE = "wandb-run-id"
+"""The id of the W&B run a run's folder logs to (``RunFolder.wandb_run``)."""
 CHECKPOINT_PREFIX = "step-"
 EVAL_DIR = "eval"
 """The folder, in a run's folder, of the ``lit eval`` of each of its checkpoints."""
@@ -175,6 +180,21 @@ class RunFolder:
                 if kind is not None and steps.shown_step(recorded, kind == "validation") > keep_through:
                     stale.append(row.rollout_id)
         return records, store.supersede(stale, checkpoint_step or 0) if stale else 0
+
+    def wandb_run(self, go_on: bool) -> tuple[str, str | None]:
+        """The id of the W&B run this run logs to, and the id of the one it does not go on with (or None). With
+        ``go_on`` (a resume whose steps all come after those the folder logged) the one in ``WANDB_ID_FILE``, if
+        any; else a new one, written there for the next resume. W&B keeps a step once: a run that trains steps again
+        (``supersede`` set aside their records) needs a W&B run of its own, or W&B would drop the new values."""
+        path = self.dir / WANDB_ID_FILE
+        previous = path.read_text().strip() if path.exists() else None
+        if go_on and previous:
+            return previous, None
+        new = uuid.uuid4().hex[:12]  # W&B ids: letters and digits
+        staging = path.with_name(path.name + ".tmp")
+        staging.write_text(new + "\n")
+        os.replace(staging, path)
+        return new, previous
 
     @property
     def curve(self) -> Path:

@@ -2,8 +2,8 @@
 SQLite): the interrupted run says how to go on, and the resumed one trains the steps after its checkpoint again.
 What the stopped run had logged of those steps used to stay in metrics.jsonl, so that each came twice in the curve
 and in ``Run.metrics``, and its rollouts of them were listed beside the resumed run's; they are now set aside
-(``metrics.superseded.jsonl``; the store marks the rollouts superseded), none deleted. SIGTERM stops it as Ctrl-C
-does."""
+(``metrics.superseded.jsonl``; the store marks the rollouts superseded), none deleted; it logs to a W&B run of its
+own (offline here), since W&B keeps a step once. SIGTERM stops it as Ctrl-C does."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
+from wandb_offline import go_offline, run_ids
 
 from lit_sdk.processes import group_members
-from lit_trainer.runs import Run
+from lit_trainer.runs import WANDB_ID_FILE, Run
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TESTS = Path(__file__).parents[1]
@@ -40,6 +41,7 @@ group_size = 2
 val_every = 1
 checkpoint_every = 2
 output_dir = "{out}"
+trackers = ["wandb"]
 [inference]
 cpu_kv_cache_gb = 1
 # vLLM without torch.compile starts about 24 s sooner (bench/vllm_start.py); the compiled default runs in the
@@ -74,8 +76,9 @@ def _lit_train(config: Path, *args: str, interrupt_after: str | None = None) -> 
     return code, "".join(out), errors.read_text()
 
 
-def test_a_run_interrupted_between_checkpoints_resumes_and_sets_aside_what_it_trains_again(prepared_model: Path,
-                                                                                           tmp_path: Path):
+def test_a_run_interrupted_between_checkpoints_resumes_and_sets_aside_what_it_trains_again(
+        prepared_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    go_offline(monkeypatch, tmp_path)
     out = tmp_path / "run"
     config = tmp_path / "config.toml"
     config.write_text(CONFIG.format(model=prepared_model, out=out))
@@ -90,12 +93,19 @@ def test_a_run_interrupted_between_checkpoints_resumes_and_sets_aside_what_it_tr
     with Run(out) as run:
         stopped_run_step_3 = {r.rollout_id for r in run.rollouts(step=3)}
     assert len(stopped_run_step_3) == 2
+    stopped_wandb = (out / WANDB_ID_FILE).read_text().strip()
+    assert run_ids(out) == [stopped_wandb]
 
     code, stdout, stderr = _lit_train(config, "--resume")
     assert code == 0 and "resumed from" in stderr and "(step 2)" in stderr, stderr[-3000:]
     assert "lit: the run that stopped here had logged steps after step 2, which this run trains again: its 1 " \
            "metrics record(s) of them moved to metrics.superseded.jsonl" in stderr, stderr[-3000:]
     assert "step 3/3" in stdout and "step 2/3" not in stdout, stdout
+    # W&B keeps a step once: the resumed run, which trains step 3 again, logs to a W&B run of its own
+    resumed_wandb = (out / WANDB_ID_FILE).read_text().strip()
+    assert (f"lit: W&B: logging to a new W&B run, {resumed_wandb}: the folder's earlier one, {stopped_wandb}, holds "
+            "steps this run trains again") in stderr, stderr[-3000:]
+    assert run_ids(out) == [stopped_wandb, resumed_wandb]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3]  # each step once
     assert [r["step"] for r in records if r["kind"] == "validation"] == [0, 1, 2, 3]

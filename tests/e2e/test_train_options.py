@@ -6,7 +6,7 @@ checkpoint is written, ``--resume`` continues to step 3, and ``lit eval --checkp
   adapters, LM head and loss): the adapter trains, merged weights reach vLLM (the sync check scores them in float32),
   the reference is the base under the adapter, the checkpoint is a plain model for ``lit eval`` and resumes as base
   + adapter; the trainer-vs-vLLM logprob gap of the sampled tokens stays within what bf16 explains; the
-  TensorBoard tracker logs every step, the resumed one too. Served by two vLLM servers (``inference.servers = 2``,
+  TensorBoard tracker logs every step, the resumed one too, and W&B (offline) logs both runs to one W&B run. Served by two vLLM servers (``inference.servers = 2``,
   a core each): both serve rollouts, all of one task's group on one server, and both take every weight sync
   (``two_servers_served``); resumed on one (``inference.servers = 1``: the count of servers is not the run's state,
   and one vLLM start fewer). With dynamic sampling (``train.extra_rollouts``): some tasks are solved by every
@@ -52,8 +52,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from wandb_offline import go_offline, run_ids
 
 from lit_trainer.learner.schedule import learning_rate_at
+from lit_trainer.runs import WANDB_ID_FILE
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TESTS = Path(__file__).parents[1]
@@ -85,7 +87,7 @@ log_dir = "{logs}"
 
 OPTIONS = {
     "lora_kl": ["policy.lora_rank=8", "policy.learning_rate=1e-4", "loss.kl_beta=0.05", "policy.precision='bf16'",
-                "train.trackers=['tensorboard']", "inference.servers=2", "inference.cpu_kv_cache_gb=1",
+                "train.trackers=['tensorboard','wandb']", "inference.servers=2", "inference.cpu_kv_cache_gb=1",
                 "inference.extra_args=['--enable-log-requests','--enforce-eager']",  # each request's id in its log
                 "train.extra_rollouts=4", "data.tasks='rollout_agents:some_solved_parity_tasks'",
                 "train.rest_after=1", "train.rest_by='family'",
@@ -122,7 +124,9 @@ def _lit(*args: str, processes: int = 1) -> subprocess.CompletedProcess:
 
 @pytest.mark.timeout(1500)  # three vLLM starts and two trainer processes: about 9 min alone, 17 under load
 @pytest.mark.parametrize("name", sorted(OPTIONS))
-def test_option_trains_syncs_checkpoints_resumes_and_evaluates(name: str, prepared_model: Path, tmp_path: Path):
+def test_option_trains_syncs_checkpoints_resumes_and_evaluates(name: str, prepared_model: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch):
+    go_offline(monkeypatch, tmp_path)
     out = tmp_path / "run"
     config = tmp_path / "config.toml"
     config.write_text(CONFIG.format(model=prepared_model, out=out, logs=tmp_path / "vllm-logs"))
@@ -209,7 +213,10 @@ def test_option_trains_syncs_checkpoints_resumes_and_evaluates(name: str, prepar
         shown = _lit("show", "--run", str(folder))  # the eval's one rollout per task; the last step's by default
         assert shown.returncode == 0 and f"rollouts of {listed} in {folder}" in shown.stderr, shown.stderr[-3000:]
         assert len(shown.stdout.splitlines()) > 4, shown.stdout
-    if "train.trackers=['tensorboard']" in OPTIONS[name]:  # the tracker logged every step, the resumed one too
+    if "wandb" in str(OPTIONS[name]):  # the resume, after the last step logged, went on with the same W&B run
+        assert run_ids(out) == [(out / WANDB_ID_FILE).read_text().strip()] * 2
+        assert "lit: W&B: logging to a new W&B run" not in log
+    if "tensorboard" in str(OPTIONS[name]):  # the tracker logged every step, the resumed one too
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
         steps = set()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lit_trainer.runs import LOCK_FILE, RunFolder
+from lit_trainer.runs import LOCK_FILE, WANDB_ID_FILE, RunFolder
 
 HOLD = """
 import sys, time
@@ -72,3 +72,15 @@ def test_an_interrupted_run_says_how_to_go_on_from_its_last_checkpoint_or_from_t
             (out.checkpoint(step).path / "DONE").write_text("")
     assert _how_to_go_on(out, cfg) == (f"stopped: `lit train {config} --resume` continues from the last checkpoint, "
                                        f"step 2 ({out.checkpoint(2).path}); the steps after it train again")
+
+
+def test_a_resume_goes_on_logging_to_the_folders_wandb_run_unless_it_trains_steps_again(tmp_path: Path):
+    folder = RunFolder(tmp_path)
+    first, replaced = folder.wandb_run(go_on=False)  # a new run
+    assert replaced is None and first.isalnum() and (tmp_path / WANDB_ID_FILE).read_text() == first + "\n"
+    assert folder.wandb_run(go_on=True) == (first, None)  # --resume after the last logged step: the same run
+    second, replaced = folder.wandb_run(go_on=False)  # a resume that trains logged steps again: a run of its own
+    assert replaced == first and second != first and folder.wandb_run(go_on=True) == (second, None)
+    (tmp_path / WANDB_ID_FILE).unlink()
+    third, replaced = folder.wandb_run(go_on=True)  # a folder that logged to W&B without lit's id file
+    assert replaced is None and third not in (first, second)

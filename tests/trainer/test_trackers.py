@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from accelerate import Accelerator
+from wandb_offline import go_offline, run_ids
 
 from lit_sdk.install import pip_install
 from lit_trainer.config import ConfigError, load
@@ -68,26 +69,49 @@ def test_tensorboard_logs_every_metric_in_the_output_folder(tmp_path):
     assert "train.steps: 2" in hparams and "model: m" in hparams
 
 
-def test_wandb_offline_logs_every_metric_in_the_output_folder(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
-    for name, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off",
-                        "WANDB_CONFIG_DIR": tmp_path / "config", "WANDB_CACHE_DIR": tmp_path / "cache",
-                        "WANDB_DATA_DIR": tmp_path / "data"}.items():  # fmt: skip
-        monkeypatch.setenv(name, str(value))
-    monkeypatch.delenv("WANDB_DIR", raising=False)
+@pytest.fixture
+def wandb_offline(tmp_path, monkeypatch) -> None:
+    go_offline(monkeypatch, tmp_path)
+
+
+def _history(run_file: Path) -> list[dict]:
+    """The rows of an offline W&B run file, each with its step, once wandb-core has written them all."""
+    deadline = time.monotonic() + 30
+    while not (rows := _wandb_history(run_file)) and time.monotonic() < deadline:
+        time.sleep(0.2)  # wandb-core writes the file behind finish(): its last records land a moment later
+    return [{k: v for k, v in row.items() if not k.startswith("_")} | {"step": row["_step"]}
+            for row in rows or []]  # fmt: skip
+
+
+def test_wandb_offline_logs_every_metric_in_the_output_folder(tmp_path, wandb_offline):
     out = tmp_path / "run"
     out.mkdir()
     _log_two_steps(out, "wandb")
     (run_file,) = out.glob("wandb/offline-run-*/run-*.wandb")
-    deadline = time.monotonic() + 30
-    while not (rows := _wandb_history(run_file)) and time.monotonic() < deadline:
-        time.sleep(0.2)  # wandb-core writes the file behind finish(): its last records land a moment later
-    history = [{k: v for k, v in row.items() if not k.startswith("_")} | {"step": row["_step"]}
-               for row in rows or []]  # fmt: skip
-    assert history == [{"step": 0, "validation/accuracy": 0.25},
-                       {"step": 1, "train/reward/mean": 0.5, "train/loss/policy": -0.125},
-                       {"step": 2, "train/reward/mean": 0.75, "train/loss/policy": 0.0625,
-                        "validation/accuracy": 0.5}]  # fmt: skip
+    assert _history(run_file) == [{"step": 0, "validation/accuracy": 0.25},
+                                  {"step": 1, "train/reward/mean": 0.5, "train/loss/policy": -0.125},
+                                  {"step": 2, "train/reward/mean": 0.75, "train/loss/policy": 0.0625,
+                                   "validation/accuracy": 0.5}]  # fmt: skip
+
+
+def test_a_resumed_run_logs_to_the_same_wandb_run(tmp_path, wandb_offline):
+    """``--resume`` passes the folder's W&B run id (RunFolder.wandb_run) with resume="allow": offline, each
+    ``lit train`` writes a run folder of its own under the same id, which ``wandb sync`` uploads as one run."""
+    out = tmp_path / "run"
+    out.mkdir()
+    for steps, first_step in (((1, 2), 0), ((3,), 3)):  # a run, then its resume from step 2's checkpoint
+        accelerator = Accelerator(cpu=True, log_with=["wandb"], project_dir=str(out))
+        log = MetricsLog(out / "metrics.jsonl", accelerator, ["wandb"], {}, first_step=first_step,
+                         wandb_id="lit0run0id")
+        for step in steps:
+            log.log(step, {"reward/mean": step / 4})
+        log.close()
+        time.sleep(1.1)  # wandb names an offline run's folder by its start to the second, and the run's id
+    files = sorted(out.glob("wandb/offline-run-*/run-*.wandb"))
+    assert run_ids(out) == ["lit0run0id"] * 2 and [f.name for f in files] == ["run-lit0run0id.wandb"] * 2
+    assert [_history(f) for f in files] == [[{"step": 1, "train/reward/mean": 0.25},
+                                             {"step": 2, "train/reward/mean": 0.5}],
+                                            [{"step": 3, "train/reward/mean": 0.75}]]  # fmt: skip
 
 
 def _wandb_history(path: Path) -> list[dict] | None:
