@@ -38,7 +38,7 @@ from lit_trainer.learner import checkpoint as ckpt
 from lit_trainer.learner import distributed
 from lit_trainer.metrics import STEP_LINE_LEGEND, MetricsLog, memory_gb, plot_curve, step_line
 from lit_trainer.metrics import read as read_metrics
-from lit_trainer.models import resolve_model
+from lit_trainer.models import check_model_folder, resolve_model
 from lit_trainer.progress import quiet_library_bars
 from lit_trainer.rollouts.curriculum import Curriculum, check_rest_by
 from lit_trainer.rollouts.feed import StepFeed, StepPlan
@@ -101,6 +101,7 @@ def _run(cfg: TrainConfig, resume: bool, out: RunFolder) -> dict[str, Any]:
     check_agent(cfg)  # importable, @lit.trace, (task, llm): before the model and vLLM load
     torch.manual_seed(cfg.train.seed)
     base_dir = resolve_model(cfg.model)
+    check_model_folder(base_dir, weights=False)  # vLLM serves it with its tokenizer; the policy checks the weights
     # A LoRA policy resumes as the base model plus the checkpoint's adapter (ckpt.restore loads it).
     policy_cfg = replace(cfg.policy, model=str(start.model_dir)) if start and not cfg.policy.lora_rank else cfg.policy
     encode = reference_encoder(base_dir) if references else None

@@ -135,3 +135,12 @@ def test_a_model_folder_transformers_cannot_load_is_named_with_what_it_lacks(tmp
         f"lit: error: {folder / 'config.json'} names no model_type, so transformers cannot tell the model's "
         "architecture (a Hugging Face causal-LM's config.json has one, e.g. \"llama\")"), out.stderr[-3000:]
     assert "starting vLLM" not in out.stderr
+    (folder / "config.json").write_text((prepared_model / "config.json").read_text())  # only the tokenizer lacks
+    out = _lit("train", str(config))
+    assert out.returncode == 1 and out.stderr.strip().splitlines()[-1] == (
+        f"lit: error: '{folder}' holds no tokenizer (one of tokenizer.json, tokenizer.model, vocab.json, "
+        "spiece.model, vocab.txt): save the model's tokenizer into it too (tokenizer.save_pretrained)"), out.stderr
+    assert "starting vLLM" not in out.stderr and "lit: the policy" not in out.stderr  # before the weights load
+    out = _lit("eval", str(config))  # the base model, as vLLM would serve it
+    assert out.returncode == 1 and "holds no tokenizer" in out.stderr.strip().splitlines()[-1], out.stderr[-3000:]
+    assert "starting vLLM" not in out.stderr

@@ -42,13 +42,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
+from lit_trainer import models
 from lit_trainer.learner import lora
 from lit_trainer.learner.memory import GB
 from lit_trainer.learner.policy import Policy
 from lit_trainer.runs import Checkpoint, RunFolder
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "generation_config.json", "chat_template.jinja")
+TOKENIZER_FILES = (*models.TOKENIZER_FILES, "tokenizer_config.json", "special_tokens_map.json", "merges.txt",
+                   "added_tokens.json", "generation_config.json", "chat_template.jinja")
+"""What a checkpoint's model folder takes from the base model beside the weights: the tokenizer (in any of the forms
+``models.check_model_folder`` accepts, a sentencepiece one too), its settings, the chat template."""
 
 
 def save(output_dir: str | Path, step: int, policy: Policy, base_model_dir: Path, extra: dict[str, Any],

@@ -88,8 +88,15 @@ def test_lora_checkpoint_holds_the_merged_model_and_resumes_the_adapter(lora_con
 def test_full_checkpoint_has_no_adapter_and_restores(tiny_model: Path, tmp_path: Path):
     config = PolicyConfig(model=str(tiny_model), learning_rate=1e-2)
     policy = trained(config, steps=1)
-    found = ckpt.save(tmp_path, 1, policy, tiny_model, {})
+    base = tmp_path / "base"  # the tiny model with a sentencepiece tokenizer's file (it has none of its own)
+    base.mkdir()
+    (base / "tokenizer.model").write_bytes(b"sentencepiece model bytes")
+    (base / "tokenizer_config.json").write_text("{}")
+    found = ckpt.save(tmp_path / "run", 1, policy, base, {})
     assert found.adapter_dir is None
+    # the tokenizer goes with the weights, so that lit eval --checkpoint and vLLM can serve the folder
+    assert (found.model_dir / "tokenizer.model").read_bytes() == b"sentencepiece model bytes"
+    assert (found.model_dir / "tokenizer_config.json").exists()
     resumed = Policy(replace(config, model=str(found.model_dir)))
     ckpt.restore(found, resumed)
     train_step(policy)

@@ -150,9 +150,12 @@ def test_bf16_on_a_cpu_without_native_bfloat16_is_said_to_be_slow():
     assert precision.slow_on("fp32", torch.device("cpu")) is None
 
 
-def quantized(tiny_model: Path, tmp_path: Path) -> Path:
+def quantized(tiny_model: Path, tmp_path: Path, tokenizer_from: Path) -> Path:
+    """The tiny model, marked quantized, with ``tokenizer_from``'s tokenizer: lit train checks that the folder has
+    one (vLLM needs it) before the policy reads the config, and stops at the quantization there."""
     folder = tmp_path / "quantized"
     shutil.copytree(tiny_model, folder)
+    shutil.copy(tokenizer_from / "tokenizer.json", folder)
     config = json.loads((folder / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_8bit": True}
     (folder / "config.json").write_text(json.dumps(config))
@@ -172,8 +175,9 @@ def train_errors(model: Path, tmp_path: Path) -> list[str]:
     return [line for line in done.stderr.splitlines() if line.startswith("lit: error:")]
 
 
-def test_a_quantized_model_stops_lit_train_at_start_in_one_line(tiny_model: Path, tmp_path: Path):
-    lines = train_errors(quantized(tiny_model, tmp_path), tmp_path)
+def test_a_quantized_model_stops_lit_train_at_start_in_one_line(tiny_model: Path, tmp_path: Path,
+                                                                 prepared_model: Path):
+    lines = train_errors(quantized(tiny_model, tmp_path, prepared_model), tmp_path)
     assert len(lines) == 1 and "is quantized (bitsandbytes)" in lines[0] and "unquantized checkpoint" in lines[0]
     assert not (tmp_path / "run" / "lit.sqlite").exists()  # stopped before the store or vLLM started
 
