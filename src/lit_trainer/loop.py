@@ -36,7 +36,7 @@ from lit_trainer.evaluation import validate
 from lit_trainer.intake.store import Store
 from lit_trainer.learner import checkpoint as ckpt
 from lit_trainer.learner import distributed
-from lit_trainer.metrics import STEP_LINE_LEGEND, MetricsLog, memory_gb, plot_curve, step_line
+from lit_trainer.metrics import STEP_LINE_LEGEND, MetricsLog, check_wandb_login, memory_gb, plot_curve, step_line
 from lit_trainer.metrics import read as read_metrics
 from lit_trainer.models import check_model_folder, resolve_model
 from lit_trainer.progress import quiet_library_bars
@@ -99,6 +99,8 @@ def _run(cfg: TrainConfig, resume: bool, out: RunFolder) -> dict[str, Any]:
     if cfg.train.guidance and (problem := check_references(train_tasks)):
         raise ConfigError(problem)
     check_agent(cfg)  # importable, @lit.trace, (task, llm): before the model and vLLM load
+    if distributed.is_launch_main():  # the process whose tracker logs
+        check_wandb_login(cfg.train.trackers)
     torch.manual_seed(cfg.train.seed)
     base_dir = resolve_model(cfg.model)
     check_model_folder(base_dir, weights=False)  # vLLM serves it with its tokenizer; the policy checks the weights

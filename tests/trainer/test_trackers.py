@@ -4,7 +4,9 @@ offered ones (TensorBoard, W&B offline) really log every metric, under the run's
 from __future__ import annotations
 
 import json
+import os
 import struct
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -137,3 +139,26 @@ def _wandb_history(path: Path) -> list[dict] | None:
                 rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                              for item in record.history.item})
     return None
+
+
+@pytest.mark.parametrize("mode, words", [
+    (None, 'train.trackers = ["wandb"] logs to W&B online, which has no API key here (No API key configured. Use '
+           "`wandb login` to log in.): run `wandb login` or set WANDB_API_KEY, or log offline with WANDB_MODE=offline "
+           "(`wandb sync` uploads the run later)"),
+    ("ofline", 'train.trackers = ["wandb"]: W&B cannot read its settings (1 validation error for Settings): set '
+               "WANDB_MODE to online, offline or disabled")])  # fmt: skip
+def test_wandb_without_an_account_stops_lit_train_before_vllm_starts(tmp_path, mode, words):
+    """wandb.init used to stop the run with a traceback once the tracker started, after vLLM had."""
+    pytest.importorskip("wandb")
+    config = tmp_path / "c.toml"
+    config.write_text('[agent]\nfunction = "rollout_agents:reply_length_parity"\n[data]\n'
+                      'tasks = "rollout_agents:parity_tasks"\n[train]\ntrackers = ["wandb"]\n'
+                      f'output_dir = "{tmp_path / "run"}"\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env |= {"HOME": str(tmp_path), "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"),  # no key in ~/.netrc
+            "PYTHONPATH": str(Path(__file__).parents[1]), **({"WANDB_MODE": mode} if mode else {})}
+    done = subprocess.run([sys.executable, "-m", "lit_trainer.cli", "train", str(config)], capture_output=True,
+                          text=True, env=env, stdin=subprocess.DEVNULL, timeout=300)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == f"lit: error: {words}", done.stderr[-3000:]
+    assert "starting vLLM" not in done.stderr and not (tmp_path / "run" / "lit.sqlite").exists()
