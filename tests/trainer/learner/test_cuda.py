@@ -58,14 +58,18 @@ def test_the_schedules_rate_reaches_the_fused_cuda_optimizer(tiny_model: Path):
     assert any(not torch.equal(a, p) for a, p in zip(before, policy.trainable, strict=True))
 
 
-def test_a_compiled_decoder_on_the_gpu_gives_the_eager_bf16_update(tiny_model: Path):
-    """``policy.compile`` where it pays (bench/README.md): the same bf16 update, the layers compiled."""
+@pytest.mark.parametrize("options", [{}, {"lora_rank": 4, "gradient_checkpointing": True}],
+                         ids=["full fine-tune", "LoRA, checkpointed"])
+def test_a_compiled_decoder_on_the_gpu_gives_the_eager_bf16_update(tiny_model: Path, options: dict):
+    """``policy.compile`` where it pays (bench/README.md): the same bf16 update, the layers compiled; under LoRA
+    (the frozen base in bfloat16) with every micro-batch recomputed too."""
     from lit_trainer.learner import compiling
 
     results = []
     for compile_ in (False, True):
         torch.manual_seed(0)
-        policy = Policy(PolicyConfig(model=str(tiny_model), learning_rate=1e-3, precision="bf16", compile=compile_))
+        policy = Policy(PolicyConfig(model=str(tiny_model), learning_rate=1e-3, precision="bf16", compile=compile_,
+                                     **options))
         mbs = batches()
         results.append(policy.update(mbs, step_loss(LossConfig(), mbs)))
         assert all((m._compiled_call_impl is not None) == compile_
