@@ -104,6 +104,8 @@ def _run(cfg: TrainConfig, resume: bool, out: RunFolder) -> dict[str, Any]:
     torch.manual_seed(cfg.train.seed)
     base_dir = resolve_model(cfg.model)
     check_model_folder(base_dir, weights=False)  # vLLM serves it with its tokenizer; the policy checks the weights
+    if start is not None and (problem := ckpt.other_model(start, base_dir)):
+        raise ConfigError(problem)
     # A LoRA policy resumes as the base model plus the checkpoint's adapter (ckpt.restore loads it).
     policy_cfg = replace(cfg.policy, model=str(start.model_dir)) if start and not cfg.policy.lora_rank else cfg.policy
     encode = reference_encoder(base_dir) if references else None

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import random
 import shutil
 import warnings
@@ -226,6 +227,29 @@ def _reason(exc: BaseException) -> str | None:
             if words.lower() in str(item).lower():
                 return words
     return None
+
+
+ARCHITECTURE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "intermediate_size")
+"""What a model's config.json says of its shape: a checkpoint resumes only onto a model that says the same."""
+
+
+def other_model(checkpoint: Checkpoint, model_dir: Path) -> str | None:
+    """Why ``checkpoint`` cannot go on from the model in ``model_dir`` (the run's ``model``, which vLLM serves and a
+    LoRA adapter sits on), in words naming the fix; None when the two have one shape (``ARCHITECTURE_KEYS``).
+    Without this, a config whose ``model`` was changed between a run and its ``--resume`` failed once vLLM had
+    started, at the first weight push or the adapter's load."""
+    def shape(folder: Path) -> dict[str, Any]:
+        config = json.loads((folder / "config.json").read_text())
+        return {key: config.get(key, (config.get("text_config") or {}).get(key)) for key in ARCHITECTURE_KEYS}
+
+    trained, given = shape(checkpoint.model_dir), shape(model_dir)
+    differ = [f"{key} {trained[key]} there, {given[key]} here" for key in ARCHITECTURE_KEYS
+              if trained[key] != given[key]]
+    if not differ:
+        return None
+    return (f"{checkpoint.path} was trained from another model than model = '{model_dir}' ({'; '.join(differ)}): "
+            "resume with the model the run started from, or choose another train.output_dir for this one")
 
 
 def restore(checkpoint: Checkpoint, policy: Policy) -> dict[str, Any]:

@@ -4,6 +4,11 @@ optimizer state; a full fine-tune's is unchanged; the two kinds are not mixed up
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -186,3 +191,28 @@ def test_a_save_that_runs_out_of_room_removes_its_folder_and_says_what_to_do(tin
     assert "`lit train CONFIG --resume`" in error
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000001"]  # no .tmp- left
     assert resolve_checkpoint(tmp_path).step == 1
+
+
+def test_a_resume_onto_another_model_stops_before_vllm_starts_naming_what_differs(tiny_model: Path, tmp_path: Path,
+                                                                                  prepared_model: Path):
+    """A config whose ``model`` changed between a run and its ``--resume`` used to fail once vLLM was up, at the
+    first weight push (full fine-tune) or the adapter's load (LoRA)."""
+    found = ckpt.save(tmp_path / "run", 1, trained(PolicyConfig(model=str(tiny_model)), steps=1), tiny_model, {})
+    assert ckpt.other_model(found, tiny_model) is None
+    other = tmp_path / "other"  # the tiny model grown: wider and one layer deeper, with a tokenizer
+    shutil.copytree(tiny_model, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "hidden_size": 48, "num_hidden_layers": 3}))
+    shutil.copy(prepared_model / "tokenizer.json", other)
+    words = (f"{found.path} was trained from another model than model = '{other}' (hidden_size 32 there, 48 here; "
+             "num_hidden_layers 2 there, 3 here): resume with the model the run started from, or choose another "
+             "train.output_dir for this one")
+    assert ckpt.other_model(found, other) == words
+    toml = tmp_path / "config.toml"
+    toml.write_text(f'model = "{other}"\n[agent]\nfunction = "rollout_agents:reply_length_parity"\n[data]\n'
+                    f'tasks = "rollout_agents:parity_tasks"\n[train]\noutput_dir = "{tmp_path / "run"}"\n')
+    done = subprocess.run([sys.executable, "-m", "lit_trainer.cli", "train", str(toml), "--resume"],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    assert done.returncode == 1 and done.stderr.strip().splitlines()[-1] == f"lit: error: {words}", done.stderr
+    assert "starting vLLM" not in done.stderr and "lit: the policy" not in done.stderr
