@@ -231,6 +231,13 @@ class InferenceServer:
             hint = f"port {self.port} got taken (InferenceConfig.port): set port = 0 or free the port"
         elif "no module named 'vllm" in lowered or 'no module named "vllm' in lowered:
             hint = f"vLLM is not installed there: {install_vllm_hint()}"
+        elif "less than desired gpu memory utilization" in lowered:  # vLLM's words when the card has too little free
+            hint = (
+                f"vLLM asks for inference.gpu_memory_utilization = {self.config.gpu_memory_utilization} of the GPU, "
+                "and less is free there (the trainer's policy, loaded first, may share that GPU): lower "
+                "inference.gpu_memory_utilization, or make the policy smaller (policy.lora_rank, policy.precision = "
+                "\"bf16\", policy.shard)"
+            )
         elif code == -signal.SIGKILL or any(marker in lowered for marker in _OOM_MARKERS):
             hint = (
                 "it looks out of memory: lower InferenceConfig.max_model_len, cpu_kv_cache_gb (CPU) or "

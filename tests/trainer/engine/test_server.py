@@ -389,6 +389,23 @@ def test_server_that_runs_out_of_memory_says_so_with_its_log(tmp_path: Path):
     assert "OutOfMemoryError" in str(info.value)  # the tail of the log is in the message
 
 
+def test_a_gpu_with_too_little_free_for_vllms_share_names_the_setting(tmp_path: Path):
+    """vLLM on a GPU stops at start when the card has less free than ``gpu_memory_utilization`` asks (the trainer's
+    policy, loaded first, on the same GPU). No GPU here: a stand-in server prints vLLM's own words (vLLM 0.32's
+    ``request_memory``) and exits, as the real one does."""
+    words = ("ValueError: Free memory on device cuda:0 (60.1/139.8 GiB) on startup is less than desired GPU memory "
+             "utilization (0.5, 69.9 GiB). Decrease GPU memory utilization or reduce GPU memory used by other "
+             "processes.")
+    python = fake_server(tmp_path, f'echo "{words}" >&2; exit 1')
+    config = InferenceConfig(model=str(fake_model(tmp_path / "m")), python=str(python), log_dir=str(tmp_path))
+    with pytest.raises(ServerDiedError) as info:
+        InferenceServer(config).start()
+    assert ("vLLM asks for inference.gpu_memory_utilization = 0.5 of the GPU, and less is free there (the trainer's "
+            "policy, loaded first, may share that GPU): lower inference.gpu_memory_utilization, or make the policy "
+            'smaller (policy.lora_rank, policy.precision = "bf16", policy.shard)') in str(info.value)
+    assert words in str(info.value)  # and the log's tail
+
+
 def test_startup_timeout_names_the_setting_and_kills_the_server(tmp_path: Path):
     python = fake_server(tmp_path, "exec sleep 600")
     config = InferenceConfig(
