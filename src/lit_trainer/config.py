@@ -169,8 +169,9 @@ class SecurityConfig:
     """The folder ``lit keys generate`` wrote: with it, the span and dispatch channels use CURVE (encrypted, and
     only peers holding its client key get in, on loopback too) and vLLM the folder's ``api_key`` (unless
     ``inference.api_key`` or ``api_key_file`` is set). Local workers get it as ``LIT_KEYS_DIR``; hosts that run
-    ``lit worker`` need a copy of its ``client.key_secret`` and ``server.key``. Empty: no keys, and every endpoint
-    must be loopback."""
+    ``lit worker`` need a copy of its ``client.key_secret`` and ``server.key``. Empty: the run makes keys of its
+    own in ``<output_dir>/keys`` (0700, kept for a resume; ``services.with_keys``), and every endpoint must be
+    loopback (remote workers need the shared folder)."""
 
 
 @dataclass(frozen=True)
