@@ -4,23 +4,22 @@ checkpoint is written, ``--resume`` continues to step 3, and ``lit eval --checkp
 
 - LoRA with a KL term, in bf16 (``policy.precision = "bf16"``: CPU autocast, the frozen base in bfloat16, float32
   adapters, LM head and loss): the adapter trains, merged weights reach vLLM (the sync check scores them in float32),
-  the reference is the base under the adapter, the checkpoint is a plain model for ``lit eval`` and resumes as base
-  + adapter; the trainer-vs-vLLM logprob gap of the sampled tokens stays within what bf16 explains; the
-  TensorBoard tracker logs every step, the resumed one too, and W&B (offline) logs both runs to one W&B run. Served by two vLLM servers (``inference.servers = 2``,
-  a core each): both serve rollouts, all of one task's group on one server, and both take every weight sync
-  (``two_servers_served``); resumed on one (``inference.servers = 1``: the count of servers is not the run's state,
-  and one vLLM start fewer). With dynamic sampling (``train.extra_rollouts``): some tasks are solved by every
-  rollout (``solved``: reward 1), so a step whose first draw holds one has a group without signal and draws a
-  fresh task (step 1 of seed 0), stored under the step (``drew_more``). With the curriculum
+  the reference is the base under the adapter, the checkpoint is a plain model for ``lit eval`` and resumes as base +
+  adapter; the trainer-vs-vLLM logprob gap of the sampled tokens stays within what bf16 explains; the TensorBoard
+  tracker logs every step, the resumed one too, and W&B (offline) logs both runs to one W&B run. Served by two vLLM
+  servers (``inference.servers = 2``, a core each): both serve rollouts, all of one task's group on one server, and
+  both take every weight sync (``two_servers_served``); resumed on one (``inference.servers = 1``: the count of
+  servers is not the run's state, and one vLLM start fewer). With dynamic sampling (``train.extra_rollouts``): some
+  tasks are solved by every rollout (``solved``: reward 1), so a step whose first draw holds one has a group without
+  signal and draws a fresh task (step 1 of seed 0), stored under the step (``drew_more``). With the curriculum
   (``train.rest_after = 1``, ``train.rest_by = "family"``): the solved tasks, one family, rest after that group, so
-  steps 2 and 3 draw none of them, the resumed step 3 too (it drew ``train11`` before the curriculum:
-  the checkpoint keeps what rests).
-  The learning rate decays linearly to half over ``train.steps`` (2, then 3 when resumed: each step's rate
-  follows from its number). The decoder's 30 layers and final norm are compiled (``policy.compile``: under LoRA,
-  bf16 autocast and the adapter switched off for the reference; the checkpoint and the weight sync see the
+  steps 2 and 3 draw none of them, the resumed step 3 too (it drew ``train11`` before the curriculum: the checkpoint
+  keeps what rests). The learning rate decays linearly to half over ``train.steps`` (2, then 3 when resumed: each
+  step's rate follows from its number). The decoder's 30 layers and final norm are compiled (``policy.compile``: under
+  LoRA, bf16 autocast and the adapter switched off for the reference; the checkpoint and the weight sync see the
   model's own names). The loss clips asymmetrically under a ratio cap and sums each sequence's tokens
-  (``loss.clip_eps_low/high``, ``ratio_cap``, ``aggregation``); replies cut at ``max_tokens`` cost 0.1 of credit
-  each (``credit.auto_reward_weight``).
+  (``loss.clip_eps_low/high``, ``ratio_cap``, ``aggregation``); replies cut at ``max_tokens`` cost 0.1 of credit each
+  (``credit.auto_reward_weight``).
 - Full fine-tune with every schedule option: KL to a frozen copy, 2 PPO epochs x 2 mini-batches, recomputed old
   logprobs with truncated importance sampling, overlong responses masked, the ``kept`` normaliser; trained by two
   processes (``torchrun --nproc_per_node 2``, gloo) with the model sharded across them (``policy.shard``: the decoder
