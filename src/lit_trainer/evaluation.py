@@ -11,7 +11,7 @@ from typing import Any
 
 from lit_trainer.config import TrainConfig
 from lit_trainer.metrics import MetricsLog
-from lit_trainer.models import check_model_folder, resolve_model
+from lit_trainer.models import check_context, check_model_folder, resolve_model
 from lit_trainer.progress import quiet_library_bars
 from lit_trainer.rollouts.runner import RolloutRunner
 from lit_trainer.rollouts.tasks import load_tasks
@@ -65,6 +65,7 @@ def evaluate(cfg: TrainConfig, checkpoint: str | Path | None = None, output: Pat
     _, val_tasks = load_tasks(cfg.data)
     check_agent(cfg)
     check_model_folder(resolve_model(model))  # what vLLM serves: before it starts, in one line
+    check_context(resolve_model(model), cfg.inference.max_model_len)
     run.create()
     with run.in_use("lit eval"):  # another lit eval of the same checkpoint stops at once
         run.save_config(cfg.to_dict())  # the model whose tokens lit show decodes

@@ -38,7 +38,7 @@ from lit_trainer.learner import checkpoint as ckpt
 from lit_trainer.learner import distributed
 from lit_trainer.metrics import STEP_LINE_LEGEND, MetricsLog, check_wandb_login, memory_gb, plot_curve, step_line
 from lit_trainer.metrics import read as read_metrics
-from lit_trainer.models import check_model_folder, resolve_model
+from lit_trainer.models import check_context, check_model_folder, resolve_model
 from lit_trainer.progress import quiet_library_bars
 from lit_trainer.rollouts.curriculum import Curriculum, check_rest_by
 from lit_trainer.rollouts.feed import StepFeed, StepPlan
@@ -104,6 +104,7 @@ def _run(cfg: TrainConfig, resume: bool, out: RunFolder) -> dict[str, Any]:
     torch.manual_seed(cfg.train.seed)
     base_dir = resolve_model(cfg.model)
     check_model_folder(base_dir, weights=False)  # vLLM serves it with its tokenizer; the policy checks the weights
+    check_context(base_dir, cfg.inference.max_model_len)
     if start is not None and (problem := ckpt.other_model(start, base_dir)):
         raise ConfigError(problem)
     # A LoRA policy resumes as the base model plus the checkpoint's adapter (ckpt.restore loads it).

@@ -102,6 +102,38 @@ def check_model_folder(folder: Path, weights: bool = True, tokenizer: bool = Tru
                          "tokenizer into it too (tokenizer.save_pretrained)")
 
 
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_target_positions",
+                 "max_sequence_length", "max_seq_length", "seq_len")
+"""The config.json keys vLLM reads a model's longest sequence from (the smallest of those present counts)."""
+
+
+def max_positions(folder: Path) -> tuple[int, str] | None:
+    """The longest sequence the model in ``folder`` was made for, as vLLM 0.32 derives it from config.json, and the
+    key that says so: its ``model_max_length``, or else the smallest of ``POSITION_KEYS``. None when the config says
+    none, or scales its rotary embedding (vLLM then derives a longer one from the scaling: lit leaves it to vLLM)."""
+    config = json.loads((folder / "config.json").read_text())
+    config = config.get("text_config") or config
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if any(isinstance(v, dict) and v.get("rope_type", v.get("type", "default")) != "default"
+           for v in (rope, *rope.values())):  # one rope, or one per layer type
+        return None
+    if isinstance(config.get("model_max_length"), int):
+        return config["model_max_length"], "model_max_length"
+    found = [(config[key], key) for key in POSITION_KEYS if isinstance(config.get(key), int)]
+    return min(found) if found else None
+
+
+def check_context(folder: Path, max_model_len: int) -> None:
+    """ModelError when ``inference.max_model_len`` is longer than the model in ``folder`` was made for, which vLLM
+    refuses at start (unless ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` is set, as vLLM allows)."""
+    longest = max_positions(folder)
+    if longest is None or max_model_len <= longest[0] or os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN"):
+        return
+    raise ModelError(f"inference.max_model_len = {max_model_len} is longer than the model in '{folder}' was made for "
+                     f"({longest[1]} = {longest[0]} in its config.json), which vLLM refuses: set "
+                     f"inference.max_model_len = {longest[0]} or less")
+
+
 def vocab_size(name_or_path: str | os.PathLike[str]) -> int | None:
     """The number of token ids the model embeds (``vocab_size`` of its config.json, also under ``text_config``);
     None when the config does not say. Token ids at or above it cannot be trained on."""

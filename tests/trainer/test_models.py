@@ -1,6 +1,8 @@
 """The offline default model: preparation, resolution of names and paths, and a real generation."""
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -144,3 +146,47 @@ def test_a_model_folder_transformers_cannot_load_is_named_with_what_it_lacks(tmp
     out = _lit("eval", str(config))  # the base model, as vLLM would serve it
     assert out.returncode == 1 and "holds no tokenizer" in out.stderr.strip().splitlines()[-1], out.stderr[-3000:]
     assert "starting vLLM" not in out.stderr
+
+
+@pytest.mark.parametrize("fields, longest", [
+    ({"max_position_embeddings": 1024}, (1024, "max_position_embeddings")),
+    ({"n_positions": 1024, "max_position_embeddings": 4096}, (1024, "n_positions")),  # GPT-2's: the smallest
+    ({"text_config": {"max_position_embeddings": 512}}, (512, "max_position_embeddings")),
+    ({"max_position_embeddings": 1024, "model_max_length": 4096}, (4096, "model_max_length")),
+    ({"max_position_embeddings": 1024, "rope_scaling": {"type": "linear", "factor": 4.0}}, None),  # vLLM scales
+    ({"max_position_embeddings": 1024, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
+     (1024, "max_position_embeddings")),
+    ({}, None)])  # fmt: skip
+def test_the_longest_sequence_a_model_was_made_for_is_read_as_vllm_reads_it(tmp_path: Path, fields: dict, longest):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **fields}))
+    assert models.max_positions(tmp_path) == longest
+    if longest:
+        models.check_context(tmp_path, longest[0])
+        with pytest.raises(ModelError, match=rf"inference.max_model_len = {longest[0] + 1} is longer .*"
+                                             rf"\({longest[1]} = {longest[0]} in its config.json\)"):
+            models.check_context(tmp_path, longest[0] + 1)
+
+
+def test_a_max_model_len_longer_than_the_model_stops_lit_train_and_eval_before_vllm_starts(
+        tmp_path: Path, prepared_model: Path, monkeypatch: pytest.MonkeyPatch):
+    """vLLM refused it at start, after the policy had loaded; vLLM's own override is honoured."""
+    folder = tmp_path / "short"  # the default model, made for 1024 positions
+    folder.mkdir()
+    config = json.loads((prepared_model / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+    shutil.copy(prepared_model / "tokenizer.json", folder)
+    (folder / "model.safetensors").symlink_to(prepared_model / "model.safetensors")  # lit eval checks the weights
+    toml = tmp_path / "config.toml"
+    toml.write_text(f'model = "{folder}"\n[agent]\nfunction = "rollout_agents:reply_length_parity"\n[data]\n'
+                    f'tasks = "rollout_agents:parity_tasks"\n[train]\noutput_dir = "{tmp_path / "run"}"\n')
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parents[1]))
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    for command in ("train", "eval"):
+        out = _lit(command, str(toml))
+        assert out.returncode == 1 and out.stderr.strip().splitlines()[-1] == (
+            f"lit: error: inference.max_model_len = 2048 is longer than the model in '{folder}' was made for "
+            "(max_position_embeddings = 1024 in its config.json), which vLLM refuses: set inference.max_model_len = "
+            "1024 or less"), out.stderr[-3000:]
+        assert "starting vLLM" not in out.stderr
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    models.check_context(folder, 2048)

@@ -231,6 +231,9 @@ class InferenceServer:
             hint = f"port {self.port} got taken (InferenceConfig.port): set port = 0 or free the port"
         elif "no module named 'vllm" in lowered or 'no module named "vllm' in lowered:
             hint = f"vLLM is not installed there: {install_vllm_hint()}"
+        elif "greater than the derived max_model_len" in lowered:  # what lit's check_context leaves to vLLM
+            hint = (f"inference.max_model_len = {self.config.max_model_len} is longer than the model was made for "
+                    "(the log names its length): lower inference.max_model_len")
         elif "less than desired gpu memory utilization" in lowered:  # vLLM's words when the card has too little free
             hint = (
                 f"vLLM asks for inference.gpu_memory_utilization = {self.config.gpu_memory_utilization} of the GPU, "

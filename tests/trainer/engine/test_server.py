@@ -406,6 +406,19 @@ def test_a_gpu_with_too_little_free_for_vllms_share_names_the_setting(tmp_path: 
     assert words in str(info.value)  # and the log's tail
 
 
+def test_a_max_model_len_longer_than_the_model_names_the_setting(tmp_path: Path):
+    """What lit's own check leaves to vLLM (a length in the tokenizer's config, say): vLLM 0.32's words, printed
+    by a stand-in server."""
+    words = ("ValueError: User-specified max_model_len (2048) is greater than the derived max_model_len "
+             "(max_position_embeddings=1024 or model_max_length=None in model's config.json).")
+    python = fake_server(tmp_path, f'echo "{words}" >&2; exit 1')
+    config = InferenceConfig(model=str(fake_model(tmp_path / "m")), python=str(python), log_dir=str(tmp_path))
+    with pytest.raises(ServerDiedError, match=re.escape(
+            "inference.max_model_len = 2048 is longer than the model was made for (the log names its length): "
+            "lower inference.max_model_len")):
+        InferenceServer(config).start()
+
+
 def test_startup_timeout_names_the_setting_and_kills_the_server(tmp_path: Path):
     python = fake_server(tmp_path, "exec sleep 600")
     config = InferenceConfig(
