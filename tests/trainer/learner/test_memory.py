@@ -4,6 +4,7 @@ against what the loaded policy then holds; and a policy too large for its device
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -72,10 +73,12 @@ def test_a_policy_too_large_for_the_device_names_what_to_change():
     memory.check_fits(plan, None, torch.device("meta"))  # unknown: nothing said
 
 
-def test_lit_train_stops_before_reading_a_weight_when_the_policy_cannot_fit(tmp_path: Path):
-    """A 70B model's config and no weights at all: the plan is all lit needs to refuse it on this machine."""
+def test_lit_train_stops_before_reading_a_weight_when_the_policy_cannot_fit(tmp_path: Path, prepared_model: Path):
+    """A 70B model's config and no weights at all: the plan is all lit needs to refuse it on this machine. (The
+    tokenizer, which lit train checks first, is the default model's.)"""
     folder = tmp_path / "llama-70b"
     folder.mkdir()
+    shutil.copy(prepared_model / "tokenizer.json", folder)
     (folder / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 8192,
         "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8}))
