@@ -244,8 +244,9 @@ def other_model(checkpoint: Checkpoint, model_dir: Path) -> str | None:
         return {key: config.get(key, (config.get("text_config") or {}).get(key)) for key in ARCHITECTURE_KEYS}
 
     trained, given = shape(checkpoint.model_dir), shape(model_dir)
+    # a key one config leaves out is not compared: save_pretrained writes the defaults a hand-written config omits
     differ = [f"{key} {trained[key]} there, {given[key]} here" for key in ARCHITECTURE_KEYS
-              if trained[key] != given[key]]
+              if None not in (trained[key], given[key]) and trained[key] != given[key]]
     if not differ:
         return None
     return (f"{checkpoint.path} was trained from another model than model = '{model_dir}' ({'; '.join(differ)}): "

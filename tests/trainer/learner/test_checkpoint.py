@@ -199,6 +199,11 @@ def test_a_resume_onto_another_model_stops_before_vllm_starts_naming_what_differ
     first weight push (full fine-tune) or the adapter's load (LoRA)."""
     found = ckpt.save(tmp_path / "run", 1, trained(PolicyConfig(model=str(tiny_model)), steps=1), tiny_model, {})
     assert ckpt.other_model(found, tiny_model) is None
+    terse = tmp_path / "terse"  # the same model, its config written by hand without the keys it leaves at default
+    terse.mkdir()
+    config = json.loads((tiny_model / "config.json").read_text())
+    (terse / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "num_key_value_heads"}))
+    assert ckpt.other_model(found, terse) is None
     other = tmp_path / "other"  # the tiny model grown: wider and one layer deeper, with a tokenizer
     shutil.copytree(tiny_model, other)
     config = json.loads((other / "config.json").read_text())
@@ -211,7 +216,8 @@ def test_a_resume_onto_another_model_stops_before_vllm_starts_naming_what_differ
     toml = tmp_path / "config.toml"
     toml.write_text(f'model = "{other}"\n[agent]\nfunction = "rollout_agents:reply_length_parity"\n[data]\n'
                     f'tasks = "rollout_agents:parity_tasks"\n[train]\noutput_dir = "{tmp_path / "run"}"\n')
-    done = subprocess.run([sys.executable, "-m", "lit_trainer.cli", "train", str(toml), "--resume"],
+    done = subprocess.run([sys.executable, "-m", "lit_trainer.cli", "train", str(toml), "--resume",
+                           "inference.max_model_len=64"],  # the tiny model's length
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
     assert done.returncode == 1 and done.stderr.strip().splitlines()[-1] == f"lit: error: {words}", done.stderr
