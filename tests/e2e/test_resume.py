@@ -41,13 +41,16 @@ group_size = 2
 val_every = 1
 checkpoint_every = 2
 output_dir = "{out}"
-trackers = ["wandb"]
 [inference]
 cpu_kv_cache_gb = 1
 # vLLM without torch.compile starts about 24 s sooner (bench/vllm_start.py); the compiled default runs in the
 # session server (conftest.py), test_server.py's engine-core test and test_train_options.py's lit eval
 extra_args = ["--enforce-eager"]
 """
+
+
+WANDB = ["train.trackers=['wandb']"]
+"""The interrupted run's tracker (offline: ``go_offline``)."""
 
 
 def _lit_train(config: Path, *args: str, interrupt_after: str | None = None) -> tuple[int, str, str]:
@@ -83,7 +86,7 @@ def test_a_run_interrupted_between_checkpoints_resumes_and_sets_aside_what_it_tr
     config = tmp_path / "config.toml"
     config.write_text(CONFIG.format(model=prepared_model, out=out))
     # stopped during the validation after step 3, before that step's checkpoint (the last is step 2's)
-    code, stdout, stderr = _lit_train(config, interrupt_after="step 3/3")
+    code, stdout, stderr = _lit_train(config, *WANDB, interrupt_after="step 3/3")
     assert code == 130 and "lit: interrupted" in stderr and "Traceback" not in stderr, stderr[-3000:]
     assert (f"lit: stopped: `lit train {config} --resume` continues from the last checkpoint, step 2 "
             f"({out / 'checkpoints' / 'step-000002'}); the steps after it train again") in stderr, stderr[-3000:]
@@ -96,7 +99,7 @@ def test_a_run_interrupted_between_checkpoints_resumes_and_sets_aside_what_it_tr
     stopped_wandb = (out / WANDB_ID_FILE).read_text().strip()
     assert run_ids(out) == [stopped_wandb]
 
-    code, stdout, stderr = _lit_train(config, "--resume")
+    code, stdout, stderr = _lit_train(config, *WANDB, "--resume")
     assert code == 0 and "resumed from" in stderr and "(step 2)" in stderr, stderr[-3000:]
     assert "lit: the run that stopped here had logged steps after step 2, which this run trains again: its 1 " \
            "metrics record(s) of them moved to metrics.superseded.jsonl" in stderr, stderr[-3000:]
