@@ -64,8 +64,9 @@ def evaluate(cfg: TrainConfig, checkpoint: str | Path | None = None, output: Pat
     cfg = replace(cfg, train=replace(cfg.train, output_dir=str(run.dir)))
     _, val_tasks = load_tasks(cfg.data)
     check_agent(cfg)
-    check_model_folder(resolve_model(model))  # what vLLM serves: before it starts, in one line
-    check_context(resolve_model(model), cfg.inference.max_model_len)
+    served = resolve_model(model)
+    check_model_folder(served)  # what vLLM serves: before it starts, in one line
+    check_context(served, cfg.inference.max_model_len)
     run.create()
     with run.in_use("lit eval"):  # another lit eval of the same checkpoint stops at once
         run.save_config(cfg.to_dict())  # the model whose tokens lit show decodes

@@ -134,11 +134,16 @@ def check_context(folder: Path, max_model_len: int) -> None:
                      f"inference.max_model_len = {longest[0]} or less")
 
 
+def config_field(config: dict, key: str) -> object:
+    """``key`` of a model's config.json (``config``), or of its ``text_config`` (a multimodal model's); None."""
+    return config.get(key, (config.get("text_config") or {}).get(key))
+
+
 def vocab_size(name_or_path: str | os.PathLike[str]) -> int | None:
     """The number of token ids the model embeds (``vocab_size`` of its config.json, also under ``text_config``);
     None when the config does not say. Token ids at or above it cannot be trained on."""
     config = json.loads((resolve_model(name_or_path) / "config.json").read_text())
-    size = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
+    size = config_field(config, "vocab_size")
     return size if type(size) is int and size > 0 else None
 
 

@@ -241,7 +241,7 @@ def other_model(checkpoint: Checkpoint, model_dir: Path) -> str | None:
     started, at the first weight push or the adapter's load."""
     def shape(folder: Path) -> dict[str, Any]:
         config = json.loads((folder / "config.json").read_text())
-        return {key: config.get(key, (config.get("text_config") or {}).get(key)) for key in ARCHITECTURE_KEYS}
+        return {key: models.config_field(config, key) for key in ARCHITECTURE_KEYS}
 
     trained, given = shape(checkpoint.model_dir), shape(model_dir)
     # a key one config leaves out is not compared: save_pretrained writes the defaults a hand-written config omits
