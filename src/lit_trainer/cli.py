@@ -237,9 +237,11 @@ def _config_keys(args: argparse.Namespace) -> int:
 
 def _config_show(args: argparse.Namespace) -> int:
     import lit_trainer
+    from lit_trainer.config import NOT_KEYS
 
     table = lit_trainer.load_config(args.config, args.overrides).to_dict()
-    table.pop("source", None)
+    for name in NOT_KEYS:
+        table.pop(name, None)
     for name, value in table.items():
         if not isinstance(value, dict):
             print(_toml_line(name, value))

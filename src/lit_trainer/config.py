@@ -196,6 +196,9 @@ class TrainConfig:
     security: SecurityConfig = field(default_factory=SecurityConfig)
     source: str = ""
     """The file this config was read from (set by ``load``)."""
+    overrides: tuple[str, ...] = ()
+    """The ``section.key=value`` overrides given with it on the command line (set by ``load``), so that the
+    commands lit suggests (``--resume``, ``lit eval``) read the same config."""
 
     def __post_init__(self) -> None:
         # Settings of one section that only make sense with another section's.
@@ -224,7 +227,13 @@ class TrainConfig:
         table = dataclasses.asdict(self)
         if table["inference"]["api_key"]:
             table["inference"]["api_key"] = "***"
+        table["overrides"] = list(self.shown_overrides())
         return table
+
+    def shown_overrides(self) -> tuple[str, ...]:
+        """The command-line overrides as lit writes and prints them: an API key given there shows as ``***``."""
+        return tuple("inference.api_key=***" if item.partition("=")[0].strip() == "inference.api_key" else item
+                     for item in self.overrides)
 
 
 def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
@@ -238,7 +247,7 @@ def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Train
         raise ConfigError(f"{path} is not valid TOML: {exc}") from None
     for item in overrides:
         _apply_override(table, item)
-    table["source"] = str(path)
+    table["source"], table["overrides"] = str(path), list(overrides)
     return from_dict(table, where=str(path))
 
 
@@ -331,13 +340,17 @@ class ConfigKey:
     doc: str
 
 
+NOT_KEYS = ("source", "overrides")
+"""Fields of ``TrainConfig`` that record where a config came from: no key a config file sets."""
+
+
 def config_keys(cls: type = TrainConfig, prefix: str = "") -> list[ConfigKey]:
     """Every key of the config with its default and the docstring under its field, in file order; the source of
     ``lit config keys``. Sections are the fields whose default is a dataclass."""
     docs = _field_docs(cls)
     keys = []
     for f in dataclasses.fields(cls):
-        if f.name == "source":
+        if f.name in NOT_KEYS:
             continue
         default = _default(f)
         if dataclasses.is_dataclass(default):

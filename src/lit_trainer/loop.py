@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -69,12 +70,20 @@ def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
 
 def _how_to_go_on(out: RunFolder, cfg: TrainConfig) -> str:
     """What an interrupted run's user can do next."""
-    config, latest = cfg.source or "CONFIG", out.latest_checkpoint()
+    latest = out.latest_checkpoint()
     if latest is None:
-        return (f"stopped before the first checkpoint: `lit train {config}` starts again in {out.dir} (what this "
-                f"run logged is set aside there, not deleted)")
-    return (f"stopped: `lit train {config} --resume` continues from the last checkpoint, step {latest.step} "
+        return (f"stopped before the first checkpoint: `{_command(cfg, 'train')}` starts again in {out.dir} (what "
+                f"this run logged is set aside there, not deleted)")
+    return (f"stopped: `{_command(cfg, 'train', '--resume')}` continues from the last checkpoint, step {latest.step} "
             f"({latest.path}); the steps after it train again")
+
+
+def _command(cfg: TrainConfig, verb: str, *args: str) -> str:
+    """The ``lit VERB`` command line that reads this run's config as it was given, its file and its command-line
+    overrides (an API key as ``***``), then ``args``; an override of a key that ``args`` set again is left out."""
+    again = {arg.partition("=")[0].strip() for arg in args if "=" in arg and not arg.startswith("-")}
+    given = [item for item in cfg.shown_overrides() if item.partition("=")[0].strip() not in again]
+    return shlex.join(["lit", verb, cfg.source or "CONFIG", *given, *args])
 
 
 def _run(cfg: TrainConfig, resume: bool, out: RunFolder) -> dict[str, Any]:
@@ -199,10 +208,10 @@ def _run(cfg: TrainConfig, resume: bool, out: RunFolder) -> dict[str, Any]:
         print(f"lit: curve written to {png}", file=sys.stderr)
     final = out.latest_checkpoint()
     if final is not None:
-        config = cfg.source or "CONFIG"
         print(f"lit: trained to step {final.step}: the model is {final.model_dir} (a Hugging Face folder). Next: "
-              f"`lit eval {config} --checkpoint {out.dir}` evaluates it, `lit show --run {out.dir}` shows its "
-              f"rollouts, `lit train {config} --resume train.steps={final.step * 2}` trains on", file=sys.stderr)
+              f"`{_command(cfg, 'eval', '--checkpoint', str(out.dir))}` evaluates it, "
+              f"`{shlex.join(['lit', 'show', '--run', str(out.dir)])}` shows its rollouts, "
+              f"`{_command(cfg, 'train', '--resume', f'train.steps={final.step * 2}')}` trains on", file=sys.stderr)
     return last_val
 
 

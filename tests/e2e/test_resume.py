@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -88,7 +89,8 @@ def test_a_run_interrupted_between_checkpoints_resumes_and_sets_aside_what_it_tr
     # stopped during the validation after step 3, before that step's checkpoint (the last is step 2's)
     code, stdout, stderr = _lit_train(config, *WANDB, interrupt_after="step 3/3")
     assert code == 130 and "lit: interrupted" in stderr and "Traceback" not in stderr, stderr[-3000:]
-    assert (f"lit: stopped: `lit train {config} --resume` continues from the last checkpoint, step 2 "
+    again = shlex.join(["lit", "train", str(config), *WANDB, "--resume"])  # the overrides it was given go with it
+    assert (f"lit: stopped: `{again}` continues from the last checkpoint, step 2 "
             f"({out / 'checkpoints' / 'step-000002'}); the steps after it train again") in stderr, stderr[-3000:]
     assert not (out / "checkpoints" / "step-000003").exists()
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

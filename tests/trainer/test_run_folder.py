@@ -5,6 +5,7 @@ metrics and checkpoints as the first."""
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -72,6 +73,25 @@ def test_an_interrupted_run_says_how_to_go_on_from_its_last_checkpoint_or_from_t
             (out.checkpoint(step).path / "DONE").write_text("")
     assert _how_to_go_on(out, cfg) == (f"stopped: `lit train {config} --resume` continues from the last checkpoint, "
                                        f"step 2 ({out.checkpoint(2).path}); the steps after it train again")
+    # the command-line overrides go with it, quoted for the shell; an API key given there is not printed
+    given = load_config(config, ["train.steps=8", "train.trackers=['wandb']", "inference.api_key=sk-secret"])
+    hint = _how_to_go_on(out, given)
+    assert hint.startswith("stopped: `") and "sk-secret" not in hint, hint
+    assert shlex.split(hint.split("`")[1]) == ["lit", "train", str(config), "train.steps=8", "train.trackers=['wandb']",
+                                               "inference.api_key=***", "--resume"]
+
+
+def test_the_next_commands_after_a_run_keep_its_overrides_and_replace_the_steps(tmp_path: Path):
+    from lit_trainer import load_config
+    from lit_trainer.loop import _command
+
+    config = tmp_path / "my config.toml"
+    config.write_text('[agent]\nfunction = "m:f"\n')
+    cfg = load_config(config, ["train.steps=4", "train.seed=3"])
+    assert shlex.split(_command(cfg, "train", "--resume", "train.steps=8")) == [
+        "lit", "train", str(config), "train.seed=3", "--resume", "train.steps=8"]
+    assert shlex.split(_command(cfg, "eval", "--checkpoint", "runs/a")) == [
+        "lit", "eval", str(config), "train.steps=4", "train.seed=3", "--checkpoint", "runs/a"]
 
 
 def test_a_resume_goes_on_logging_to_the_folders_wandb_run_unless_it_trains_steps_again(tmp_path: Path):

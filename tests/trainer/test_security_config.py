@@ -4,6 +4,7 @@ before anything starts with the setting named and the command that makes them; t
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -46,3 +47,8 @@ def test_an_api_key_in_the_config_is_not_written_out(tmp_path: Path):
     assert cfg.inference.api_key == "sk-secret"
     assert cfg.to_dict()["inference"]["api_key"] == "***"
     assert load(_config(tmp_path, "")).to_dict()["inference"]["api_key"] is None
+    given = load(_config(tmp_path, ""), ["inference.api_key=sk-secret", "train.steps=3"])
+    assert given.inference.api_key == "sk-secret"
+    assert given.overrides == ("inference.api_key=sk-secret", "train.steps=3")
+    assert given.to_dict()["overrides"] == ["inference.api_key=***", "train.steps=3"]  # as config.json keeps them
+    assert "sk-secret" not in json.dumps(given.to_dict())
