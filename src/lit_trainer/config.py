@@ -16,6 +16,7 @@ type is an error that names the key, the file and the expected type, before anyt
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import tomllib
 from dataclasses import dataclass, field
@@ -234,6 +235,31 @@ class TrainConfig:
         """The command-line overrides as lit writes and prints them: an API key given there shows as ``***``."""
         return tuple("inference.api_key=***" if item.partition("=")[0].strip() == "inference.api_key" else item
                      for item in self.overrides)
+
+
+def changed_settings(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """The keys whose value differs between two ``TrainConfig.to_dict()`` tables (e.g. the run that stopped and
+    the one resuming it), each as ``section.key: old -> new``, in the config's order; where a config came from
+    (``NOT_KEYS``) is no setting. A key only one side has (a config.json of an older lit) shows as ``(none)``."""
+    def flat(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, value in table.items():
+            if not prefix and name in NOT_KEYS:
+                continue
+            if isinstance(value, dict):
+                out.update(flat(value, f"{prefix}{name}."))
+            else:
+                out[prefix + name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    old, new = flat(before), flat(after)
+    missing = object()
+    return [f"{key}: {_shown(old.get(key, missing), missing)} -> {_shown(new.get(key, missing), missing)}"
+            for key in [*new, *(k for k in old if k not in new)] if old.get(key, missing) != new.get(key, missing)]
+
+
+def _shown(value: Any, missing: object) -> str:
+    return "(none)" if value is missing else json.dumps(value, default=str)
 
 
 def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:

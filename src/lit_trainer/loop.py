@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import shlex
 import sys
 import time
@@ -31,7 +32,7 @@ from typing import Any, TypeVar
 import torch
 
 from lit_trainer import pipeline
-from lit_trainer.config import ConfigError, TrainConfig
+from lit_trainer.config import ConfigError, TrainConfig, changed_settings
 from lit_trainer.engine.fleet import SERVING_DTYPES
 from lit_trainer.evaluation import validate
 from lit_trainer.intake.store import Store
@@ -76,6 +77,18 @@ def _how_to_go_on(out: RunFolder, cfg: TrainConfig) -> str:
                 f"this run logged is set aside there, not deleted)")
     return (f"stopped: `{_command(cfg, 'train', '--resume')}` continues from the last checkpoint, step {latest.step} "
             f"({latest.path}); the steps after it train again")
+
+
+def _changed_since(out: RunFolder, cfg: TrainConfig, shown: int = 8) -> str:
+    """The settings of this run that differ from those the folder's ``config.json`` recorded, in words ("" when
+    none, or when there is no readable record)."""
+    try:
+        before = json.loads(out.config.read_text())
+    except (OSError, ValueError):
+        return ""
+    changed = changed_settings(before, cfg.to_dict()) if isinstance(before, dict) else []
+    more = f"; and {len(changed) - shown} more" if len(changed) > shown else ""
+    return "; ".join(changed[:shown]) + more
 
 
 def _command(cfg: TrainConfig, verb: str, *args: str) -> str:
@@ -131,6 +144,9 @@ def _run(cfg: TrainConfig, resume: bool, out: RunFolder) -> dict[str, Any]:
         follow(policy)
         distributed.leave()
         return {}
+    if start and (changed := _changed_since(out, cfg)):
+        print(f"lit: --resume with settings other than those of the run that stopped (its {out.config.name}): "
+              f"{changed}", file=sys.stderr)
     out.save_config(cfg.to_dict())
     # shm pushes from host memory: the gathered copy need not take room on the GPU
     weights = Weights(policy, SERVING_DTYPES.get(cfg.inference.dtype),

@@ -103,6 +103,7 @@ def test_a_run_interrupted_between_checkpoints_resumes_and_sets_aside_what_it_tr
 
     code, stdout, stderr = _lit_train(config, *WANDB, "--resume")
     assert code == 0 and "resumed from" in stderr and "(step 2)" in stderr, stderr[-3000:]
+    assert "settings other than" not in stderr, stderr[-3000:]  # resumed with the settings it stopped with
     assert "lit: the run that stopped here had logged steps after step 2, which this run trains again: its 1 " \
            "metrics record(s) of them moved to metrics.superseded.jsonl" in stderr, stderr[-3000:]
     assert "step 3/3" in stdout and "step 2/3" not in stdout, stdout

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lit_trainer.config import ConfigError, load
+from lit_trainer.config import ConfigError, changed_settings, load
 
 
 def write(tmp_path, text):
@@ -83,3 +83,26 @@ def test_overrides_take_toml_values_or_bare_words(tmp_path):
 def test_mistakes_name_the_key(tmp_path, text, overrides, message):
     with pytest.raises(ConfigError, match=message):
         load(write(tmp_path, text), overrides)
+
+
+def test_the_settings_a_resume_changes_are_listed_key_by_key():
+    before = {"source": "a.toml", "overrides": ["train.steps=4"], "model": "m",
+              "train": {"steps": 4, "trackers": ["jsonl"]}, "policy": {"learning_rate": 1e-06, "lora_rank": 0}}
+    after = {"source": "b.toml", "overrides": [], "model": "m",  # where a config came from is no setting
+             "train": {"steps": 8, "trackers": ("jsonl", "wandb")}, "policy": {"learning_rate": 1e-06},
+             "loss": {"kl_beta": 0.1}}
+    assert changed_settings(before, after) == [
+        "train.steps: 4 -> 8", 'train.trackers: ["jsonl"] -> ["jsonl", "wandb"]', "loss.kl_beta: (none) -> 0.1",
+        "policy.lora_rank: 0 -> (none)"]
+    assert changed_settings(before, before) == []
+    assert changed_settings({"train": {"trackers": ["jsonl"]}}, {"train": {"trackers": ("jsonl",)}}) == []
+
+
+def test_a_config_and_its_json_record_show_no_change(tmp_path):
+    import json
+
+    cfg = load(write(tmp_path, '[agent]\nfunction = "m:f"\n'), ["train.steps=3", "inference.api_key=sk-1"])
+    recorded = json.loads(json.dumps(cfg.to_dict(), default=str))  # as config.json keeps it
+    assert changed_settings(recorded, cfg.to_dict()) == []
+    again = load(write(tmp_path, '[agent]\nfunction = "m:f"\n'), ["train.steps=6", "inference.api_key=sk-1"])
+    assert changed_settings(recorded, again.to_dict()) == ["train.steps: 3 -> 6"]

@@ -104,3 +104,23 @@ def test_a_resume_goes_on_logging_to_the_folders_wandb_run_unless_it_trains_step
     (tmp_path / WANDB_ID_FILE).unlink()
     third, replaced = folder.wandb_run(go_on=True)  # a folder that logged to W&B without lit's id file
     assert replaced is None and third not in (first, second)
+
+
+def test_a_resume_names_the_settings_that_differ_from_the_stopped_runs(tmp_path: Path):
+    from lit_trainer import load_config
+    from lit_trainer.loop import _changed_since
+
+    config = tmp_path / "config.toml"
+    config.write_text('[agent]\nfunction = "m:f"\n')
+    out = RunFolder(tmp_path / "run")
+    out.dir.mkdir()
+    assert _changed_since(out, load_config(config)) == ""  # no record: nothing to compare with
+    out.save_config(load_config(config, ["train.steps=4"]).to_dict())
+    assert _changed_since(out, load_config(config, ["train.steps=4"])) == ""
+    assert _changed_since(out, load_config(config, ["train.steps=8", "policy.learning_rate=2e-6"])) == (
+        "train.steps: 4 -> 8; policy.learning_rate: 1e-06 -> 2e-06")
+    many = [f"train.{key}={value}" for key, value in (("steps", 9), ("seed", 1), ("group_size", 3),
+                                                      ("tasks_per_step", 5), ("val_every", 2))]
+    assert _changed_since(out, load_config(config, many), shown=3).endswith("; and 2 more")
+    out.config.write_text("{not json")  # a damaged record is no reason to stop
+    assert _changed_since(out, load_config(config)) == ""
