@@ -7,6 +7,7 @@ Errors that a user can fix (a bad path, a missing extra) end the command with on
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import signal
@@ -226,8 +227,10 @@ def _config_keys(args: argparse.Namespace) -> int:
 
     keys = [k for k in config_keys() if not args.section or k.name.startswith(f"{args.section}.")]
     if not keys:
-        raise ValueError(f"no config section {args.section!r}; the sections are "
-                         f"{sorted({k.name.split('.')[0] for k in config_keys() if '.' in k.name})}")
+        sections = sorted({k.name.split(".")[0] for k in config_keys() if "." in k.name})
+        near = difflib.get_close_matches(args.section, sections, n=1)
+        raise ValueError(f"no config section {args.section!r}{f'; did you mean {near[0]!r}?' if near else ''} "
+                         f"(the sections are {sections})")
     for key in keys:
         print(f"{key.name} = {_toml_value(key.default)}")
         if key.doc:

@@ -16,6 +16,7 @@ type is an error that names the key, the file and the expected type, before anyt
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import tomllib
@@ -312,7 +313,10 @@ def _build(cls: type, table: dict[str, Any], where: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(table) - set(fields))
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; {cls.__name__} has {sorted(fields)}")
+        known = sorted(set(fields) - set(NOT_KEYS))
+        close = {name: difflib.get_close_matches(name, known, n=1) for name in unknown}
+        hint = "".join(f"; did you mean {near[0]!r} for {name!r}?" for name, near in close.items() if near)
+        raise ConfigError(f"{where}: unknown key(s) {unknown}{hint} ({cls.__name__} has {known})")
     kwargs = {}
     for name, value in table.items():
         default = _default(fields[name])

@@ -46,7 +46,8 @@ def test_train_with_a_bad_override_names_the_key(tmp_path):
     config.write_text('[agent]\nfunction = "m:f"\n')
     out = subprocess.run([sys.executable, "-m", "lit_trainer.cli", "train", str(config), "train.stepz=3"],
                          capture_output=True, text=True)
-    assert out.returncode == 1 and "unknown key(s) ['stepz']" in out.stderr and "Traceback" not in out.stderr
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "unknown key(s) ['stepz']; did you mean 'steps' for 'stepz'?" in out.stderr, out.stderr
 
 
 def test_keys_generate_writes_private_keys_and_never_overwrites(tmp_path):
@@ -119,6 +120,9 @@ def test_config_keys_lists_every_key_with_its_default_and_meaning():
     assert only.returncode == 0 and all(line.startswith(("loss.", " ")) for line in only.stdout.splitlines())
     wrong = _cli("config", "keys", "nope")
     assert wrong.returncode == 1 and "no config section 'nope'" in wrong.stderr
+    near = _cli("config", "keys", "polcy")
+    assert near.returncode == 1 and "no config section 'polcy'; did you mean 'policy'?" in near.stderr, near.stderr
+    assert "overrides" not in near.stderr and "source" not in near.stderr  # where a config came from: no key
 
 
 def test_config_show_prints_the_config_with_overrides_as_toml(tmp_path):

@@ -39,7 +39,9 @@ def test_overrides_take_toml_values_or_bare_words(tmp_path):
 
 
 @pytest.mark.parametrize(("text", "overrides", "message"), [
-    ("[trian]\nsteps = 1\n", [], r"unknown key\(s\) \['trian'\]"),
+    ("[trian]\nsteps = 1\n", [], r"unknown key\(s\) \['trian'\]; did you mean 'train' for 'trian'\?"),
+    ("", ["policy.learnig_rate=1e-5"], r"\[policy\]: .* did you mean 'learning_rate'"),
+    ("[train]\nzzz = 1\n", [], r"unknown key\(s\) \['zzz'\] \(TrainLoopConfig has \['check_sync_every'"),
     ("[train]\nsteps = 'many'\n", [], r"\[train\]: steps must be int"),
     ("[train]\nsteps = 1.5\n", [], r"steps must be int"),
     ("[policy]\nlearning_rate = -1\n", [], r"learning_rate must be > 0"),
