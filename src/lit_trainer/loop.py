@@ -93,8 +93,12 @@ def _changed_since(out: RunFolder, cfg: TrainConfig, shown: int = 8) -> str:
 
 def _command(cfg: TrainConfig, verb: str, *args: str) -> str:
     """The ``lit VERB`` command line that reads this run's config as it was given, its file and its command-line
-    overrides (an API key as ``***``), then ``args``; an override of a key that ``args`` set again is left out."""
+    overrides (an API key as ``***``), then ``args``; an override of a key that ``args`` set again is left out, and
+    for ``lit eval`` one of ``train.output_dir`` (there it names the eval's own folder: the run's would be its
+    target)."""
     again = {arg.partition("=")[0].strip() for arg in args if "=" in arg and not arg.startswith("-")}
+    if verb == "eval":
+        again.add("train.output_dir")
     given = [item for item in cfg.shown_overrides() if item.partition("=")[0].strip() not in again]
     return shlex.join(["lit", verb, cfg.source or "CONFIG", *given, *args])
 

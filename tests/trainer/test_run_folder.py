@@ -87,9 +87,10 @@ def test_the_next_commands_after_a_run_keep_its_overrides_and_replace_the_steps(
 
     config = tmp_path / "my config.toml"
     config.write_text('[agent]\nfunction = "m:f"\n')
-    cfg = load_config(config, ["train.steps=4", "train.seed=3"])
+    cfg = load_config(config, ["train.steps=4", "train.seed=3", "train.output_dir=runs/a"])
     assert shlex.split(_command(cfg, "train", "--resume", "train.steps=8")) == [
-        "lit", "train", str(config), "train.seed=3", "--resume", "train.steps=8"]
+        "lit", "train", str(config), "train.seed=3", "train.output_dir=runs/a", "--resume", "train.steps=8"]
+    # train.output_dir on lit eval's command line names the folder it writes into: not the run's
     assert shlex.split(_command(cfg, "eval", "--checkpoint", "runs/a")) == [
         "lit", "eval", str(config), "train.steps=4", "train.seed=3", "--checkpoint", "runs/a"]
 
