@@ -33,8 +33,8 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["TERMINATED", "group_members", "sigterm_as_interrupt", "start_child", "stop_child", "stop_children",
-           "wait_children"]
+__all__ = ["TERMINATED", "group_members", "interrupts_held", "sigterm_as_interrupt", "start_child", "stop_child",
+           "stop_children", "wait_children"]
 
 log = logging.getLogger("lit.processes")
 
@@ -69,6 +69,29 @@ def sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[None]:
+    """Within it, Ctrl-C and SIGTERM wait: the first that comes is delivered when the block ends, to the handler in
+    place before it. For a block that must not be cut in two, such as starting a child and recording it where the
+    clean-up finds it: an interrupt inside ``Popen`` would leave a child that nothing stops. Outside the main thread
+    (signals reach only that one) it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    held = [sig for sig, handler in before.items() if handler is not None]  # None: not set from Python, left alone
+    for sig in held:
+        signal.signal(sig, lambda signum, frame: came.append(signum))
+    try:
+        yield
+    finally:
+        for sig in held:
+            signal.signal(sig, before[sig])
+        if came:
+            signal.raise_signal(came[0])
 
 
 @functools.cache

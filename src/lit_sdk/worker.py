@@ -52,7 +52,7 @@ import zmq.asyncio
 
 from lit_sdk import _context
 from lit_sdk.instrument import flush, instrument
-from lit_sdk.processes import TERMINATED, sigterm_as_interrupt, start_child, stop_children
+from lit_sdk.processes import TERMINATED, interrupts_held, sigterm_as_interrupt, start_child, stop_children
 from lit_sdk.protocol import security
 from lit_sdk.protocol.codec import ProtocolError
 from lit_sdk.protocol.dispatch import (
@@ -447,9 +447,12 @@ def main(argv: list[str] | None = None) -> int:
             return _past_stuck_calls(128 + signal.SIGTERM if worker.terminated else 130)
         log.info("lit worker: stopped by the trainer after %d rollouts", n)
         return _past_stuck_calls(0)
-    children = [spawn(args.target, args.connect, args.concurrency) for _ in range(args.processes)]
+    children: list[subprocess.Popen] = []
     try:
         with sigterm_as_interrupt():
+            for _ in range(args.processes):
+                with interrupts_held():  # an interrupt inside Popen would leave a child that nothing stops
+                    children.append(spawn(args.target, args.connect, args.concurrency))
             codes = [child.wait() for child in children]
     except KeyboardInterrupt as exc:  # the children have their own process groups: Ctrl-C reached only this one
         # SIGTERM to each: each says bye to the trainer (its rollouts are retried elsewhere at once) and ends

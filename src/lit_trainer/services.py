@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from lit_sdk.processes import stop_children, wait_children
+from lit_sdk.processes import interrupts_held, stop_children, wait_children
 from lit_sdk.protocol import security
 from lit_sdk.worker import load_agent, spawn
 from lit_trainer.config import ConfigError, TrainConfig
@@ -86,9 +86,11 @@ def services(cfg: TrainConfig, store_path: Path, spool_dir: Path, keys_dir: Path
         dispatcher = stack.enter_context(Dispatcher(store, cfg.dispatch_endpoint.endpoint, collector.endpoint,
                                                     [s.openai_url for s in fleet.servers], cfg.dispatch, keys=keys))
         env = {**os.environ, "LIT_SPOOL_DIR": str(spool_dir), security.KEYS_ENV: str(folder)}
-        workers = [spawn(cfg.agent.function, dispatcher.endpoint, cfg.agent.concurrency, env)
-                   for _ in range(cfg.agent.local_workers)]
+        workers: list = []
         stack.callback(stop_workers, dispatcher, workers)
+        for _ in range(cfg.agent.local_workers):
+            with interrupts_held():  # a Ctrl-C or SIGTERM inside Popen would leave a worker nothing stops
+                workers.append(spawn(cfg.agent.function, dispatcher.endpoint, cfg.agent.concurrency, env))
         print(f"lit: workers connect to {dispatcher.endpoint} ({len(workers)} local) with the keys in {folder} "
               f"({security.KEYS_ENV}={folder} lit worker ...)", file=sys.stderr)
         fleet.wait_ready(meanwhile=dispatcher.answer)  # the workers are welcomed and set up their tracing meanwhile

@@ -13,7 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from lit_sdk.processes import group_members, start_child, stop_child, stop_children
+from lit_sdk.processes import (
+    TERMINATED,
+    group_members,
+    interrupts_held,
+    sigterm_as_interrupt,
+    start_child,
+    stop_child,
+    stop_children,
+)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups via /proc, prctl")
 
@@ -169,3 +177,30 @@ def test_a_child_runs_on_the_cores_it_is_given_and_so_do_its_children(die_with_p
                            die_with_parent=die_with_parent)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0 and out.decode().split("\n")[:2] == [str(expected)] * 2, out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupt_while_a_child_starts_waits_until_the_child_is_recorded(sig: int):
+    """Ctrl-C or SIGTERM inside ``Popen`` used to leave a child that no clean-up knew of (lit train's agent worker
+    then outlived the trainer's last words); held, it comes once the child is in the list the clean-up stops."""
+    children: list[subprocess.Popen] = []
+    handler_before = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(KeyboardInterrupt) as stopped, sigterm_as_interrupt():
+            with interrupts_held():
+                os.kill(os.getpid(), sig)  # as if it came during the start below
+                time.sleep(0.1)  # a signal not held would have raised by now
+                children.append(start_child([sys.executable, "-c", "import time; time.sleep(60)"]))
+        assert stopped.value.args == ((TERMINATED,) if sig == signal.SIGTERM else ())  # to the handler before
+        assert len(children) == 1 and children[0].poll() is None
+        assert signal.getsignal(signal.SIGINT) is handler_before  # the handlers are back
+    finally:
+        stop_children(children, grace_s=5)
+    assert not alive(children[0].pid)
+
+
+def test_nothing_held_and_no_signal_changes_nothing():
+    handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+    with interrupts_held():
+        held = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+    assert held != handlers and (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers

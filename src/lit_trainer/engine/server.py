@@ -27,7 +27,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lit_sdk.processes import start_child, stop_child
+from lit_sdk.processes import interrupts_held, start_child, stop_child
 from lit_trainer.engine._shm import free_orphan_segments
 from lit_trainer.engine.config import InferenceConfig
 from lit_trainer.engine.launch import (
@@ -160,9 +160,10 @@ class InferenceServer:
             env = build_env(self.config, api_key=self.api_key, admin_token=self.credentials.admin_token,
                             private_dir=self._private_dir, index=self.index)
             cpus = server_cores(self.config, self.index, cores) if device == "cpu" else None
-            self.process = start_child(
-                cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env, cpus=cpus
-            )
+            with interrupts_held():  # an interrupt inside Popen would leave a server that stop() does not know
+                self.process = start_child(
+                    cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env, cpus=cpus
+                )
         atexit.register(self.stop)
         log.info("vLLM starting (pid %d) on %s, log %s", self.process.pid, self.base_url, self.log_path)
         return self
