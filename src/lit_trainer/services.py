@@ -101,8 +101,10 @@ def services(cfg: TrainConfig, store_path: Path, spool_dir: Path, keys_dir: Path
 
 
 def stop_workers(dispatcher: Dispatcher, workers: list) -> None:
-    """Ask every worker to stop (they deliver their last spans), give them 15 s, then end the local ones that do
-    not (and whatever their agents left running in their process groups)."""
+    """Ask every worker to stop (they deliver their last spans), give those that said hello 15 s, then end the
+    local ones that do not (and whatever their agents left running in their process groups). A local worker that
+    never said hello (a run stopped while it started) holds no rollout: it is ended at once."""
+    greeted = dispatcher.worker_pids()
     dispatcher.close()
-    wait_children(workers, WORKER_STOP_TIMEOUT_S)
+    wait_children([worker for worker in workers if worker.pid in greeted], WORKER_STOP_TIMEOUT_S)
     stop_children(workers, grace_s=5, name="agent workers")

@@ -137,6 +137,8 @@ class _Worker:
     last_seen: float
     label: str = ""
     worker_id: str | None = None
+    pid: int = 0
+    """The process id its hello gave (on its own host)."""
     fd: int = -1
     """The descriptor of its connection, from its last ``hello`` (``ConnectionLimit.doubt`` when it goes silent)."""
     running: set[str] = field(default_factory=set)
@@ -267,6 +269,10 @@ class Dispatcher:
             self._send(identity, Stop())
         self.sock.close()
         self._limit.release()
+
+    def worker_pids(self) -> set[int]:
+        """The process ids the connected workers gave in their hellos."""
+        return {worker.pid for worker in self.workers.values()}
 
     def __enter__(self) -> Dispatcher:
         return self
@@ -460,6 +466,7 @@ class Dispatcher:
             worker = _Worker(identity, hello.slots, 0.0)
             log.info("lit: worker %s connected (%d slots)", label, hello.slots)
         worker.identity, worker.slots, worker.label, worker.worker_id = identity, hello.slots, label, hello.worker_id
+        worker.pid = hello.pid
         worker.fd = fd
         worker.last_seen = time.monotonic()
         self.workers[identity] = worker

@@ -307,3 +307,25 @@ def test_accuracy_and_reward_per_task_kind(tmp_path):
     with SqliteStore(tmp_path / "other.sqlite") as store:
         _, plain, _ = gather_episodes(store, [], (), 1.0)
     assert math.isnan(plain["accuracy"]) and not [k for k in plain if k.startswith("accuracy/")]
+
+
+def test_stopping_waits_for_the_workers_that_said_hello_and_ends_one_still_starting_at_once(
+        rig, tmp_path, monkeypatch):
+    """A run stopped while a local worker starts (not connected yet: it holds no rollout) used to wait the whole
+    grace for it to leave on the trainer's word, which it never hears; it is ended at once now."""
+    import lit_trainer.services as services
+
+    _, dispatcher, [greeted] = rig("returns_task_value")
+    env = {**os.environ, "PYTHONPATH": str(TESTS), "LIT_SPOOL_DIR": str(tmp_path / "spool")}
+    starting = spawn("rollout_agents:returns_task_value", dispatcher.endpoint, 1, env)  # its hello is never read
+    waited = []
+
+    def wait_children(procs, timeout_s):
+        waited.append([proc.pid for proc in procs])
+        return real(procs, timeout_s)
+
+    real = services.wait_children
+    monkeypatch.setattr(services, "wait_children", wait_children)
+    stop_workers(dispatcher, [greeted, starting])
+    assert waited == [[greeted.pid]]
+    assert greeted.returncode == 0 and starting.returncode is not None  # left on the trainer's word; ended
