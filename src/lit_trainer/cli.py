@@ -112,6 +112,10 @@ def _build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", default=[], metavar="section.key=value",
                        help="change config values")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
+    train.add_argument("--check", action="store_true",
+                       help="only make the checks that come before the model loads and vLLM starts (config, data, "
+                            "agent, model folder, run folder, W&B credentials), say what they found, and the "
+                            "policy's memory; train nothing")
     train.set_defaults(run=_train)
     evaluate = commands.add_parser(
         "eval", help="run validation of a checkpoint (or of the base model)",
@@ -198,8 +202,17 @@ def _train(args: argparse.Namespace) -> int:
     from lit_trainer.evaluation import accuracy_line
     from lit_trainer.learner import distributed
 
+    config = lit_trainer.load_config(args.config, args.overrides)
+    if args.check:
+        from lit_trainer.loop import check
+
+        for line in check(config, resume=args.resume):
+            print(f"lit: {line}", file=sys.stderr)
+        print(f"lit: policy: {_memory_of(config)}", file=sys.stderr)
+        print("lit: --check: every check made before the model loads passed; nothing was trained", file=sys.stderr)
+        return 0
     with sigterm_as_interrupt():  # stops as Ctrl-C does
-        run = lit_trainer.train(lit_trainer.load_config(args.config, args.overrides), resume=args.resume)
+        run = lit_trainer.train(config, resume=args.resume)
     validations = run.validations()
     if validations and distributed.is_launch_main():  # under torchrun, the main process says it
         print(f"final held-out {accuracy_line(validations[-1])}")

@@ -25,7 +25,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -103,9 +103,23 @@ def _command(cfg: TrainConfig, verb: str, *args: str) -> str:
     return shlex.join(["lit", verb, cfg.source or "CONFIG", *given, *args])
 
 
-def _run(cfg: TrainConfig, resume: bool, out: RunFolder) -> dict[str, Any]:
-    from lit_trainer.learner.policy import Policy
+@dataclass
+class _Ready:
+    """What the checks made before the model loads found (``_preflight``)."""
 
+    start: Checkpoint | None
+    """The checkpoint a --resume continues from."""
+    train_tasks: list
+    val_tasks: list
+    references: dict
+    base_dir: Path | None
+    """The model's folder; None when the run is already trained to ``train.steps`` (nothing to load)."""
+
+
+def _preflight(cfg: TrainConfig, resume: bool, out: RunFolder) -> _Ready:
+    """Every check that needs neither the weights nor vLLM: what a mistake in the config, the data, the agent, the
+    model folder or the run folder makes fail in seconds, not after the model and vLLM loaded (``lit train
+    --check`` runs these alone)."""
     start = out.latest_checkpoint()
     if resume and start is None and distributed.is_launch_main():
         print(f"lit: --resume: no checkpoint in {out.dir} to resume from: training starts at step 1",
@@ -116,8 +130,7 @@ def _run(cfg: TrainConfig, resume: bool, out: RunFolder) -> dict[str, Any]:
     if start is not None and start.step >= cfg.train.steps:
         print(f"lit: {out.dir} is already trained to step {start.step} of {cfg.train.steps}; raise train.steps to "
               "go on, or choose another train.output_dir", file=sys.stderr)
-        done = [r for r in read_metrics(out.metrics) if r["kind"] == "validation"]
-        return done[-1] if done else {}
+        return _Ready(start, [], [], {}, None)
     train_tasks, val_tasks = load_tasks(cfg.data)
     if cfg.train.rest_after and (problem := check_rest_by(train_tasks, cfg.train.rest_by)):
         raise ConfigError(problem)
@@ -127,12 +140,44 @@ def _run(cfg: TrainConfig, resume: bool, out: RunFolder) -> dict[str, Any]:
     check_agent(cfg)  # importable, @lit.trace, (task, llm): before the model and vLLM load
     if distributed.is_launch_main():  # the process whose tracker logs
         check_wandb_login(cfg.train.trackers)
-    torch.manual_seed(cfg.train.seed)
     base_dir = resolve_model(cfg.model)
     check_model_folder(base_dir, weights=False)  # vLLM serves it with its tokenizer; the policy checks the weights
     check_context(base_dir, cfg.inference.max_model_len)
     if start is not None and (problem := ckpt.other_model(start, base_dir)):
         raise ConfigError(problem)
+    return _Ready(start, train_tasks, val_tasks, references, base_dir)
+
+
+def check(cfg: TrainConfig, resume: bool = False) -> list[str]:
+    """``lit train --check``: the checks ``lit train`` makes before it loads the model and starts vLLM, alone (the
+    run folder is read, not created); what they found, one line each. A mistake raises as it would in ``lit
+    train``."""
+    out = RunFolder(cfg.train.output_dir)
+    ready = _preflight(cfg, resume, out)
+    if ready.base_dir is None:
+        return [f"run folder: {out.dir}, already trained to step {ready.start.step}: nothing to train"]
+    where = (f"resumes from step {ready.start.step} ({ready.start.path})" if ready.start else
+             "starts at step 1" + (" (what it holds of a run with no checkpoint is set aside)"
+                                   if out.metrics.exists() else ""))
+    lines = [f"tasks: {len(ready.train_tasks)} for training, {len(ready.val_tasks)} held out",
+             f"agent: {cfg.agent.function} (imports; @lit.trace; takes (task, llm))",
+             f"model: {ready.base_dir} (its config and tokenizer; vLLM's max_model_len fits it)",
+             f"run folder: {out.dir}: {where}"]
+    if "wandb" in cfg.train.trackers:
+        lines.append("W&B: credentials found (or offline)")
+    return lines
+
+
+def _run(cfg: TrainConfig, resume: bool, out: RunFolder) -> dict[str, Any]:
+    from lit_trainer.learner.policy import Policy
+
+    ready = _preflight(cfg, resume, out)
+    start, train_tasks, val_tasks, references = ready.start, ready.train_tasks, ready.val_tasks, ready.references
+    if ready.base_dir is None:  # already trained to train.steps
+        done = [r for r in read_metrics(out.metrics) if r["kind"] == "validation"]
+        return done[-1] if done else {}
+    base_dir = ready.base_dir
+    torch.manual_seed(cfg.train.seed)
     # A LoRA policy resumes as the base model plus the checkpoint's adapter (ckpt.restore loads it).
     policy_cfg = replace(cfg.policy, model=str(start.model_dir)) if start and not cfg.policy.lora_rank else cfg.policy
     encode = reference_encoder(base_dir) if references else None

@@ -187,3 +187,48 @@ def test_lit_train_names_a_broken_agent_before_the_model_or_vllm_start(tmp_path,
     assert out.returncode == 1 and "Traceback" not in out.stderr and len(errors) == 1, out.stderr[-3000:]
     assert words in errors[0], errors
     assert not (tmp_path / "run" / "lit.sqlite").exists()  # nothing started: no store, no vLLM
+
+
+def test_train_check_makes_the_checks_before_the_model_loads_says_what_they_found_and_trains_nothing(
+        tmp_path, prepared_model):
+    run = tmp_path / "run"
+    config = tmp_path / "c.toml"
+    config.write_text(f'model = "{prepared_model}"\n[agent]\nfunction = "rollout_agents:reply_length_parity"\n'
+                      '[data]\ntasks = "rollout_agents:parity_tasks"\ntrain_size = 8\nval_size = 4\n'
+                      f'[train]\noutput_dir = "{run}"\n')
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}  # rollout_agents
+
+    def check(*overrides: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "lit_trainer.cli", "train", str(config), "--check", *overrides],
+                              env=env, capture_output=True, text=True)
+
+    ok = check()
+    assert ok.returncode == 0 and "Traceback" not in ok.stderr, ok.stderr[-3000:]
+    for line in ("lit: tasks: 8 for training, 4 held out",
+                 "lit: agent: rollout_agents:reply_length_parity (imports; @lit.trace; takes (task, llm))",
+                 f"lit: model: {prepared_model} (its config and tokenizer; vLLM's max_model_len fits it)",
+                 f"lit: run folder: {run}: starts at step 1",
+                 "lit: --check: every check made before the model loads passed; nothing was trained"):
+        assert line in ok.stderr.splitlines(), (line, ok.stderr)
+    assert "lit: policy: the policy (134.5M parameters" in ok.stderr and not run.exists()  # the folder not made
+    for overrides, message in (
+            (["agent.function=rollout_agents:no_such_agent"], "has no function 'no_such_agent'"),
+            (["inference.max_model_len=65536"], "max_model_len = 65536"),
+            (["data.tasks=rollout_agents:nowhere"], "nowhere")):
+        wrong = check(*overrides)
+        assert wrong.returncode == 1 and "Traceback" not in wrong.stderr, wrong.stderr[-3000:]
+        assert message in wrong.stderr and "lit: --check" not in wrong.stderr, (overrides, wrong.stderr[-3000:])
+    assert not run.exists()
+    import shutil
+
+    from lit_trainer.runs import RunFolder
+
+    checkpoint = RunFolder(run).checkpoint(2)  # what a run stopped after step 2 left (the model's config: its shape)
+    checkpoint.model_dir.mkdir(parents=True)
+    shutil.copy2(prepared_model / "config.json", checkpoint.model_dir)
+    (checkpoint.path / "DONE").write_text("step 2\n")
+    again = check()
+    assert again.returncode == 1 and "already holds checkpoints (latest: step 2)" in again.stderr, again.stderr
+    resumed = check("--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"lit: run folder: {run}: resumes from step 2 ({checkpoint.path})" in resumed.stderr.splitlines()
