@@ -114,7 +114,7 @@ def _build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
     train.add_argument("--check", action="store_true",
                        help="only make the checks that come before the model loads and vLLM starts (config, data, "
-                            "agent, model folder, run folder, W&B credentials), say what they found, and the "
+                            "agent, model folder, run folder, W&B credentials, ports), say what they found, and the "
                             "policy's memory; train nothing")
     train.set_defaults(run=_train)
     evaluate = commands.add_parser(

@@ -213,6 +213,9 @@ class TrainConfig:
             raise ValueError(f"loss.is_correction = {self.loss.is_correction!r} corrects π_old (the trainer's "
                              "recomputed logprobs) towards vLLM's: set update.recompute_old_logprobs = true, or "
                              "loss.is_correction = 'none'")
+        if self.collector.endpoint == self.dispatch_endpoint.endpoint and not self.collector.endpoint.endswith(":0"):
+            raise ValueError(f"[collector] endpoint and [dispatch_endpoint] endpoint are both "
+                             f"{self.collector.endpoint}: give each an address of its own (port 0 picks a free one)")
         if not self.security.keys_dir:
             for what, setting, endpoint in (
                 ("the collector", "[collector] endpoint", self.collector.endpoint),

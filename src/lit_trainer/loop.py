@@ -48,7 +48,7 @@ from lit_trainer.rollouts.guidance import check_references, guide, reference_enc
 from lit_trainer.rollouts.runner import RolloutsFailed
 from lit_trainer.rollouts.tasks import load_tasks
 from lit_trainer.runs import Checkpoint, RunFolder
-from lit_trainer.services import check_agent, services
+from lit_trainer.services import check_agent, check_ports, services
 
 T = TypeVar("T")
 
@@ -138,7 +138,8 @@ def _preflight(cfg: TrainConfig, resume: bool, out: RunFolder) -> _Ready:
     if cfg.train.guidance and (problem := check_references(train_tasks)):
         raise ConfigError(problem)
     check_agent(cfg)  # importable, @lit.trace, (task, llm): before the model and vLLM load
-    if distributed.is_launch_main():  # the process whose tracker logs
+    if distributed.is_launch_main():  # the process that starts the services and whose tracker logs
+        check_ports(cfg)  # a busy fixed port
         check_wandb_login(cfg.train.trackers)
     base_dir = resolve_model(cfg.model)
     check_model_folder(base_dir, weights=False)  # vLLM serves it with its tokenizer; the policy checks the weights
@@ -162,7 +163,9 @@ def check(cfg: TrainConfig, resume: bool = False) -> list[str]:
     lines = [f"tasks: {len(ready.train_tasks)} for training, {len(ready.val_tasks)} held out",
              f"agent: {cfg.agent.function} (imports; @lit.trace; takes (task, llm))",
              f"model: {ready.base_dir} (its config and tokenizer; vLLM's max_model_len fits it)",
-             f"run folder: {out.dir}: {where}"]
+             f"run folder: {out.dir}: {where}",
+             f"addresses: the collector's {cfg.collector.endpoint}, the dispatcher's "
+             f"{cfg.dispatch_endpoint.endpoint}, vLLM's port {cfg.inference.port or '(a free one)'}: free now"]
     if "wandb" in cfg.train.trackers:
         lines.append("W&B: credentials found (or offline)")
     return lines

@@ -5,6 +5,7 @@ collector runs in a thread of its own; the runner checks it while it waits for r
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import sys
 import uuid
@@ -12,11 +13,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import zmq
+
 from lit_sdk.processes import interrupts_held, stop_children, wait_children
 from lit_sdk.protocol import security
 from lit_sdk.worker import load_agent, spawn
 from lit_trainer.config import ConfigError, TrainConfig
 from lit_trainer.engine.fleet import Fleet, Weights
+from lit_trainer.engine.launch import InferenceError, pick_port, server_ports
 from lit_trainer.intake.collector import Collector
 from lit_trainer.intake.store import SqliteStore
 from lit_trainer.models import vocab_size
@@ -46,6 +50,33 @@ def check_agent(cfg: TrainConfig) -> None:
     if not cfg.agent.function:
         raise ConfigError(f"{cfg.source or 'config'}: [agent] function is not set (module:function)")
     load_agent(cfg.agent.function)
+
+
+def check_ports(cfg: TrainConfig) -> None:
+    """ConfigError naming the setting when an address the run will listen on cannot be bound now: the collector's
+    and the dispatcher's endpoints (bound together: two spellings of one address show too) and vLLM's ports when
+    ``inference.port`` fixes them; found in seconds, before the model loads, not after it. Port 0 (a free one,
+    the default) always binds. Another process may still take an address before the run binds it: that bind
+    fails with the same words."""
+    with contextlib.ExitStack() as stack:
+        for setting, endpoint in (("[collector] endpoint", cfg.collector.endpoint),
+                                  ("[dispatch_endpoint] endpoint", cfg.dispatch_endpoint.endpoint)):
+            sock = zmq.Context.instance().socket(zmq.ROUTER)
+            sock.linger = 0
+            stack.callback(sock.close)
+            try:
+                sock.bind(endpoint)
+            except zmq.ZMQError as exc:
+                busy = (": another process listens there (another lit train?)" if exc.errno == errno.EADDRINUSE
+                        else f": {exc}")
+                raise ConfigError(f"the run cannot listen on {endpoint} ({setting}){busy}. Stop it, or choose "
+                                  "another port (tcp://127.0.0.1:0 picks a free one)") from None
+        if cfg.inference.port:
+            for port in server_ports(cfg.inference):
+                try:
+                    pick_port(replace(cfg.inference, port=port))
+                except InferenceError as exc:
+                    raise ConfigError(str(exc)) from None
 
 
 def with_keys(cfg: TrainConfig, run_keys: Path) -> tuple[Path, TrainConfig]:

@@ -1,4 +1,5 @@
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -219,6 +220,22 @@ def test_train_check_makes_the_checks_before_the_model_loads_says_what_they_foun
         assert wrong.returncode == 1 and "Traceback" not in wrong.stderr, wrong.stderr[-3000:]
         assert message in wrong.stderr and "lit: --check" not in wrong.stderr, (overrides, wrong.stderr[-3000:])
     assert not run.exists()
+    with socket.socket() as taken:  # a port another process listens on
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for overrides, message in (
+                ([f"collector.endpoint=tcp://127.0.0.1:{port}"],
+                 f"the run cannot listen on tcp://127.0.0.1:{port} ([collector] endpoint): another process listens "
+                 "there"),
+                ([f"dispatch_endpoint.endpoint=tcp://127.0.0.1:{port}"], "([dispatch_endpoint] endpoint)"),
+                ([f"inference.port={port}"], f"port {port} on 127.0.0.1 is in use (InferenceConfig.port)")):
+            busy = check(*overrides)
+            assert busy.returncode == 1 and message in busy.stderr, (overrides, busy.stderr[-3000:])
+    same = check(f"collector.endpoint=tcp://127.0.0.1:{port}", f"dispatch_endpoint.endpoint=tcp://127.0.0.1:{port}")
+    assert same.returncode == 1 and (f"[collector] endpoint and [dispatch_endpoint] endpoint are both "
+                                     f"tcp://127.0.0.1:{port}: give each an address of its own") in same.stderr, \
+        same.stderr[-3000:]
     import shutil
 
     from lit_trainer.runs import RunFolder
