@@ -46,6 +46,7 @@ import collections
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -138,10 +139,18 @@ def test_option_trains_syncs_checkpoints_resumes_and_evaluates(name: str, prepar
         assert "lit: policy.compile: 31 decoder modules compile" in first.stderr, first.stderr[-3000:]
     if "policy.shard=true" in options:  # learner/memory.py's plan, printed at start
         assert f"sharded over {processes} processes" in first.stderr, first.stderr[-3000:]
+    # what it says to do next repeats the options it was given
+    [done] = [line for line in first.stderr.splitlines() if line.startswith("lit: trained to step 2")]
+    evaluate, _, go_on = done.split("`")[1::2]
+    assert shlex.split(go_on) == ["lit", "train", str(config), *options, "--resume", "train.steps=4"], done
+    assert shlex.split(evaluate) == ["lit", "eval", str(config), *options, "--checkpoint", str(out)], done
     resumed = _lit("train", str(config), *options, *RESUME_OPTIONS[name], "train.steps=3", "--resume",
                    processes=resumed_by)
     log = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, log[-3000:]
+    changed = "train.steps: 2 -> 3" + ("; inference.servers: 2 -> 1" if name == "lora_kl" else "")
+    assert ("lit: --resume with settings other than those of the run that stopped (its config.json): "
+            f"{changed}") in resumed.stderr.splitlines(), log[-3000:]
     assert "resumed from" in log and "step 3/3" in log and "step 2/3" not in log
     assert ("policy.compile: 31 decoder modules" in log) == ("policy.compile=true" in options)
 
