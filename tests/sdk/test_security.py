@@ -4,6 +4,7 @@ private; a non-loopback bind without keys is refused with the command that makes
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import stat
 import time
@@ -60,6 +61,14 @@ def _dealer(ctx: zmq.Context, endpoint: str, keys: ClientKeys | None) -> zmq.Soc
         secure_client(sock, keys)
     sock.connect(endpoint)
     return sock
+
+
+def _send_refused(sock: zmq.Socket, data: bytes) -> None:
+    """Send from a peer the trainer refuses, without waiting: the message is queued while the handshake runs, but
+    once the handshake has failed the connection is gone and a blocking send would wait for ever (seen on CI under
+    load, 2026-11-30, when the refusal came before the send). The refusal is what the tests count either way."""
+    with contextlib.suppress(zmq.Again):
+        sock.send(data, zmq.NOBLOCK)
 
 
 def _wait_for(predicate, timeout: float = 5.0) -> bool:
@@ -150,7 +159,7 @@ def _wrong_server(keys: ClientKeys) -> ClientKeys:
 def test_a_peer_with_a_wrong_or_missing_key_is_refused_and_counted(ctx: zmq.Context, keys_dir: Path, client, kind):
     router, monitor, endpoint = _router(ctx, load_server_keys(keys_dir))
     dealer = _dealer(ctx, endpoint, client(load_client_keys(keys_dir)))
-    dealer.send(b"a forged root span with reward 1e9")
+    _send_refused(dealer, b"a forged root span with reward 1e9")
     assert _wait_for(lambda: monitor.counts.get(kind, 0) >= 1), monitor.counts
     assert not router.poll(300), "a refused peer's message reached the trainer"
     assert set(monitor.counts) == {kind}
@@ -177,7 +186,7 @@ def test_each_secured_socket_admits_only_its_own_clients(ctx: zmq.Context, tmp_p
     # a's client key, with b's server key so that the handshake gets as far as the allow list
     a_to_b = dataclasses.replace(client_a, server_public=load_server_keys(tmp_path / "b").public)
     dealer_b = _dealer(ctx, endpoint_b, a_to_b)
-    dealer_b.send(b"to b")
+    _send_refused(dealer_b, b"to b")
     assert _wait_for(lambda: monitor_b.counts.get("unknown_key", 0) >= 1), monitor_b.counts
     assert not router_b.poll(300)
     assert monitor_a.counts == {}
@@ -256,7 +265,7 @@ def test_no_handler_means_nobody_gets_in(ctx: zmq.Context, keys_dir: Path):
     security.stop_authenticator(ctx)
     for _ in range(3):
         dealer = _dealer(ctx, endpoint, load_client_keys(keys_dir))
-        dealer.send(b"x")
+        _send_refused(dealer, b"x")
         if _wait_for(lambda: monitor.total >= 1):
             break
         dealer.close()
