@@ -189,9 +189,11 @@ def test_option_trains_syncs_checkpoints_resumes_and_evaluates(name: str, prepar
     else:
         assert all(r["update/optimizer_steps"] >= 2 for r in trained) and all("mismatch/k3" in r for r in trained)
         # an 8-token budget (batching.max_tokens_per_micro_batch), shorter than any prompt: each prompt group (a
-        # task's rows) a micro-batch of its own, where the default budget packs a mini-batch's groups into one
+        # task's rows) a micro-batch of its own, run whole with gradient checkpointing, where the default budget
+        # packs a mini-batch's groups into one. (How many groups a mini-batch holds is chance: rewards and the
+        # asynchronous steps decide how many groups a step trains on.)
         assert all(r["update/micro_batches"] >= r["update/optimizer_steps"] for r in trained), trained
-        assert any(r["update/micro_batches"] > r["update/optimizer_steps"] for r in trained), trained
+        assert all(r["update/micro_batches_over_budget"] == r["update/micro_batches"] > 0 for r in trained), trained
         # asynchronous rollouts: every call carried the engine's weight version, none was more than 1 version
         # older than the policy trained on it, and the steps after the first of each run trained on calls sampled
         # by the previous weights (their rollouts ran during the update before). A step that took a group carried

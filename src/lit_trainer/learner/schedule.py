@@ -136,14 +136,16 @@ def run_update(policy: Any, pairs: Sequence[tuple[Transition, float]], update: U
     """Every optimizer step of one training step (module docstring) on ``policy``; their metrics, averaged over
     the optimizer steps by the response tokens each trained on, plus ``update/optimizer_steps``,
     ``update/micro_batches`` (the forward and backward passes of them all, under ``batching``'s token budget, shared
-    out among the processes) and ``update/processes`` (how many processes shared them, learner/distributed.py).
+    out among the processes), ``update/micro_batches_over_budget`` (those of them that could not be cut to fit the
+    budget: each ran whole with gradient checkpointing; many say the budget is too small for the prompts) and
+    ``update/processes`` (how many processes shared them, learner/distributed.py).
     ``trainer_logprobs``: filled with the trainer's token logprobs of each trained pair (by index in ``pairs``) in
     the first optimizer step that trains it, before that step changes the weights."""
     batching = budget_for(batching, policy.device.type)
     pairs = fill_guided_logprobs(policy, pairs, batching, pad_id)
     prox = _old_logprobs(policy, pairs, batching, pad_id) if update.recompute_old_logprobs else None
     sums: dict[str, float] = {}
-    tokens, steps, micro_batches = 0.0, 0, 0
+    tokens, steps, micro_batches, over_budget = 0.0, 0, 0, 0
     bar = progress_bar(total=update.ppo_epochs * update.mini_batches, desc="update", unit="optimizer step",
                        leave=False)
     for epoch in range(update.ppo_epochs):
@@ -170,12 +172,14 @@ def run_update(policy: Any, pairs: Sequence[tuple[Transition, float]], update: U
             tokens += weight
             steps += 1
             micro_batches += len(batches)
+            over_budget += sum(mb.over_budget for mb in batches)
             bar.update()
     bar.close()
     out = {key: value / max(tokens, 1.0) for key, value in sums.items()}
     out["policy/response_tokens"] = tokens
     out["update/optimizer_steps"] = float(steps)
     out["update/micro_batches"] = float(micro_batches)
+    out["update/micro_batches_over_budget"] = float(over_budget)
     out["update/processes"] = float(distributed.world(policy.accelerator)[1])
     return out
 

@@ -114,6 +114,9 @@ def test_the_token_budget_sets_the_micro_batches_of_an_optimizer_step(tiny_model
     metrics = run_update(policy, pairs, UpdateConfig(), LossConfig(), BatchingConfig(max_tokens_per_micro_batch=11),
                          0, 0)
     assert metrics["update/optimizer_steps"] == 1.0 and metrics["update/micro_batches"] == 4.0
+    assert metrics["update/micro_batches_over_budget"] == 0.0  # each row fits alone
+    small = run_update(policy, pairs, UpdateConfig(), LossConfig(), BatchingConfig(max_tokens_per_micro_batch=6), 0, 0)
+    assert small["update/micro_batches"] == 4.0 and small["update/micro_batches_over_budget"] == 3.0  # 7, 11, 10
 
 
 def test_recomputed_old_logprobs_and_importance_sampling_corrections(tiny_model: Path):
