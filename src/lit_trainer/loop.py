@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import shlex
 import sys
 import time
@@ -100,7 +101,18 @@ def _command(cfg: TrainConfig, verb: str, *args: str) -> str:
     if verb == "eval":
         again.add("train.output_dir")
     given = [item for item in cfg.shown_overrides() if item.partition("=")[0].strip() not in again]
-    return shlex.join(["lit", verb, cfg.source or "CONFIG", *given, *args])
+    return " ".join([_launcher(verb), shlex.join([verb, cfg.source or "CONFIG", *given, *args])])
+
+
+def _launcher(verb: str) -> str:
+    """How a suggested ``lit train`` starts: as this run was launched, with as many trainer processes (a sharded
+    policy would not fit one process). ``lit eval`` runs no update: one process."""
+    processes, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if verb != "train" or processes <= 1:
+        return "lit"
+    if processes == local:
+        return f"torchrun --nproc_per_node {local} -m lit_trainer.cli"
+    return "torchrun <this run's launch options, on each node> -m lit_trainer.cli"
 
 
 @dataclass

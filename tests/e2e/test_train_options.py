@@ -139,10 +139,11 @@ def test_option_trains_syncs_checkpoints_resumes_and_evaluates(name: str, prepar
         assert "lit: policy.compile: 31 decoder modules compile" in first.stderr, first.stderr[-3000:]
     if "policy.shard=true" in options:  # learner/memory.py's plan, printed at start
         assert f"sharded over {processes} processes" in first.stderr, first.stderr[-3000:]
-    # what it says to do next repeats the options it was given
+    # what it says to do next repeats the options it was given, and the launch: as many trainer processes
     [done] = [line for line in first.stderr.splitlines() if line.startswith("lit: trained to step 2")]
     evaluate, _, go_on = done.split("`")[1::2]
-    assert shlex.split(go_on) == ["lit", "train", str(config), *options, "--resume", "train.steps=4"], done
+    launch = ["lit"] if processes == 1 else ["torchrun", "--nproc_per_node", str(processes), "-m", "lit_trainer.cli"]
+    assert shlex.split(go_on) == [*launch, "train", str(config), *options, "--resume", "train.steps=4"], done
     assert shlex.split(evaluate) == ["lit", "eval", str(config), *options, "--checkpoint", str(out)], done
     resumed = _lit("train", str(config), *options, *RESUME_OPTIONS[name], "train.steps=3", "--resume",
                    processes=resumed_by)

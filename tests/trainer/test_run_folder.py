@@ -81,7 +81,8 @@ def test_an_interrupted_run_says_how_to_go_on_from_its_last_checkpoint_or_from_t
                                                "inference.api_key=***", "--resume"]
 
 
-def test_the_next_commands_after_a_run_keep_its_overrides_and_replace_the_steps(tmp_path: Path):
+def test_the_next_commands_after_a_run_keep_its_overrides_and_replace_the_steps(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch):
     from lit_trainer import load_config
     from lit_trainer.loop import _command
 
@@ -93,6 +94,17 @@ def test_the_next_commands_after_a_run_keep_its_overrides_and_replace_the_steps(
     # train.output_dir on lit eval's command line names the folder it writes into: not the run's
     assert shlex.split(_command(cfg, "eval", "--checkpoint", "runs/a")) == [
         "lit", "eval", str(config), "train.steps=4", "train.seed=3", "--checkpoint", "runs/a"]
+
+    # a run of several trainer processes (torchrun) is resumed by as many: a sharded policy would not fit one
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert shlex.split(_command(cfg, "train", "--resume")) == [
+        "torchrun", "--nproc_per_node", "4", "-m", "lit_trainer.cli", "train", str(config), "train.steps=4",
+        "train.seed=3", "train.output_dir=runs/a", "--resume"]
+    assert _command(cfg, "eval").startswith("lit eval ")  # no update: one process
+    monkeypatch.setenv("WORLD_SIZE", "8")  # two nodes: their options differ from node to node
+    assert _command(cfg, "train").startswith("torchrun <this run's launch options, on each node> -m lit_trainer.cli "
+                                             "train ")
 
 
 def test_a_resume_goes_on_logging_to_the_folders_wandb_run_unless_it_trains_steps_again(tmp_path: Path):
