@@ -221,10 +221,11 @@ def _train(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     import lit_trainer
+    from lit_trainer.config import override_key
 
     config = lit_trainer.load_config(args.config, args.overrides)
     # train.output_dir given here names the eval's folder; the config file's is the run's, not written into
-    explicit = any(item.partition("=")[0].strip() == "train.output_dir" for item in args.overrides)
+    explicit = any(override_key(item) == "train.output_dir" for item in args.overrides)
     with sigterm_as_interrupt():  # stops as Ctrl-C does
         result = lit_trainer.evaluate(config, args.checkpoint, args.output,
                                       config.train.output_dir if explicit else None)

@@ -237,7 +237,7 @@ class TrainConfig:
 
     def shown_overrides(self) -> tuple[str, ...]:
         """The command-line overrides as lit writes and prints them: an API key given there shows as ``***``."""
-        return tuple("inference.api_key=***" if item.partition("=")[0].strip() == "inference.api_key" else item
+        return tuple("inference.api_key=***" if override_key(item) == "inference.api_key" else item
                      for item in self.overrides)
 
 
@@ -291,6 +291,11 @@ def from_dict(table: dict[str, Any], where: str = "config") -> TrainConfig:
     if keys_dir and isinstance(keys_dir, str) and not inference.get("api_key") and not inference.get("api_key_file"):
         inference["api_key_file"] = str(Path(keys_dir).expanduser() / API_KEY)  # the key `lit keys generate` wrote
     return _build(TrainConfig, table, where)
+
+
+def override_key(item: str) -> str:
+    """The ``section.key`` an override ``section.key=value`` sets."""
+    return item.partition("=")[0].strip()
 
 
 def _apply_override(table: dict[str, Any], item: str) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import shlex
 import sys
@@ -33,7 +32,7 @@ from typing import Any, TypeVar
 import torch
 
 from lit_trainer import pipeline
-from lit_trainer.config import ConfigError, TrainConfig, changed_settings
+from lit_trainer.config import ConfigError, TrainConfig, changed_settings, override_key
 from lit_trainer.engine.fleet import SERVING_DTYPES
 from lit_trainer.evaluation import validate
 from lit_trainer.intake.store import Store
@@ -80,14 +79,14 @@ def _how_to_go_on(out: RunFolder, cfg: TrainConfig) -> str:
             f"({latest.path}); the steps after it train again")
 
 
-def _changed_since(out: RunFolder, cfg: TrainConfig, shown: int = 8) -> str:
-    """The settings of this run that differ from those the folder's ``config.json`` recorded, in words ("" when
-    none, or when there is no readable record)."""
+def _changed_since(out: RunFolder, settings: dict[str, Any], shown: int = 8) -> str:
+    """The ``settings`` (``TrainConfig.to_dict()``) of this run that differ from those the folder's
+    ``config.json`` recorded, in words ("" when none, or when there is no readable record)."""
     try:
-        before = json.loads(out.config.read_text())
+        before = out.saved_config()
     except (OSError, ValueError):
         return ""
-    changed = changed_settings(before, cfg.to_dict()) if isinstance(before, dict) else []
+    changed = changed_settings(before, settings) if isinstance(before, dict) else []
     more = f"; and {len(changed) - shown} more" if len(changed) > shown else ""
     return "; ".join(changed[:shown]) + more
 
@@ -97,10 +96,10 @@ def _command(cfg: TrainConfig, verb: str, *args: str) -> str:
     overrides (an API key as ``***``), then ``args``; an override of a key that ``args`` set again is left out, and
     for ``lit eval`` one of ``train.output_dir`` (there it names the eval's own folder: the run's would be its
     target)."""
-    again = {arg.partition("=")[0].strip() for arg in args if "=" in arg and not arg.startswith("-")}
+    again = {override_key(arg) for arg in args if "=" in arg and not arg.startswith("-")}
     if verb == "eval":
         again.add("train.output_dir")
-    given = [item for item in cfg.shown_overrides() if item.partition("=")[0].strip() not in again]
+    given = [item for item in cfg.shown_overrides() if override_key(item) not in again]
     return " ".join([_launcher(verb), shlex.join([verb, cfg.source or "CONFIG", *given, *args])])
 
 
@@ -208,10 +207,11 @@ def _run(cfg: TrainConfig, resume: bool, out: RunFolder) -> dict[str, Any]:
         follow(policy)
         distributed.leave()
         return {}
-    if start and (changed := _changed_since(out, cfg)):
+    settings = cfg.to_dict()
+    if start and (changed := _changed_since(out, settings)):
         print(f"lit: --resume with settings other than those of the run that stopped (its {out.config.name}): "
               f"{changed}", file=sys.stderr)
-    out.save_config(cfg.to_dict())
+    out.save_config(settings)
     # shm pushes from host memory: the gathered copy need not take room on the GPU
     weights = Weights(policy, SERVING_DTYPES.get(cfg.inference.dtype),
                       "cpu" if cfg.weight_sync.transport == "shm" else None)
@@ -222,7 +222,7 @@ def _run(cfg: TrainConfig, resume: bool, out: RunFolder) -> dict[str, Any]:
             print(f"lit: resumed from {start.path} (step {start.step})", file=sys.stderr)
         if superseded := _supersede(out, store, start):
             print(f"lit: {superseded}", file=sys.stderr)
-        log = MetricsLog(out.metrics, policy.accelerator, cfg.train.trackers, cfg.to_dict(),
+        log = MetricsLog(out.metrics, policy.accelerator, cfg.train.trackers, settings,
                          first_step=start.step + 1 if start else 0,
                          wandb_id=_wandb_run(out, go_on=start is not None and not superseded)
                          if "wandb" in cfg.train.trackers else None)

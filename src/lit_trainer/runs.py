@@ -153,6 +153,11 @@ class RunFolder:
     def config(self) -> Path:
         return self.dir / "config.json"
 
+    def saved_config(self) -> dict[str, Any]:
+        """The settings ``save_config`` wrote, as a nested dict (OSError when there are none, ValueError when the
+        file is not JSON)."""
+        return json.loads(self.config.read_text())
+
     def save_config(self, settings: dict[str, Any]) -> None:
         """Write the run's settings (``TrainConfig.to_dict()``) to ``config.json``, which ``Run`` reads back (for
         ``lit show``: the model whose tokens it decodes, the agents whose calls it selects)."""
@@ -304,7 +309,7 @@ class Run:
     @property
     def config(self) -> dict[str, Any]:
         """The settings the run used (``config.json``), as a nested dict."""
-        return json.loads(self.folder.config.read_text())
+        return self.folder.saved_config()
 
     def metrics(self, kind: str | None = None) -> list[dict[str, Any]]:
         """The records of ``metrics.jsonl`` in order; ``kind``: only ``"train"`` (one per step) or
