@@ -127,7 +127,8 @@ def services(cfg: TrainConfig, store_path: Path, spool_dir: Path, keys_dir: Path
         fleet.wait_ready(meanwhile=dispatcher.answer)  # the workers are welcomed and set up their tracing meanwhile
         dispatcher.wait_for_workers(cfg.agent.local_workers, WORKER_START_TIMEOUT_S)
         runner = RolloutRunner(store, collector, fleet, dispatcher, cfg.agent, cfg.train.success_reward,
-                               session=uuid.uuid4().hex[:8], vocab_size=vocab_size(cfg.inference.model))
+                               session=uuid.uuid4().hex[:8], vocab_size=vocab_size(cfg.inference.model),
+                               context=cfg.inference.max_model_len)
         yield Services(store, collector, fleet, dispatcher, runner)
 
 

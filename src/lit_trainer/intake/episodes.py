@@ -110,16 +110,23 @@ class Episode:
         return cls(**{**data, "transitions": transitions, "rewards": rewards})
 
 
+REWARD_LIMIT = 1e9
+"""The largest reward, return or sum of rewards lit trains on, in magnitude. Larger is almost surely a bug (scale
+the rewards down), and far below where the group statistics of advantages would overflow."""
+
+
 class Unusable(enum.Enum):
     NO_ROOT = "the rollout's root span has not arrived (still running, or the agent died)"
     FAILED = "the rollout failed (its root span has error status)"
     NO_LLM_CALLS = "no LLM call of the selected agents carries token ids"
     NO_REWARD = "the rollout gave no reward (no numeric return value and no lit.reward)"
-    BAD_REWARD = "a reward is not a finite number"
+    BAD_REWARD = f"a reward, the return or the sum of the rewards is not a finite number within ±{REWARD_LIMIT:,.0f}"
     BAD_ATTEMPT = "the root span's attempt is not a positive integer"
     BAD_TOKEN_IDS = "a token id is not an integer of the model's vocabulary"
     BAD_LOGPROBS = "a behaviour logprob is not a number <= 0, or a call's sum of them is not finite in float32"
     BAD_SAMPLING = "a call's temperature is not a finite number >= 0, or its sampling settings are not text"
+    BAD_TASK = "the root span's task id or attempt is not the one the trainer handed out with the rollout"
+    BAD_LENGTH = "a call's prompt and response are longer than the engine's context (inference.max_model_len)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,10 +136,12 @@ class UnusableRollout:
     detail: str = ""
 
 
-def build_episode(spans: Iterable[SpanRecord], agents: Collection[str] | None = None, vocab_size: int | None = None
-                  ) -> Episode | UnusableRollout:
+def build_episode(spans: Iterable[SpanRecord], agents: Collection[str] | None = None, vocab_size: int | None = None,
+                  context: int | None = None) -> Episode | UnusableRollout:
     """Rebuild one rollout's episode from its spans (any order, duplicates allowed). ``vocab_size``: the model's
-    (its embedding rows); token ids at or above it make the rollout unusable (None: any id in [0, 2**32))."""
+    (its embedding rows); token ids at or above it make the rollout unusable (None: any id in [0, 2**32)).
+    ``context``: the engine's ``max_model_len``; a call whose prompt and response together are longer was not
+    sampled by it, and makes the rollout unusable (None: any length)."""
     unique = _dedupe(spans)
     roots = [s for s in unique.values() if s.name == sc.ROLLOUT_SPAN and s.parent_id is None]
     rollout_id = roots[0].rollout_id if roots else next((s.rollout_id for s in unique.values()), None) or ""
@@ -147,7 +156,7 @@ def build_episode(spans: Iterable[SpanRecord], agents: Collection[str] | None = 
     if not calls:
         return UnusableRollout(rollout_id, Unusable.NO_LLM_CALLS, _why_no_calls(timeline, agents, skipped))
     rewards = _rewards(timeline, calls)
-    bad = _bad_value(root, calls, rewards, vocab_size)
+    bad = _bad_value(root, calls, rewards, vocab_size, context)
     if bad is not None:
         return UnusableRollout(rollout_id, bad[0], bad[1])
     final = root.attributes.get(sc.ROLLOUT_RETURN_REWARD)
@@ -241,15 +250,21 @@ def _logprobs_ok(logprobs: list) -> bool:
     return isinstance(total, (int, float)) and total >= _LOWEST_LOGPROB and (not logprobs or max(logprobs) <= 0)
 
 
+def _reward_ok(value: object) -> bool:
+    return _is_finite(value) and abs(value) <= REWARD_LIMIT  # type: ignore[arg-type]
+
+
 def _bad_value(root: SpanRecord, calls: list[SpanRecord], rewards: list[tuple[str, float, int]],
-               vocab_size: int | None) -> tuple[Unusable, str] | None:
+               vocab_size: int | None, context: int | None) -> tuple[Unusable, str] | None:
     """The first value of the rollout that lit cannot train on, as (reason, what), or None."""
     final = root.attributes.get(sc.ROLLOUT_RETURN_REWARD)
-    if final is not None and not _is_finite(final):
+    if final is not None and not _reward_ok(final):
         return Unusable.BAD_REWARD, f"the return value {final!r}"
     for name, value, _ in rewards:
-        if not math.isfinite(value):
+        if not _reward_ok(value):
             return Unusable.BAD_REWARD, f"lit.reward({value!r}{f', name={name!r}' if name else ''})"
+    if final is None and not _reward_ok(total := sum(value for _, value, _ in rewards)):
+        return Unusable.BAD_REWARD, f"the sum of its {len(rewards)} lit.reward values, {total!r}"
     attempt = root.attributes.get(sc.ATTEMPT, 1)
     if not (type(attempt) is int and attempt >= 1):
         return Unusable.BAD_ATTEMPT, f"attempt {attempt!r}"
@@ -258,6 +273,10 @@ def _bad_value(root: SpanRecord, calls: list[SpanRecord], rewards: list[tuple[st
         return Unusable.BAD_TOKEN_IDS, f"{_wrong_token_id(calls, high)} (vocabulary size {vocab_size})"
     for call in calls:
         attrs = call.attributes
+        length = len(attrs[sc.LLM_PROMPT_TOKEN_IDS]) + len(attrs[sc.LLM_RESPONSE_TOKEN_IDS])
+        if context is not None and length > context:
+            return Unusable.BAD_LENGTH, (f"LLM call {call.span_id}: {len(attrs[sc.LLM_PROMPT_TOKEN_IDS])} prompt and "
+                                       f"{len(attrs[sc.LLM_RESPONSE_TOKEN_IDS])} response tokens, over {context}")
         logprobs = attrs.get(sc.LLM_RESPONSE_LOGPROBS)
         if isinstance(logprobs, list) and not _logprobs_ok(logprobs):
             wrong = next((x for x in logprobs if not (_is_number(x) and _LOWEST_LOGPROB <= x <= 0)), "their sum")
@@ -376,9 +395,17 @@ def _temperature(value: object) -> float:
     return float(value) if _is_number(value) else 1.0
 
 
+_VERSION_DIGITS = 18
+"""The longest weight version taken (a step number; ``int`` of a much longer text is slow, and refused past 4300
+digits)."""
+
+
 def _weight_version(value: object) -> int | None:
-    """A call's recorded weight version as a step number; None when it has none or it is no decimal integer."""
-    return int(value) if isinstance(value, str) and value.isascii() and value.isdigit() else None
+    """A call's recorded weight version as a step number; None when it has none or it is no decimal integer of at
+    most ``_VERSION_DIGITS`` digits."""
+    if isinstance(value, str) and len(value) <= _VERSION_DIGITS and value.isascii() and value.isdigit():
+        return int(value)
+    return None
 
 
 def unsupported_sampling(episodes: Iterable[Episode]) -> Transition | None:

@@ -94,14 +94,17 @@ def drop_stale(pairs: Sequence[tuple[Transition, float]], policy_version: int, m
     policy the update starts from), and the staleness metrics. A call's version is the one the engine recorded
     (``Transition.weight_version``); a call without one counts as ``dispatched``, the engine's version when its
     rollout was handed out (no call of the rollout can be older); ``async/versioned_calls`` counts those that had
-    one."""
-    ages = [policy_version - (t.weight_version if t.weight_version is not None else dispatched) for t, _ in pairs]
+    one. A version above ``policy_version`` names weights that do not exist yet (an agent's word, not the
+    engine's): it counts as ``dispatched`` too, so that no call escapes ``max_staleness`` by it."""
+    versions = [t.weight_version if t.weight_version is not None and t.weight_version <= policy_version else None
+                for t, _ in pairs]
+    ages = [policy_version - (v if v is not None else dispatched) for v in versions]
     kept = [pair for pair, age in zip(pairs, ages, strict=True) if age <= max_staleness]
     metrics = {"async/staleness_mean": sum(ages) / len(ages) if ages else 0.0,
                "async/staleness_max": float(max(ages, default=0)),
                "async/dropped_stale": float(len(pairs) - len(kept)),
                "async/calls": float(len(pairs)),
-               "async/versioned_calls": float(sum(t.weight_version is not None for t, _ in pairs))}
+               "async/versioned_calls": float(sum(v is not None for v in versions))}
     return kept, metrics
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 import logging
 
-from lit_trainer.intake.episodes import Episode, UnusableRollout, build_episode
+from lit_trainer.intake.episodes import Episode, Unusable, UnusableRollout, build_episode
 from lit_trainer.intake.store import RolloutStatus, Store
 from lit_trainer.rollouts.dispatcher import Outcome
 
@@ -14,13 +14,16 @@ log = logging.getLogger("lit")
 
 
 def gather_episodes(store: Store, outcomes: list[Outcome], agents: tuple[str, ...], success: float,
-                    vocab_size: int | None = None) -> tuple[list[Episode], dict[str, float], dict[str, str]]:
+                    vocab_size: int | None = None, context: int | None = None
+                    ) -> tuple[list[Episode], dict[str, float], dict[str, str]]:
     """Episodes of the succeeded rollouts (saved to the store), counts, and why succeeded rollouts gave none (by
     reason, as in ``rollouts/unusable_<reason>``: its words and the first such rollout's detail). Failures give no
     episode, and neither does a rollout whose spans are not all stored (``rollouts/unusable_incomplete``: the
     dispatcher retries those, this is the last guard). Tasks that carry a string ``"kind"`` also get
     ``accuracy/<kind>`` and ``reward/<kind>`` (``per_kind``). ``vocab_size``: the policy's, which every token id
-    must be below (``build_episode``)."""
+    must be below, and ``context``: the engine's ``max_model_len``, which no call is longer than (``build_episode``).
+    An episode whose root names another task or attempt than the outcome's (what the trainer handed out) is
+    unusable: grouped under the peer's word, it would move another task's baseline."""
     episodes: list[Episode] = []
     returns_of: dict[str, float] = {}
     unusable: collections.Counter[str] = collections.Counter()
@@ -32,7 +35,8 @@ def gather_episodes(store: Store, outcomes: list[Outcome], agents: tuple[str, ..
             unusable["incomplete"] += 1
             why.setdefault("incomplete", f"its spans were not all stored (the first: rollout {outcome.rollout_id})")
             continue
-        result = build_episode(store.spans_of_rollout(outcome.rollout_id), agents or None, vocab_size)
+        result = _handed_out(build_episode(store.spans_of_rollout(outcome.rollout_id), agents or None, vocab_size,
+                                           context), outcome)
         if isinstance(result, UnusableRollout):
             if not any(k.startswith("bad_") for k in unusable) and result.reason.name.startswith("BAD_"):
                 log.warning("lit: rollout %s is not trained on (rollouts/unusable_%s): %s: %s. Later ones are "
@@ -63,6 +67,16 @@ def gather_episodes(store: Store, outcomes: list[Outcome], agents: tuple[str, ..
     for key, value in per_kind(outcomes, returns_of, success).items():
         metrics.setdefault(key, value)  # a kind named "mean" does not replace reward/mean
     return episodes, metrics, why
+
+
+def _handed_out(result: Episode | UnusableRollout, outcome: Outcome) -> Episode | UnusableRollout:
+    """``result``, or unusable (``BAD_TASK``) when its task id or attempt is not the outcome's."""
+    if isinstance(result, Episode) and (result.task_id, result.attempt) != (outcome.request.task_id,
+                                                                            outcome.attempts):
+        return UnusableRollout(result.rollout_id, Unusable.BAD_TASK,
+                               f"task {result.task_id!r} attempt {result.attempt!r}; handed out: task "
+                               f"{outcome.request.task_id!r} attempt {outcome.attempts}")
+    return result
 
 
 def per_kind(outcomes: list[Outcome], returns_of: dict[str, float], success: float) -> dict[str, float]:

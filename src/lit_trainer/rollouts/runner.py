@@ -109,11 +109,13 @@ class RolloutRunner:
     from ``store``; ``session`` makes the rollout ids of this run unique."""
 
     def __init__(self, store: Store, collector: Collector, fleet: Fleet, dispatcher: Dispatcher, agent: AgentConfig,
-                 success_reward: float, session: str, vocab_size: int | None = None) -> None:
+                 success_reward: float, session: str, vocab_size: int | None = None, context: int | None = None
+                 ) -> None:
         self.store, self.collector, self.fleet, self.dispatcher = store, collector, fleet, dispatcher
         self.agent, self.success_reward, self.session = agent, success_reward, session
-        self.vocab_size = vocab_size
-        """The served model's, which every token id of an episode must be below (``build_episode``)."""
+        self.vocab_size, self.context = vocab_size, context
+        """The served model's vocabulary, which every token id of an episode must be below, and the engine's
+        ``max_model_len``, which no call is longer than (``build_episode``)."""
 
     def check(self) -> None:
         """Raise if a service the rollouts need has stopped: the collector (``CollectorError``: a full disk, say)
@@ -166,7 +168,7 @@ class RolloutRunner:
             outcomes = self.dispatcher.run(requests, progress, check=self.check, enough=enough)
         self.check()
         episodes, metrics, unusable = gather_episodes(self.store, outcomes, self.agent.agents, self.success_reward,
-                                                      self.vocab_size)
+                                                      self.vocab_size, self.context)
         if enough is not None:
             earlier = {group_of(o.request) for o in outcomes if o.request.step != step}
             metrics["rollouts/carried_groups"] = float(len(earlier))

@@ -186,6 +186,9 @@ BAD_VALUES = {  # #27's holes: each one raised in the trainer (assert, ValueErro
     "inf_reward": (Unusable.BAD_REWARD, lambda t, root, call: t.reward(root, 20, float("inf"))),
     "text_return": (Unusable.BAD_REWARD, lambda t, root, call: t.spans.__setitem__(0, _with(
         t.spans[0], **{sc.ROLLOUT_RETURN_REWARD: "1.0"}))),
+    "huge_return": (Unusable.BAD_REWARD, lambda t, root, call: t.spans.__setitem__(0, _with(
+        t.spans[0], **{sc.ROLLOUT_RETURN_REWARD: -1.7e308}))),  # a group's mean of two such is -inf
+    "huge_reward": (Unusable.BAD_REWARD, lambda t, root, call: t.reward(root, 20, 2e9)),
     "text_attempt": (Unusable.BAD_ATTEMPT, lambda t, root, call: t.spans.__setitem__(0, _with(
         t.spans[0], **{sc.ATTEMPT: "x"}))),
     "huge_token_id": (Unusable.BAD_TOKEN_IDS, lambda t, root, call: t.llm(root, 30, ids=(1_000_000_000,))),
@@ -235,6 +238,38 @@ def test_a_value_lit_cannot_train_on_makes_the_rollout_unusable_with_its_reason(
     result = build_episode(t.spans, vocab_size=64)
     assert isinstance(result, UnusableRollout) and result.reason is reason, result
     assert result.detail  # which value, in words
+
+
+def test_the_sum_of_the_rewards_is_checked_too():
+    """Two lit.reward(1e308) summed to an infinite return, which failed an assert in credit assignment and stopped
+    the run; each reward is bounded now, and so is their sum (the return when the agent returns none)."""
+    t = Tree()
+    root = t.root(reward=None)
+    t.llm(root, 10)
+    t.reward(root, 20, 6e8)
+    assert build_episode(t.spans).episode_return == 6e8
+    t.reward(root, 30, 6e8)
+    result = build_episode(t.spans)
+    assert result.reason is Unusable.BAD_REWARD and "sum of its 2 lit.reward values" in result.detail, result
+
+
+def test_a_call_longer_than_the_engines_context_makes_the_rollout_unusable():
+    """vLLM never samples past max_model_len: a longer call is not the engine's, and a long enough one would not
+    fit in the update's memory."""
+    t = Tree()
+    t.llm(t.root(), 10, ids=tuple(range(6)))  # 2 prompt + 6 response tokens
+    assert isinstance(build_episode(t.spans, context=8), Episode)
+    result = build_episode(t.spans, context=7)
+    assert result.reason is Unusable.BAD_LENGTH and "2 prompt and 6 response tokens, over 7" in result.detail
+
+
+def test_a_weight_version_is_a_short_decimal_number_or_none():
+    """int() of a 5 kB digit string raised ValueError (past 4300 digits), which stopped the run."""
+    t = Tree()
+    call = t.llm(t.root(), 10)
+    for text, version in (("12", 12), ("9" * 18, 10**18 - 1), ("9" * 19, None), ("9" * 5000, None), ("v3", None)):
+        _set(t, call, **{sc.LLM_WEIGHT_VERSION: text})
+        assert build_episode(t.spans).transitions[0].weight_version == version, text[:20]
 
 
 def test_token_ids_are_checked_against_the_vocabulary():

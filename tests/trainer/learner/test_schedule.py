@@ -158,6 +158,15 @@ def test_drop_stale_keeps_calls_at_most_max_staleness_versions_old():
                                             "async/versioned_calls": 0.0})
 
 
+def test_a_version_from_the_future_does_not_escape_the_staleness_limit():
+    """An agent's word, not the engine's: a call that claims weights newer than the policy's counts as its
+    rollout's dispatch version (4 versions old here), as if it carried none."""
+    pairs = [(transition(v), 1.0) for v in (99, 5)]
+    kept, metrics = drop_stale(pairs, policy_version=5, max_staleness=1, dispatched=1)
+    assert [t.weight_version for t, _ in kept] == [5]
+    assert metrics["async/staleness_max"] == 4.0 and metrics["async/versioned_calls"] == 1.0
+
+
 def test_overlong_responses_are_masked_on_request():
     cut, done = rows([(2, 2)], finish="length") + rows([(2, 2)])
     pairs = [(cut, 1.0), (done, -1.0)]
