@@ -15,6 +15,7 @@ from test_collector import WAIT_S, Client, span, spans_frame
 
 import lit_sdk as lit
 from lit_sdk import semconv as sc
+from lit_trainer.intake import admission
 from lit_trainer.intake.collector import Collector
 from lit_trainer.intake.episodes import Episode, build_episode
 from lit_trainer.intake.store import SqliteStore
@@ -104,6 +105,56 @@ def test_a_forged_call_under_a_made_up_parent_is_stored_but_never_trained_on(tmp
     episode = build_episode(spans)
     assert [t.span_id for t in episode.transitions] != [] and all(t.span_id != f"{906:016x}"
                                                                  for t in episode.transitions)  # ...and is no call
+
+
+def test_a_flood_of_spans_under_a_rollout_id_is_capped_and_its_root_still_lands(tmp_path, monkeypatch):
+    """A key holder that learned a rollout id could store any number of orphan spans under it (each read into the
+    trainer's memory to build the episode), and any number outside rollouts (which no episode uses): the disk or
+    the memory filled. The store takes a share of each (4 spans here, 20,000 by default); the root, guarded by its
+    secret, lands even then."""
+    monkeypatch.setattr(admission, "MAX_ROLLOUT_SPANS", 4)
+    with SqliteStore(tmp_path / "lit.db") as store, FakeLLM() as llm, \
+            Collector(store, "tcp://127.0.0.1:0") as collector:
+        hand_out(store, "r-target", secret=SECRET)
+        forger = Client(collector.endpoint)
+        try:
+            send_and_wait(forger, "f1", [span(900 + i, rollout="r-target", parent="ab" * 8) for i in range(6)])
+            send_and_wait(forger, "f2", [span(950 + i, rollout=None) for i in range(3)])
+            send_and_wait(forger, "f3", [span(960 + i, rollout=None) for i in range(3)])  # another transaction
+        finally:
+            forger.close()
+        honest_rollout(collector, llm, tmp_path, "r-target", SECRET)
+        counts = collector.counts
+        spans = store.spans_of_rollout("r-target")
+        outside = store._conn().execute("SELECT count(*) FROM spans WHERE rollout_id = x''").fetchone()[0]
+    roots = [s for s in spans if s.parent_id is None]
+    assert len(roots) == 1 and roots[0].attributes[sc.ROLLOUT_SECRET] == SECRET
+    assert len(spans) == 5 and outside == 4  # the share, and the root
+    honest = roots[0].attributes[sc.ROLLOUT_SPANS]  # the spans the agent sent, its root among them
+    assert counts.refused_spans == {"too_many_spans": 2 + 2 + honest - 1}
+    assert counts.spans_stored == 4 + 4 + 1
+
+
+def test_the_share_of_a_rollout_counts_bytes_and_what_the_store_holds_already(monkeypatch):
+    from lit_sdk.protocol import pack_span
+    from lit_trainer.intake.admission import Admission
+
+    monkeypatch.setattr(admission, "MAX_ROLLOUT_SPANS", 4)
+    small, big = pack_span(span(1, rollout="r1")), pack_span(span(2, rollout="r1"))
+    big = big._replace(attributes=big.attributes + b"\x00" * 100)  # only its length matters here
+    size = len(small.attributes + small.events)
+    assert len(big.attributes + big.events) > size + 50
+    monkeypatch.setattr(admission, "MAX_ROLLOUT_BYTES", 4 * size + 50)
+    asked: list[list] = []
+
+    def usage(ids: list) -> dict:
+        asked.append(ids)
+        return {"r1": (2, 2 * size)}  # two small spans stored before
+
+    gate = Admission(lambda ids: {"r1": (SECRET, "9" * 16)}, usage)
+    admitted, refused, _ = gate.admit([big, small, small, small])
+    assert admitted == [small, small] and refused == {"too_many_spans": 2}  # big: over the bytes; the last: 5 spans
+    assert asked == [["r1"]]
 
 
 def test_the_secret_round_trips_and_an_older_store_gains_its_column(tmp_path):
