@@ -72,6 +72,17 @@ def test_every_message_round_trips_exactly(message):
     assert set(frame) == {"v", "t", *(f.name for f in dataclasses.fields(message))}
 
 
+def test_texts_the_trainer_logs_arrive_without_control_characters():
+    """Hole: a worker's host name, its bye and a rollout's error reached the trainer's log as sent, so a peer could
+    forge log lines (a carriage return, a newline) or send a terminal its escape sequences. They arrive written out
+    now; an error keeps its newlines and tabs (tracebacks)."""
+    hello = decode_dispatch(encode_dispatch(Hello(4, 1, "gpu-1\rlit: training finished\n\x1b[2J")))
+    assert hello.host == "gpu-1\\x0dlit: training finished\\x0a\\x1b[2J"
+    done = decode_dispatch(encode_dispatch(Done("r0-a1", 1, "failed", None, "Traceback:\n\tline\x1b[31m\x9b")))
+    assert done.error == "Traceback:\n\tline\\x1b[31m\\x9b"
+    assert decode_dispatch(encode_dispatch(Bye("SIGTERM\x07"))).reason == "SIGTERM\\x07"
+
+
 def test_the_wire_tags_are_those_of_before():
     assert [cls.TAG for cls in TO_TRAINER] == ["hello", "hb", "done", "bye"]
     assert [cls.TAG for cls in TO_WORKER] == ["welcome", "run", "who", "stop"]

@@ -184,6 +184,16 @@ _RULES: dict[tuple[type, str], Rule] = {
 """What a field's type does not say: value checks (of a value that is not nil), with the words for a value that
 fails them."""
 
+_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7f, 0xa0))}
+_ESCAPES_IN_TEXT = {c: e for c, e in _ESCAPES.items() if chr(c) not in "\n\t"}
+_PRINTABLE: dict[tuple[type, str], dict[int, str]] = {
+    (Hello, "host"): _ESCAPES,
+    (Done, "error"): _ESCAPES_IN_TEXT,
+    (Bye, "reason"): _ESCAPES_IN_TEXT,
+}
+"""Texts the trainer logs and stores: their control characters (a terminal's escape sequences, a carriage return
+that overwrites a log line) arrive written out as ``\\xNN``; an error keeps its newlines and tabs."""
+
 
 class _Field(NamedTuple):
     name: str
@@ -244,6 +254,9 @@ def decode_dispatch(data: bytes, accept: tuple[type, ...] = TO_TRAINER + TO_WORK
         rule = _RULES.get((cls, f.name))
         if rule is not None and value is not None and not rule[0](value):
             raise ProtocolError("shape", f"{tag!r} field {f.name!r} must be {rule[1]}, got {_show(value)}")
+        escapes = _PRINTABLE.get((cls, f.name))
+        if escapes is not None and value is not None:
+            value = value.translate(escapes)
         values[f.name] = value
     return cls(**values)
 

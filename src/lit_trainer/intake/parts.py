@@ -10,7 +10,9 @@ that was replaced or told ``busy``).
 The first part names the frame's length, which is reserved from ``budget`` (shared by all peers) before anything
 is kept: a frame that does not fit gets ``BUSY``, which the collector answers with ``busy`` — not refused, sent
 again later by the agent, whose spans wait in its memory and spool. A frame that makes no progress for ``idle_s``
-is dropped and its reservation freed, so a peer that stops half-way holds its share for a bounded time.
+is dropped and its reservation freed, so a peer that stops half-way holds its share for a bounded time; so is one
+that trickles in slower than ``MIN_BYTES_PER_S`` (``idle_s`` plus its length at that rate, from its first part),
+so that a peer sending a byte now and then cannot hold it for good.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lit_sdk import protocol
+
+MIN_BYTES_PER_S = 64 * 2**10
+"""The slowest a frame in parts may come in, on average: a 16 MiB frame has 256 s, plus ``idle_s``."""
 
 BUSY = object()
 """What ``add`` returns for a first part whose frame does not fit in the budget now."""
@@ -30,6 +35,8 @@ class _Frame:
     data: bytearray
     touched: float
     """When its last part came (``time.monotonic``)."""
+    deadline: float
+    """When it is dropped even if its parts keep coming (``MIN_BYTES_PER_S``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +48,8 @@ class PartCounts:
     busy: int
     """First parts answered ``busy``: their frame did not fit in the budget."""
     dropped: int
-    """Frames given up half-way: idle for ``idle_s``, or replaced by the peer's next frame."""
+    """Frames given up half-way: idle for ``idle_s``, too slow (``MIN_BYTES_PER_S``), or replaced by the peer's next
+    frame."""
 
 
 class PartAssembler:
@@ -69,7 +77,8 @@ class PartAssembler:
             if self._reserved + part.total > self.budget:
                 self._busy += 1
                 return BUSY
-            frame = self._frames[peer] = _Frame(part.batch, part.total, bytearray(), now)
+            frame = self._frames[peer] = _Frame(part.batch, part.total, bytearray(), now,
+                                                now + self.idle_s + part.total / MIN_BYTES_PER_S)
             self._reserved += part.total
         elif frame is None or (part.batch, part.total, part.offset) != (frame.batch, frame.total, len(frame.data)):
             if frame is not None:
@@ -85,8 +94,9 @@ class PartAssembler:
         return frame.data
 
     def expire(self, now: float) -> int:
-        """Drop the frames that made no progress for ``idle_s``; how many."""
-        idle = [peer for peer, frame in self._frames.items() if now - frame.touched > self.idle_s]
+        """Drop the frames that made no progress for ``idle_s``, or are past their deadline; how many."""
+        idle = [peer for peer, frame in self._frames.items()
+                if now - frame.touched > self.idle_s or now > frame.deadline]
         for peer in idle:
             self._drop(peer)
         return len(idle)

@@ -31,6 +31,7 @@ from waiting import wait_until
 from lit_sdk import protocol
 from lit_sdk.protocol import codec, security
 from lit_sdk.sender import SpanSender
+from lit_trainer.intake import parts
 from lit_trainer.intake.collector import Collector
 from lit_trainer.intake.parts import BUSY, PartAssembler
 from lit_trainer.intake.store import SqliteStore
@@ -258,6 +259,29 @@ def test_parts_are_put_together_in_order_one_frame_per_peer():
     assert assembler.add(b"r", protocol.PartFrame("d", protocol.MAX_FRAME_BYTES, 0, b"x"), 2.0) is BUSY
     assert assembler.expire(12.5) == 2 and assembler.counts.reserved == 0
     assert assembler.counts == type(assembler.counts)(reserved=0, assembled=1, busy=1, dropped=3)
+
+
+def test_a_frame_that_trickles_in_is_dropped_at_its_deadline():
+    """Hole: each part reset the idle clock, so a peer sending a byte of a 16 MiB frame every 25 s held 16 MiB of
+    the shared budget for good (four such held all of it, and every agent's large frame was told busy). Now a frame
+    has ``idle_s`` plus its length at ``MIN_BYTES_PER_S`` from its first part."""
+    total = protocol.PART_BYTES * 4
+    assembler = PartAssembler(budget=protocol.MAX_FRAME_BYTES, idle_s=10)
+    deadline = 10 + total / parts.MIN_BYTES_PER_S
+    now, offset = 0.0, 0
+    while now <= deadline:
+        assert assembler.add(b"p", protocol.PartFrame("b", total, offset, b"x"), now) is None
+        assert assembler.expire(now) == 0  # a byte every 9 s: never idle for 10 s
+        now, offset = now + 9, offset + 1
+    assert assembler.expire(now) == 1 and assembler.counts.reserved == 0 and assembler.counts.dropped == 1
+    whole = os.urandom(total)  # at the slowest rate allowed, a frame still arrives
+    pieces = [protocol.decode_frame(m) for m in protocol.encode_parts("c", whole)]
+    gap = (deadline - 1) / len(pieces)
+    results = []
+    for i, piece in enumerate(pieces):
+        assembler.expire(now + i * gap)
+        results.append(assembler.add(b"p", piece, now + i * gap))
+    assert results[-1] == whole
 
 
 # -- connections -------------------------------------------------------------------------------------------------
