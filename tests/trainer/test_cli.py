@@ -113,7 +113,9 @@ def test_config_keys_lists_every_key_with_its_default_and_meaning():
     assert out.returncode == 0, out.stderr
     assert "train.steps = 20\n    Training steps" in out.stdout
     assert 'model = "smollm2-135m"\n    The policy' in out.stdout
-    names = [line.split(" = ")[0] for line in out.stdout.splitlines() if not line.startswith(" ")]
+    assert "\n# inference.api_key is not set\n" in out.stdout  # not = "None": copied, that is a key
+    names = [line.split(" = ")[0].removeprefix("# ").removesuffix(" is not set")
+             for line in out.stdout.splitlines() if not line.startswith(" ")]
     from lit_trainer.config import config_keys
     assert names == [k.name for k in config_keys()] and len(names) > 80
     assert all(k.doc for k in config_keys()), [k.name for k in config_keys() if not k.doc]  # every field documented

@@ -74,8 +74,8 @@ class LossConfig:
     clip_eps_high: float = 0.2
     """ε_high: the ratio is clipped above at 1 + ε_high (acts on positive advantages); > 0."""
     ratio_cap: float | None = 3.0
-    """C: the unclipped branch's importance weight is truncated at C as a detached weight; > 1 + ε_high, or None
-    for plain PPO clipping."""
+    """C: the unclipped branch's importance weight is truncated at C as a detached weight; > 1 + ε_high. None
+    (library use; a config file has no null, where a very large C does the same) is plain PPO clipping."""
     kl_beta: float = 0.0
     """β ≥ 0: weight of the k3 KL estimate to the reference model; > 0 needs ``ref_logprobs``."""
     entropy_coef: float = 0.0

@@ -163,8 +163,9 @@ class WeightSyncConfig:
     """How new weights reach the running vLLM server after each update."""
 
     mode: str = "full"
-    """``full``: every weight of the model; ``lora``: hot-load a LoRA adapter (server started with
-    ``InferenceConfig.enable_lora``)."""
+    """``full``: every weight of the model, the only mode ``lit train`` and ``lit eval`` take (a LoRA policy is
+    pushed as merged weights). ``lora``, hot-loading an adapter into a server started with
+    ``InferenceConfig.enable_lora``, is for library use of ``WeightSync`` only."""
     transport: str = "shm"
     """``shm``: safetensors in shared memory + ``reload_weights`` (trainer and server on one host, CPU or GPU);
     ``nccl``: vLLM's NCCL weight transfer (GPU, any host); ``ipc``: CUDA IPC (GPU, same device). The GPU
