@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import signal
+import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
@@ -24,7 +26,7 @@ from lit_trainer.engine.launch import InferenceError, pick_port, server_ports
 from lit_trainer.intake.collector import Collector
 from lit_trainer.intake.store import SqliteStore
 from lit_trainer.models import vocab_size
-from lit_trainer.rollouts.dispatcher import Dispatcher
+from lit_trainer.rollouts.dispatcher import Dispatcher, DispatchError
 from lit_trainer.rollouts.runner import RolloutRunner
 
 WORKER_START_TIMEOUT_S = 180.0
@@ -124,12 +126,36 @@ def services(cfg: TrainConfig, store_path: Path, spool_dir: Path, keys_dir: Path
                 workers.append(spawn(cfg.agent.function, dispatcher.endpoint, cfg.agent.concurrency, env))
         print(f"lit: workers connect to {dispatcher.endpoint} ({len(workers)} local) with the keys in {folder} "
               f"({security.KEYS_ENV}={folder} lit worker ...)", file=sys.stderr)
-        fleet.wait_ready(meanwhile=dispatcher.answer)  # the workers are welcomed and set up their tracing meanwhile
-        dispatcher.wait_for_workers(cfg.agent.local_workers, WORKER_START_TIMEOUT_S)
+        def watch() -> None:
+            check_local_workers(workers)
+
+        def meanwhile(seconds: float) -> None:  # the workers are welcomed and set up their tracing while vLLM loads
+            watch()
+            dispatcher.answer(seconds)
+
+        fleet.wait_ready(meanwhile=meanwhile)
+        dispatcher.wait_for_workers(cfg.agent.local_workers, WORKER_START_TIMEOUT_S, check=watch)
         runner = RolloutRunner(store, collector, fleet, dispatcher, cfg.agent, cfg.train.success_reward,
                                session=uuid.uuid4().hex[:8], vocab_size=vocab_size(cfg.inference.model),
-                               context=cfg.inference.max_model_len)
+                               context=cfg.inference.max_model_len, watch=watch)
         yield Services(store, collector, fleet, dispatcher, runner)
+
+
+def check_local_workers(workers: list[subprocess.Popen]) -> None:
+    """Raise DispatchError when a local agent worker process has exited: none does before the run stops it, so its
+    agent's import failed, it was killed (out of memory?) or it crashed. Its own lines, above on the same
+    terminal, say why; without this the run waited out the workers' start (180 s) or their silence."""
+    for worker in workers:
+        code = worker.poll()
+        if code is None:
+            continue
+        how = f"exited with code {code}"
+        if code < 0:
+            name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+            how = f"was killed by {name}" + (" (out of memory? the kernel's log says: dmesg | grep -i oom)"
+                                             if code == -signal.SIGKILL else "")
+        raise DispatchError(f"a local agent worker (pid {worker.pid}) {how}; its own lines above say why. "
+                            "The run stops: its rollouts would wait for it")
 
 
 def stop_workers(dispatcher: Dispatcher, workers: list) -> None:

@@ -280,10 +280,13 @@ class Dispatcher:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def wait_for_workers(self, n: int, timeout_s: float) -> None:
-        """Block until ``n`` workers said hello (raises DispatchError after ``timeout_s``)."""
+    def wait_for_workers(self, n: int, timeout_s: float, check: Callable[[], None] | None = None) -> None:
+        """Block until ``n`` workers said hello (raises DispatchError after ``timeout_s``); ``check``, called about
+        every 100 ms, may raise to stop the wait (a worker process that exited)."""
         deadline = time.monotonic() + timeout_s
         while len(self.workers) < n:
+            if check is not None:
+                check()
             if time.monotonic() > deadline:
                 raise DispatchError(f"{len(self.workers)} of {n} workers connected to {self.endpoint} within "
                                     f"{timeout_s:.0f} s; check the worker processes' output")

@@ -109,20 +109,24 @@ class RolloutRunner:
     from ``store``; ``session`` makes the rollout ids of this run unique."""
 
     def __init__(self, store: Store, collector: Collector, fleet: Fleet, dispatcher: Dispatcher, agent: AgentConfig,
-                 success_reward: float, session: str, vocab_size: int | None = None, context: int | None = None
-                 ) -> None:
+                 success_reward: float, session: str, vocab_size: int | None = None, context: int | None = None,
+                 watch: Callable[[], None] | None = None) -> None:
         self.store, self.collector, self.fleet, self.dispatcher = store, collector, fleet, dispatcher
         self.agent, self.success_reward, self.session = agent, success_reward, session
         self.vocab_size, self.context = vocab_size, context
         """The served model's vocabulary, which every token id of an episode must be below, and the engine's
         ``max_model_len``, which no call is longer than (``build_episode``)."""
+        self.watch = watch
+        """Raises when the local agent workers' processes have not all stayed up (``services``)."""
 
     def check(self) -> None:
         """Raise if a service the rollouts need has stopped: the collector (``CollectorError``: a full disk, say)
         or a vLLM server (``ServerDiedError``), so that the run stops with the cause instead of letting every
-        rollout come back empty. Called while waiting for rollouts."""
+        rollout come back empty; and the local agent workers (``watch``). Called while waiting for rollouts."""
         self.collector.check()
         self.fleet.check()
+        if self.watch is not None:
+            self.watch()
 
     def run(self, tasks: list[dict], group: int, temperature: float, step: int, label: str, version: int,
             enough: Callable[[int], bool] | None = None, restarts: int = 0) -> RolloutBatch:
