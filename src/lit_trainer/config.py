@@ -132,6 +132,10 @@ class TrainLoopConfig:
         if self.min_group_size > self.group_size:
             raise ValueError(f"train.min_group_size = {self.min_group_size} is more than train.group_size = "
                              f"{self.group_size}: no group could ever be trained on")
+        if not math.isfinite(self.success_reward):
+            raise ValueError(f"train.success_reward must be a finite number, got {self.success_reward}")
+        if not self.output_dir.strip():
+            raise ValueError("train.output_dir is empty: name the run's folder (e.g. \"runs/calc\")")
         if not (math.isfinite(self.max_minutes) and self.max_minutes >= 0):
             raise ValueError(f"train.max_minutes must be >= 0 (0: no limit), got {self.max_minutes}")
         if self.max_staleness < 0:
@@ -358,13 +362,14 @@ def _coerce(value: Any, default: Any, key: str) -> Any:
         value = float(value) if ok else value
     elif isinstance(default, int):
         ok = isinstance(value, int) and not isinstance(value, bool)
-    elif isinstance(default, (tuple, list)):
-        ok = isinstance(value, list)
+    elif isinstance(default, (tuple, list)):  # every list key is a list of texts
+        ok = isinstance(value, list) and all(isinstance(item, str) for item in value)
         value = type(default)(value) if ok else value
     else:
         ok = isinstance(value, type(default))
     if not ok:
-        raise ConfigError(f"{key} must be {type(default).__name__} (like {default!r}), got {value!r}")
+        like = "a list of texts" if isinstance(default, (tuple, list)) else type(default).__name__
+        raise ConfigError(f"{key} must be {like} (like {default!r}), got {value!r}")
     return value
 
 

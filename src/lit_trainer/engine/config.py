@@ -7,6 +7,7 @@ pushing weights into it), never the whole tree. This module imports nothing heav
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from lit_sdk.protocol.security import HOW_TO_MAKE, is_loopback_host
@@ -138,6 +139,12 @@ class InferenceConfig:
                              f"CPU kernels need one), got {self.cpu_block_size}")
         if self.cpu_kv_cache_gb < 1:
             raise ValueError(f"InferenceConfig.cpu_kv_cache_gb must be at least 1 (GiB), got {self.cpu_kv_cache_gb}")
+        for name in ("startup_timeout_s", "shutdown_timeout_s"):
+            if not 0 < getattr(self, name) < math.inf:  # NaN fails too: it would never time out
+                raise ValueError(f"InferenceConfig.{name} must be a positive number of seconds, got "
+                                 f"{getattr(self, name)}")
+        if self.api_key is not None and not isinstance(self.api_key, str):
+            raise ValueError(f"InferenceConfig.api_key must be text (in quotes), got {self.api_key!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"InferenceConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
@@ -199,9 +206,11 @@ class WeightSyncConfig:
             raise ValueError(
                 f"WeightSyncConfig.mode='lora' loads adapters from files: set transport='shm' (got {self.transport!r})"
             )
-        if self.request_timeout_s <= 0:
-            raise ValueError(f"WeightSyncConfig.request_timeout_s must be positive, got {self.request_timeout_s}")
-        if self.logprob_tolerance <= 0:
-            raise ValueError(f"WeightSyncConfig.logprob_tolerance must be positive, got {self.logprob_tolerance}")
+        if not 0 < self.request_timeout_s <= 86400:  # NaN fails too; requests cannot wait past the clock's range
+            raise ValueError(f"WeightSyncConfig.request_timeout_s must be positive and at most a day (86400 s), got "
+                             f"{self.request_timeout_s}")
+        if not (math.isfinite(self.logprob_tolerance) and self.logprob_tolerance > 0):
+            raise ValueError(f"WeightSyncConfig.logprob_tolerance must be a positive number, got "
+                             f"{self.logprob_tolerance}")
         if not 1 <= self.nccl_master_port <= 65535:
             raise ValueError(f"WeightSyncConfig.nccl_master_port must be 1-65535, got {self.nccl_master_port}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -92,18 +93,27 @@ class PolicyConfig:
     entropy bonus (``loss.entropy_coef`` > 0) computes it whatever this says."""
 
     def __post_init__(self) -> None:
-        if self.learning_rate <= 0:
-            raise ValueError("PolicyConfig.learning_rate must be > 0")
+        if not 0 < self.learning_rate < math.inf:  # NaN fails too
+            raise ValueError(f"PolicyConfig.learning_rate must be a positive number, got {self.learning_rate}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise ValueError(f"PolicyConfig.weight_decay must be a number >= 0, got {self.weight_decay}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"PolicyConfig.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
         if self.warmup_steps < 0:
             raise ValueError(f"PolicyConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"PolicyConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.max_grad_norm < 0:
-            raise ValueError("PolicyConfig.max_grad_norm must be >= 0 (0 disables clipping)")
+        if not 0 <= self.max_grad_norm < math.inf:  # NaN would turn clipping off without a word
+            raise ValueError(f"PolicyConfig.max_grad_norm must be a number >= 0 (0 disables clipping), got "
+                             f"{self.max_grad_norm}")
         if self.lora_rank < 0:
             raise ValueError("PolicyConfig.lora_rank must be >= 0 (0 = full fine-tune)")
+        if self.lora_rank and self.lora_alpha <= 0:
+            raise ValueError(f"PolicyConfig.lora_alpha must be positive with lora_rank > 0 (the adapter's update is "
+                             f"scaled by alpha / rank: 0 trains nothing), got {self.lora_alpha}")
+        if self.lora_rank and not self.lora_target_modules:
+            raise ValueError("PolicyConfig.lora_target_modules names no layer for the LoRA adapters (lora_rank > 0): "
+                             "name some, e.g. [\"q_proj\", \"v_proj\"]")
         if self.precision not in precision.PRECISIONS:
             raise ValueError(f"PolicyConfig.precision must be one of {precision.PRECISIONS}, got {self.precision!r}")
         if self.shard and self.lora_rank:

@@ -72,6 +72,11 @@ class DispatchError(RuntimeError):
     """No worker is there to run rollouts, or the dispatch endpoint cannot be bound."""
 
 
+_LONGEST_S = 365 * 86400.0
+"""The longest timeout a setting may name: a year (NaN or infinity would never time out, or be refused by the
+workers: a ``Run``'s timeout must be finite)."""
+
+
 @dataclass(frozen=True)
 class DispatchConfig:
     rollout_timeout_s: float = 300.0
@@ -93,11 +98,13 @@ class DispatchConfig:
         for name in ("max_attempts", "max_peers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.handshake_s < 0.001:
-            raise ValueError(f"handshake_s must be at least a millisecond, got {self.handshake_s}")
+        if not 0.001 <= self.handshake_s <= 86400:  # ZeroMQ takes it in milliseconds, below 2**31
+            raise ValueError(f"handshake_s must be at least a millisecond and at most a day (86400 s), got "
+                             f"{self.handshake_s}")
         for name in ("rollout_timeout_s", "worker_timeout_s", "no_worker_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+            if not 0 < getattr(self, name) <= _LONGEST_S:  # NaN fails too: it would never time out
+                raise ValueError(f"{name} must be positive and at most {_LONGEST_S:.0f} s (a year), got "
+                                 f"{getattr(self, name)}")
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,12 @@ class DataConfig:
     val_size: int = 64
     """Held-out tasks to validate on."""
 
+    def __post_init__(self) -> None:
+        for name in ("train_size", "val_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"data.{name} must be at least 1 (how many tasks of the split to load), got "
+                                 f"{getattr(self, name)}")
+
 
 def sample_tasks(tasks: list[dict], seed: int, step: int, n: int, draw: int = 0) -> list[dict]:
     """The tasks of one step: a function of (seed, step) only, so a resumed run sees the same data. ``draw`` >= 1:
