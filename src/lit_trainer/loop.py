@@ -234,52 +234,52 @@ def _run(cfg: TrainConfig, resume: bool, out: RunFolder) -> dict[str, Any]:
                                 cfg.train.success_reward, cfg.train.min_group_size) if cfg.train.rest_after else None
         if curriculum:
             curriculum.load(state.get("curriculum"))  # what rested when the checkpoint was written
-        feed = StepFeed(svc.runner, train_tasks, StepPlan(
-            cfg.train.steps, cfg.train.tasks_per_step, cfg.train.group_size, cfg.train.seed, cfg.agent.temperature,
-            cfg.train.max_staleness, cfg.train.min_step_groups, cfg.train.extra_rollouts, cfg.train.min_group_size),
-            curriculum)
-        print(f"lit: {STEP_LINE_LEGEND}", file=sys.stderr)
-        while step < cfg.train.steps and not (cfg.train.max_minutes and minutes >= cfg.train.max_minutes):
-            t0, restarts = time.perf_counter(), fleet.restarts
-            batch = feed.take(step)
-            step += 1
-            nothing = batch.nothing_to_train()
-            if nothing:  # a broken agent, tasks it cannot run, a wrong agent.agents: stop now, not after N steps
-                raise RolloutsFailed(f"step {step}: {nothing}. No step can train on that: fix the agent or the "
-                                     "config (run the agent on one task with lit_trainer.Playground: it shows the "
-                                     "error, or the spans and the episode), then start again; every rollout is in "
-                                     f"{out.store} (lit show --run {out.dir})")
-            episodes, guided = batch.episodes, {}
-            if encode:  # a reference for each failed group whose task has one
-                more, guided = guide(episodes, references, encode, cfg.train.success_reward,
-                                     cfg.train.min_group_size)
-                episodes = episodes + more
-            work = pipeline.prepare(episodes, cfg, step, batch.dispatched_version)
-            store.save_advantages(work.advantages)
-            metrics = {**batch.metrics, **guided, **work.metrics}
-            if work.trains:
-                with fleet.hold():  # no server is started again with weights half updated (asynchronous rollouts)
-                    job = pipeline.UpdateJob(work.pairs, pad_id, seed=cfg.train.seed * 100_003 + step,
-                                             learning_rate=pipeline.learning_rate(cfg, step))
-                    metrics.update(together(policy, pipeline.update, job, cfg, main_only={"store": store}))
-                    metrics.update(pipeline.push(fleet, weights.gather(), step))
-                scorer = functools.partial(together, policy, pipeline.score)
-                metrics.update(pipeline.check(fleet, policy, work.pairs, cfg, step, scorer))
-            metrics["engine/restarts"] = float(fleet.restarts - restarts)
-            minutes += (time.perf_counter() - t0) / 60
-            metrics["minutes"] = minutes
-            metrics.update(memory_gb(fleet.pids))
-            log.log(step, metrics)
-            print(step_line(step, cfg.train.steps, metrics), flush=True)
-            last_step = step >= cfg.train.steps or (cfg.train.max_minutes and minutes >= cfg.train.max_minutes)
-            if cfg.train.val_every and (step % cfg.train.val_every == 0 or last_step):
-                feed.finish_ahead()  # validation needs the workers to itself
-                last_val = validate(svc.runner, val_tasks, log, step, minutes)
-            if last_step or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0):
-                together(policy, save_checkpoint, out.dir, step, base_dir, {
-                    "minutes": minutes, "data_position": step, "weight_version": str(step),
-                    "curriculum": curriculum.state() if curriculum else None}, cfg.train.keep_checkpoints)
-        feed.close()
+        plan = StepPlan(cfg.train.steps, cfg.train.tasks_per_step, cfg.train.group_size, cfg.train.seed,
+                        cfg.agent.temperature, cfg.train.max_staleness, cfg.train.min_step_groups,
+                        cfg.train.extra_rollouts, cfg.train.min_group_size)
+        # leaving on an error, the rollouts running ahead end before the services stop under them (StepFeed.abort)
+        with StepFeed(svc.runner, train_tasks, plan, curriculum) as feed:
+            print(f"lit: {STEP_LINE_LEGEND}", file=sys.stderr)
+            while step < cfg.train.steps and not (cfg.train.max_minutes and minutes >= cfg.train.max_minutes):
+                t0, restarts = time.perf_counter(), fleet.restarts
+                batch = feed.take(step)
+                step += 1
+                nothing = batch.nothing_to_train()
+                if nothing:  # a broken agent, tasks it cannot run, a wrong agent.agents: stop now, not after N
+                    raise RolloutsFailed(f"step {step}: {nothing}. No step can train on that: fix the agent or the "
+                                         "config (run the agent on one task with lit_trainer.Playground: it shows the "
+                                         "error, or the spans and the episode), then start again; every rollout is in "
+                                         f"{out.store} (lit show --run {out.dir})")
+                episodes, guided = batch.episodes, {}
+                if encode:  # a reference for each failed group whose task has one
+                    more, guided = guide(episodes, references, encode, cfg.train.success_reward,
+                                         cfg.train.min_group_size)
+                    episodes = episodes + more
+                work = pipeline.prepare(episodes, cfg, step, batch.dispatched_version)
+                store.save_advantages(work.advantages)
+                metrics = {**batch.metrics, **guided, **work.metrics}
+                if work.trains:
+                    with fleet.hold():  # no server is started again with weights half updated (async rollouts)
+                        job = pipeline.UpdateJob(work.pairs, pad_id, seed=cfg.train.seed * 100_003 + step,
+                                                 learning_rate=pipeline.learning_rate(cfg, step))
+                        metrics.update(together(policy, pipeline.update, job, cfg, main_only={"store": store}))
+                        metrics.update(pipeline.push(fleet, weights.gather(), step))
+                    scorer = functools.partial(together, policy, pipeline.score)
+                    metrics.update(pipeline.check(fleet, policy, work.pairs, cfg, step, scorer))
+                metrics["engine/restarts"] = float(fleet.restarts - restarts)
+                minutes += (time.perf_counter() - t0) / 60
+                metrics["minutes"] = minutes
+                metrics.update(memory_gb(fleet.pids))
+                log.log(step, metrics)
+                print(step_line(step, cfg.train.steps, metrics), flush=True)
+                last_step = step >= cfg.train.steps or (cfg.train.max_minutes and minutes >= cfg.train.max_minutes)
+                if cfg.train.val_every and (step % cfg.train.val_every == 0 or last_step):
+                    feed.finish_ahead()  # validation needs the workers to itself
+                    last_val = validate(svc.runner, val_tasks, log, step, minutes)
+                if last_step or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0):
+                    together(policy, save_checkpoint, out.dir, step, base_dir, {
+                        "minutes": minutes, "data_position": step, "weight_version": str(step),
+                        "curriculum": curriculum.state() if curriculum else None}, cfg.train.keep_checkpoints)
         log.close()
     distributed.broadcast(None)  # the other processes' follow() ends
     distributed.leave()

@@ -65,6 +65,7 @@ class Playground:
         self._stack = contextlib.ExitStack()
         self.store: SqliteStore | None = None
         self.server: InferenceServer | None = None
+        self.collector: Collector | None = None
 
     def __enter__(self) -> Playground:
         if self.cfg.security.keys_dir:
@@ -75,7 +76,7 @@ class Playground:
             self._stack.enter_context(run.in_use("a Playground", "Playground folder"))
             run.save_config(self.cfg.to_dict())
             self.store = self._stack.enter_context(SqliteStore(run.store))
-            collector = self._stack.enter_context(Collector(self.store, "tcp://127.0.0.1:0"))
+            collector = self.collector = self._stack.enter_context(Collector(self.store, "tcp://127.0.0.1:0"))
             print(f"lit: starting vLLM on {self.cfg.model} (about a minute on CPU)", file=sys.stderr, flush=True)
             # one server, with every core, whatever inference.servers a training config asks for
             self.server = self._stack.enter_context(InferenceServer(replace(self.cfg.inference, servers=1)))
@@ -127,9 +128,10 @@ class Playground:
                        build_episode(spans, agents), seconds)
 
     def _wait_stored(self, rollout_id: str) -> list:
-        assert self.store is not None
+        assert self.store is not None and self.collector is not None
         deadline = time.monotonic() + STORED_TIMEOUT_S
         while (missing := self.store.missing_spans(rollout_id)) is not None:
+            self.collector.check()  # a collector that stopped (a full disk) says why, not a timeout
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rollout {rollout_id}: {missing} after {STORED_TIMEOUT_S:.0f} s")
             time.sleep(0.05)

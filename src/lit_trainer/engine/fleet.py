@@ -96,6 +96,8 @@ class Fleet:
         self.version = "0"
         """The weight version the servers hold: the last one pushed (the base model's is 0)."""
         self._lock = threading.RLock()
+        self.stopped = False
+        """``stop`` was called: no server is started again."""
 
     def __enter__(self) -> Self:
         return self.start()
@@ -137,11 +139,14 @@ class Fleet:
         return self
 
     def stop(self) -> None:
-        """Close the syncs and stop every server, the last started first. Idempotent."""
-        for sync in self.syncs:
-            sync.close()
-        for server in reversed(self.servers):
-            server.stop()
+        """Close the syncs and stop every server, the last started first; none is started again after. Idempotent.
+        Waits for a server being started again in another thread (``restart_server``) to be up first."""
+        with self._lock:
+            self.stopped = True
+            for sync in self.syncs:
+                sync.close()
+            for server in reversed(self.servers):
+                server.stop()
 
     @property
     def base_urls(self) -> list[str]:
@@ -202,6 +207,9 @@ class Fleet:
         its own cores or GPUs, and push the current weights into it as ``version``; the others are left alone."""
         with self._lock:
             old = self.servers[index]
+            if self.stopped:
+                raise ServerDiedError(f"vLLM ({old.base_url}) died {when}, while the run was stopping: it is not "
+                                      "started again")
             which = f"vLLM server {index} ({old.base_url})" if len(self.servers) > 1 else "vLLM"
             print(f"lit: {which} died {when}; starting it again with the current weights", file=sys.stderr)
             if self.syncs:
@@ -219,9 +227,17 @@ class Fleet:
         """Each server's logprobs of greedy continuations of ``prompts`` against the trainer's (``score``: its
         logprobs of a server's samples), by base URL: whether the weights pushed last reached every server."""
         gaps = {}
-        for s in self.servers:
-            samples = sample_from_vllm(s.base_url, s.model_name, prompts, max_tokens=max_tokens, api_key=s.api_key)
-            gaps[s.base_url] = logprob_gap(samples, score(samples), tolerance)
+        with self._lock:  # no server is being started again meanwhile (asynchronous rollouts)
+            for s in self.servers:
+                s.check_alive()
+                try:
+                    samples = sample_from_vllm(s.base_url, s.model_name, prompts, max_tokens=max_tokens,
+                                               api_key=s.api_key)
+                except Exception:
+                    if s.exited(within_s=5.0):  # it died under the request: say so, with its log
+                        s.check_alive()
+                    raise
+                gaps[s.base_url] = logprob_gap(samples, score(samples), tolerance)
         return gaps
 
     def _open_sync(self, index: int) -> WeightSync:

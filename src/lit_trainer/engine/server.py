@@ -222,6 +222,8 @@ class InferenceServer:
     def check_alive(self) -> None:
         """Raise ``ServerDiedError`` (with the log's tail and a hint) if the server process has exited."""
         if self.process is None:
+            if self._launched_at:  # stopped: being started again by another thread (Fleet.restart_server), or gone
+                raise ServerDiedError(f"vLLM ({self.base_url}) was stopped")
             raise InferenceError("the vLLM server was never started: call start() first")
         code = self.process.poll()
         if code is None:

@@ -31,6 +31,7 @@ import math
 import threading
 import time
 from collections.abc import Iterable
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -39,6 +40,10 @@ from lit_trainer.rollouts.curriculum import Curriculum
 from lit_trainer.rollouts.runner import RolloutBatch, RolloutRunner
 from lit_trainer.rollouts.tasks import sample_tasks
 from lit_trainer.steps import training_label
+
+ABORT_WAIT_S = 60.0
+"""How long a run stopping on an error waits for its rollouts running ahead to end (they check every 50 ms; a vLLM
+being started again finishes first)."""
 
 MAX_ENGINE_RESTARTS = 3
 """How many times one step's rollouts start vLLM again after it died, before the run stops."""
@@ -125,6 +130,27 @@ class StepFeed:
         finally:
             if self.pool is not None:
                 self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def abort(self, wait_s: float = ABORT_WAIT_S) -> None:
+        """The loop is leaving on an error: end the rollouts running ahead (their attempts fail in the store) and
+        wait up to ``wait_s`` for their thread to let go of the dispatcher and the fleet, which the services stop
+        next (neither may be used from two threads). What they raise is the run's error no more: it is dropped."""
+        self.runner.stopping.set()
+        if self.ahead is not None:
+            _, future = self.ahead
+            self.ahead = None
+            futures.wait([future], timeout=wait_s)
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> StepFeed:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.abort()
 
     def _run(self, step: int, version: int) -> RolloutBatch:
         plan, curriculum = self.plan, self.curriculum

@@ -14,6 +14,7 @@ of it is trained on), up to ``restarts`` times.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -104,6 +105,10 @@ def server_of(k: int, tasks: int, step: int, servers: int) -> int:
     return (step * tasks + k) % servers
 
 
+class RunStopping(RuntimeError):
+    """Rollouts given up because the run is stopping (``RolloutRunner.stopping``)."""
+
+
 class RolloutRunner:
     """Runs rollouts on the workers of ``dispatcher``, against the servers of ``fleet``, and builds their episodes
     from ``store``; ``session`` makes the rollout ids of this run unique."""
@@ -118,11 +123,16 @@ class RolloutRunner:
         ``max_model_len``, which no call is longer than (``build_episode``)."""
         self.watch = watch
         """Raises when the local agent workers' processes have not all stayed up (``services``)."""
+        self.stopping = threading.Event()
+        """Set when the run is stopping (``StepFeed.abort``): rollouts running in another thread then end at once
+        (``RunStopping``), before the services they use are stopped under them."""
 
     def check(self) -> None:
         """Raise if a service the rollouts need has stopped: the collector (``CollectorError``: a full disk, say)
         or a vLLM server (``ServerDiedError``), so that the run stops with the cause instead of letting every
         rollout come back empty; and the local agent workers (``watch``). Called while waiting for rollouts."""
+        if self.stopping.is_set():
+            raise RunStopping("the run is stopping: the rollouts running ahead are given up")
         self.collector.check()
         self.fleet.check()
         if self.watch is not None:

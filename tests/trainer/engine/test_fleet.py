@@ -259,6 +259,39 @@ def test_logprob_gaps_asks_every_server_with_its_own_key(monkeypatch):
     assert len(scored) == 2 and scored[0][0].prompt_ids == [1, 2]
 
 
+def test_a_server_that_died_under_the_sync_check_says_so_with_its_log(monkeypatch):
+    """Hole: the logprob check after a push asked a dead vLLM and raised the bare 'Connection refused' of requests,
+    with nothing saying vLLM had died; it also ran while the rollouts' thread could be starting a server again."""
+    fleet = started()
+
+    def sample_from_vllm(base_url, model_name, prompts, max_tokens, api_key):
+        if base_url.endswith(":8001"):
+            fleet.servers[1].dead = True  # killed while it answers
+        raise ConnectionError(f"{base_url}: Connection refused")
+
+    monkeypatch.setattr(fleet_module, "sample_from_vllm", sample_from_vllm)
+    with pytest.raises(ConnectionError, match="8000: Connection refused"):  # a live server's error is its own
+        fleet.logprob_gaps(lambda samples: [], prompts=[[1, 2]], tolerance=0.05)
+    monkeypatch.setattr(fleet_module, "sample_from_vllm", lambda base_url, *args, **kwargs: (
+        [Sample([1, 2], [7], [-0.5])] if base_url.endswith(":8000") else sample_from_vllm(base_url, *args, **kwargs)))
+    with pytest.raises(ServerDiedError, match="vLLM on port 8001 exited"):
+        fleet.logprob_gaps(lambda samples: [torch.tensor([-0.5])], prompts=[[1, 2]], tolerance=0.05)
+    fleet.servers[1].dead = False
+    fleet.servers[0].dead = True  # dead before it was asked
+    with pytest.raises(ServerDiedError, match="vLLM on port 8000 exited"):
+        fleet.logprob_gaps(lambda samples: [], prompts=[[1, 2]], tolerance=0.05)
+
+
+def test_a_stopped_fleet_starts_no_server_again():
+    """Hole: the rollouts' thread could start vLLM again after the run had stopped the fleet."""
+    fleet = started()
+    fleet.servers[0].dead = True
+    fleet.stop()
+    with pytest.raises(ServerDiedError, match="while the run was stopping: it is not started again"):
+        fleet.restart("during the rollouts of step 3")
+    assert fleet.restarts == 0 and len(Server.made) == 2
+
+
 def test_weights_travel_in_the_servers_dtype():
 
     from lit_trainer.engine.fleet import for_serving

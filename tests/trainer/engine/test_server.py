@@ -31,6 +31,7 @@ from lit_sdk.processes import group_members
 from lit_trainer.engine._shm import free_orphan_segments
 from lit_trainer.engine.config import InferenceConfig, WeightSyncConfig
 from lit_trainer.engine.launch import (
+    InferenceError,
     PortBusyError,
     VLLMNotInstalledError,
     build_command,
@@ -432,6 +433,21 @@ def test_startup_timeout_names_the_setting_and_kills_the_server(tmp_path: Path):
         server.start()
     assert server.process is None
     assert "sleep 600" not in subprocess.run(["ps", "-eo", "args"], check=True, capture_output=True, text=True).stdout
+
+
+def test_a_stopped_server_is_a_dead_one_to_a_check(tmp_path: Path):
+    """Hole: while the loop started a dead vLLM again (it stops the old server first), the rollouts' thread checked
+    the stopped server and got 'never started', an error the rollouts do not restart on: the run stopped although
+    the restart worked. A stopped server is a dead one now: the rollouts wait for the restart and run again."""
+    server = InferenceServer(InferenceConfig(model=str(fake_model(tmp_path / "m")), log_dir=str(tmp_path)))
+    with pytest.raises(InferenceError, match="never started") as never:
+        server.check_alive()
+    assert not isinstance(never.value, ServerDiedError)
+    server.process, server._launched_at = subprocess.Popen(["sleep", "600"], start_new_session=True), time.time()
+    server.check_alive()
+    server.stop()
+    with pytest.raises(ServerDiedError, match="was stopped"):
+        server.check_alive()
 
 
 def test_exited_waits_a_moment_for_a_killed_server(tmp_path: Path):

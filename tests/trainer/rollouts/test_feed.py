@@ -286,3 +286,41 @@ def test_groups_come_in_the_order_of_the_training_tasks_whatever_order_the_episo
     episodes = [Episode(f"r{k}", task, 1, [], value, value)
                 for k, (task, value) in enumerate([("t3", 1.0), ("t0", 0.0), ("t3", 1.0), ("t0", 1.0)])]
     assert groups_in_order(OPS, episodes) == [(OPS[0], [0.0, 1.0]), (OPS[3], [1.0, 1.0])]
+
+
+def test_a_loop_leaving_on_an_error_ends_the_rollouts_running_ahead_before_the_services_stop(tmp_path: Path):
+    """Hole: the loop left on an error (a failed sync check, a CUDA out-of-memory, Ctrl-C) with the next step's
+    rollouts still running ahead in their thread, which went on polling the dispatcher's socket while the services
+    closed it (a ZeroMQ socket is not for two threads) and could start vLLM again after the fleet stopped. Now
+    the feed, leaving on an error, ends them (their attempts fail in the store) and waits for its thread."""
+    from waiting import wait_until
+
+    from lit_sdk.worker import spawn
+    from lit_trainer.intake.collector import Collector
+    from lit_trainer.intake.store import RolloutStatus, SqliteStore
+    from lit_trainer.rollouts.dispatcher import Dispatcher
+    from lit_trainer.rollouts.runner import AgentConfig, RolloutRunner
+    from lit_trainer.services import stop_workers
+
+    agent = AgentConfig(function="rollout_agents:hangs")
+    with contextlib.ExitStack() as stack:
+        store = stack.enter_context(SqliteStore(tmp_path / "store.sqlite"))
+        collector = stack.enter_context(Collector(store, "tcp://127.0.0.1:0"))
+        dispatcher = Dispatcher(store, "tcp://127.0.0.1:0", collector.endpoint,
+                                [s.openai_url for s in UnusedFleet.servers])
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]), "LIT_SPOOL_DIR": str(tmp_path / "spool")}
+        workers = [spawn(agent.function, dispatcher.endpoint, 8, env)]
+        stack.callback(stop_workers, dispatcher, workers)
+        dispatcher.wait_for_workers(1, timeout_s=60)
+        runner = RolloutRunner(store, collector, UnusedFleet(), dispatcher, agent, 1.0, session="abort")
+        with pytest.raises(MemoryError, match="the update ran out"):
+            with StepFeed(runner, TASKS, plan(1)) as feed:
+                feed.finished[0] = RolloutBatch([], {}, 0)  # step 0 ran ahead before; step 1's start now
+                feed.take(0)
+                _, ahead = feed.ahead
+                wait_until(lambda: store.rollouts_of_step(1), "step 1's rollouts handed out")
+                raise MemoryError("the update ran out of memory")
+        assert ahead.done() and isinstance(ahead.exception(), RuntimeError)  # ended, not left polling
+        assert "the run is stopping" in str(ahead.exception())
+        rows = store.rollouts_of_step(1)
+        assert rows and all(r.status is RolloutStatus.FAILED and "the run is stopping" in r.error for r in rows)
