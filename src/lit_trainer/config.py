@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lit_sdk.protocol.security import API_KEY, check_bind
+from lit_sdk.protocol.security import API_KEY, check_bind, is_local_endpoint
 from lit_trainer.algorithm.advantages import AdvantageConfig
 from lit_trainer.algorithm.credit import CreditConfig
 from lit_trainer.algorithm.loss import LossConfig
@@ -220,12 +220,25 @@ class TrainConfig:
         if self.collector.endpoint == self.dispatch_endpoint.endpoint and not self.collector.endpoint.endswith(":0"):
             raise ValueError(f"[collector] endpoint and [dispatch_endpoint] endpoint are both "
                              f"{self.collector.endpoint}: give each an address of its own (port 0 picks a free one)")
-        if not self.security.keys_dir:
-            for what, setting, endpoint in (
-                ("the collector", "[collector] endpoint", self.collector.endpoint),
-                ("the dispatcher", "[dispatch_endpoint] endpoint", self.dispatch_endpoint.endpoint),
-            ):
+        for what, setting, endpoint in (
+            ("the collector", "[collector] endpoint", self.collector.endpoint),
+            ("the dispatcher", "[dispatch_endpoint] endpoint", self.dispatch_endpoint.endpoint),
+        ):
+            try:
+                is_local_endpoint(endpoint)
+            except ValueError as exc:  # which of the two, in the words of the key
+                raise ValueError(f"{setting}: {exc}") from None
+            if not self.security.keys_dir:
                 check_bind(endpoint, None, what, setting)
+        if self.weight_sync.nccl_master_port + self.inference.servers - 1 > 65535:
+            raise ValueError(f"weight_sync.nccl_master_port = {self.weight_sync.nccl_master_port} + inference.servers "
+                             f"= {self.inference.servers} runs past port 65535 (server i meets on that port + i): "
+                             "lower weight_sync.nccl_master_port")
+        if self.weight_sync.transport != "shm" and \
+                self.inference.weight_transfer_backend != self.weight_sync.transport:
+            raise ValueError(f"weight_sync.transport = {self.weight_sync.transport!r} needs vLLM started with the same "
+                             f"weight transfer: set inference.weight_transfer_backend = "
+                             f"{self.weight_sync.transport!r} (it is {self.inference.weight_transfer_backend!r})")
         if self.weight_sync.mode == "lora":
             raise ValueError("weight_sync.mode = 'lora' is not supported by lit train: a LoRA policy "
                              "(policy.lora_rank > 0) is pushed as merged full weights, the fast path on CPU; "

@@ -102,6 +102,11 @@ def test_overrides_take_toml_values_or_bare_words(tmp_path):
     ("", ["train.output_dir=''"], r"train.output_dir is empty: name the run's folder"),
     ("", ["data.train_size=0"], r"data.train_size must be at least 1"),
     ("", ["data.val_size=-1"], r"data.val_size must be at least 1"),
+    ("", ["collector.endpoint=''"], r"\[collector\] endpoint: '' is not a ZeroMQ endpoint"),
+    ("", ["dispatch_endpoint.endpoint=bogus"], r"\[dispatch_endpoint\] endpoint: 'bogus' is not a ZeroMQ endpoint"),
+    ("", ["weight_sync.nccl_master_port=65535", "inference.servers=2"], r"runs past port 65535 \(server i meets"),
+    ("", ["weight_sync.transport=nccl"], r"set inference.weight_transfer_backend = 'nccl' \(it is ''\)"),
+    ("", ["inference.dtype=bf16"], r"InferenceConfig.dtype must be one of .* got 'bf16'"),
 ])
 def test_mistakes_name_the_key(tmp_path, text, overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from lit_sdk.protocol.security import HOW_TO_MAKE, is_loopback_host
 
 _DEVICES = ("auto", "cpu", "cuda")
+_DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+"""What vLLM's ``--dtype`` takes (its ``fp8`` kinds are quantisation, not this)."""
 _TRANSPORTS = ("shm", "nccl", "ipc")
 _IN_FLIGHT = ("keep", "wait", "abort")
 _SYNC_MODES = ("full", "lora")
@@ -132,6 +134,8 @@ class InferenceConfig:
             )
         if self.device not in _DEVICES:
             raise ValueError(f"InferenceConfig.device must be one of {_DEVICES}, got {self.device!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"InferenceConfig.dtype must be one of {_DTYPES} (vLLM's --dtype), got {self.dtype!r}")
         if self.max_model_len < 16:
             raise ValueError(f"InferenceConfig.max_model_len must be at least 16, got {self.max_model_len}")
         if self.cpu_block_size < 0 or self.cpu_block_size % 32:
@@ -159,8 +163,6 @@ class InferenceConfig:
                 f"InferenceConfig.weight_transfer_backend={self.weight_transfer_backend!r} needs a CUDA GPU; "
                 "leave it empty on CPU (weights then go through shared memory)"
             )
-        if self.startup_timeout_s <= 0 or self.shutdown_timeout_s <= 0:
-            raise ValueError("InferenceConfig.startup_timeout_s and shutdown_timeout_s must be positive")
         if self.enable_lora and self.max_lora_rank < 1:
             raise ValueError(f"InferenceConfig.max_lora_rank must be positive, got {self.max_lora_rank}")
 
