@@ -144,19 +144,6 @@ class Store(Protocol):
     def add_span_batches(self, batches: Sequence[Sequence[SpanRecord]]) -> list[BatchOutcome]: ...
     def add_packed_span_batches(self, batches: Sequence[Sequence[PackedSpan]], admit: bool = False
                                 ) -> list[BatchOutcome]: ...
-    @staticmethod
-    def _usage_of(conn: sqlite3.Connection, rollout_ids: list[str | None]) -> dict[str | None, tuple[int, int]]:
-        """For each of ``rollout_ids`` with spans stored (None: outside any rollout): how many, and their bytes of
-        attributes and events (``admission.MAX_ROLLOUT_SPANS``, ``MAX_ROLLOUT_BYTES``)."""
-        keys = [b"" if rollout_id is None else rollout_id for rollout_id in rollout_ids]
-        found: dict[str | None, tuple[int, int]] = {}
-        for i in range(0, len(keys), _IN_CHUNK):
-            chunk = keys[i:i + _IN_CHUNK]
-            rows = conn.execute(f"SELECT rollout_id, count(*), total(length(attributes) + length(events)) FROM spans "
-                                f"WHERE rollout_id IN ({','.join('?' * len(chunk))}) GROUP BY rollout_id", chunk)
-            found.update((None if isinstance(key, bytes) else key, (n, int(size))) for key, n, size in rows)
-        return found
-
     def spans_of_rollout(self, rollout_id: str) -> list[SpanRecord]: ...
     def missing_spans(self, rollout_id: str) -> str | None: ...
     def add_rollouts(self, rows: Iterable[RolloutRow]) -> None: ...

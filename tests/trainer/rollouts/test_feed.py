@@ -117,20 +117,18 @@ class UnusedFleet:
         pass
 
 
-def test_a_group_still_running_carries_over_to_the_next_step_instead_of_stalling_it(tmp_path: Path):
-    """Every step samples both tasks: task 0's rollouts take 4 s, task 1's 50 ms. Steps 1 and 2 (indices) each take
-    their fast group as soon as it ended (``min_step_groups = 1``) and their slow groups carry over, running (step
-    1's through two steps); step 3, the last, gets both back with its own two groups: the last step waits for every
-    group, so that none is left over, and its episodes count from the oldest group's dispatch."""
+@contextlib.contextmanager
+def real_runner(tmp_path: Path, function: str, session: str):
+    """A ``RolloutRunner`` on a real store, collector, dispatcher and one worker process running ``function``:
+    (the store, the runner)."""
     from lit_sdk.worker import spawn
     from lit_trainer.intake.collector import Collector
-    from lit_trainer.intake.store import RolloutStatus, SqliteStore
+    from lit_trainer.intake.store import SqliteStore
     from lit_trainer.rollouts.dispatcher import Dispatcher
     from lit_trainer.rollouts.runner import AgentConfig, RolloutRunner
     from lit_trainer.services import stop_workers
 
-    agent = AgentConfig(function="rollout_agents:returns_after_its_seconds")
-    tasks = [{"id": 0, "value": 1.0, "seconds": 4.0}, {"id": 1, "value": 0.0, "seconds": 0.05}]
+    agent = AgentConfig(function=function)
     with contextlib.ExitStack() as stack:
         store = stack.enter_context(SqliteStore(tmp_path / "store.sqlite"))
         collector = stack.enter_context(Collector(store, "tcp://127.0.0.1:0"))
@@ -140,7 +138,19 @@ def test_a_group_still_running_carries_over_to_the_next_step_instead_of_stalling
         workers = [spawn(agent.function, dispatcher.endpoint, 8, env)]
         stack.callback(stop_workers, dispatcher, workers)
         dispatcher.wait_for_workers(1, timeout_s=60)
-        runner = RolloutRunner(store, collector, UnusedFleet(), dispatcher, agent, 1.0, session="carry")
+        yield store, RolloutRunner(store, collector, UnusedFleet(), dispatcher, agent, 1.0, session=session)
+
+
+def test_a_group_still_running_carries_over_to_the_next_step_instead_of_stalling_it(tmp_path: Path):
+    """Every step samples both tasks: task 0's rollouts take 4 s, task 1's 50 ms. Steps 1 and 2 (indices) each take
+    their fast group as soon as it ended (``min_step_groups = 1``) and their slow groups carry over, running (step
+    1's through two steps); step 3, the last, gets both back with its own two groups: the last step waits for every
+    group, so that none is left over, and its episodes count from the oldest group's dispatch."""
+    from lit_trainer.intake.store import RolloutStatus
+
+    tasks = [{"id": 0, "value": 1.0, "seconds": 4.0}, {"id": 1, "value": 0.0, "seconds": 0.05}]
+    with real_runner(tmp_path, "rollout_agents:returns_after_its_seconds", "carry") as (store, runner):
+        dispatcher = runner.dispatcher
         feed = StepFeed(runner, tasks, StepPlan(steps=4, tasks_per_step=2, group_size=2, seed=0, temperature=1.0,
                                                max_staleness=1, min_step_groups=1))
         metrics = feed.take(0).metrics  # nothing runs ahead of the first step: it waits for both groups
@@ -295,24 +305,9 @@ def test_a_loop_leaving_on_an_error_ends_the_rollouts_running_ahead_before_the_s
     the feed, leaving on an error, ends them (their attempts fail in the store) and waits for its thread."""
     from waiting import wait_until
 
-    from lit_sdk.worker import spawn
-    from lit_trainer.intake.collector import Collector
-    from lit_trainer.intake.store import RolloutStatus, SqliteStore
-    from lit_trainer.rollouts.dispatcher import Dispatcher
-    from lit_trainer.rollouts.runner import AgentConfig, RolloutRunner
-    from lit_trainer.services import stop_workers
+    from lit_trainer.intake.store import RolloutStatus
 
-    agent = AgentConfig(function="rollout_agents:hangs")
-    with contextlib.ExitStack() as stack:
-        store = stack.enter_context(SqliteStore(tmp_path / "store.sqlite"))
-        collector = stack.enter_context(Collector(store, "tcp://127.0.0.1:0"))
-        dispatcher = Dispatcher(store, "tcp://127.0.0.1:0", collector.endpoint,
-                                [s.openai_url for s in UnusedFleet.servers])
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]), "LIT_SPOOL_DIR": str(tmp_path / "spool")}
-        workers = [spawn(agent.function, dispatcher.endpoint, 8, env)]
-        stack.callback(stop_workers, dispatcher, workers)
-        dispatcher.wait_for_workers(1, timeout_s=60)
-        runner = RolloutRunner(store, collector, UnusedFleet(), dispatcher, agent, 1.0, session="abort")
+    with real_runner(tmp_path, "rollout_agents:hangs", "abort") as (store, runner):
         with pytest.raises(MemoryError, match="the update ran out"):
             with StepFeed(runner, TASKS, plan(1)) as feed:
                 feed.finished[0] = RolloutBatch([], {}, 0)  # step 0 ran ahead before; step 1's start now
