@@ -413,6 +413,24 @@ def _past_stuck_calls(code: int) -> int:
     os._exit(code)
 
 
+def _watch_children(children: list[subprocess.Popen], poll_s: float = 0.5) -> list[int]:
+    """Wait for every child and return their exit codes; one that exits with an error is reported as it does (its
+    own lines above say why), while the others go on serving the trainer."""
+    codes: dict[int, int] = {}
+    while len(codes) < len(children):
+        for child in children:
+            code = child.poll()
+            if code is None or child.pid in codes:
+                continue
+            codes[child.pid] = code
+            if code:
+                left = len(children) - len(codes)
+                print(f"lit worker: process {child.pid} exited with code {code} (its lines above say why); "
+                      f"{left} of {len(children)} go on", file=sys.stderr, flush=True)
+        time.sleep(poll_s)
+    return [codes[child.pid] for child in children]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lit worker", description="Run agent rollouts for a lit trainer.")
     parser.add_argument("target", help="the @lit.trace agent function, as module:function")
@@ -453,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.processes):
                 with interrupts_held():  # an interrupt inside Popen would leave a child that nothing stops
                     children.append(spawn(args.target, args.connect, args.concurrency))
-            codes = [child.wait() for child in children]
+            codes = _watch_children(children)
     except KeyboardInterrupt as exc:  # the children have their own process groups: Ctrl-C reached only this one
         # SIGTERM to each: each says bye to the trainer (its rollouts are retried elsewhere at once) and ends
         stop_children(children, grace_s=10, name="lit worker processes")

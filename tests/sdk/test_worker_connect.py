@@ -59,3 +59,16 @@ def test_a_worker_no_trainer_answers_says_so_and_keeps_trying(monkeypatch, caplo
     assert len(said) == 2, said
     assert said[0].startswith(f"lit worker: no answer from a trainer at tcp://127.0.0.1:{port} for 0 s; is lit train "
                               "running, and is this its dispatch endpoint")
+
+
+def test_lit_worker_processes_reports_each_process_that_exits_with_an_error():
+    """Hole: ``lit worker --processes N`` waited for its processes one after the other and said nothing of one that
+    died; its exit code came at the very end. Each one that exits with an error is named as it does."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-m", "lit_trainer.cli", "worker", "--connect", "tcp://127.0.0.1:9",
+                          "--processes", "2", "exits_in_workers:agent"],  # its import ends each worker process
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 3, out.stderr[-3000:]
+    reports = [line for line in out.stderr.splitlines() if line.startswith("lit worker: process ")]
+    assert len(reports) == 2 and all(" exited with code 3 (its lines above say why); " in r for r in reports)
+    assert reports[0].endswith("1 of 2 go on") and reports[1].endswith("0 of 2 go on"), reports
