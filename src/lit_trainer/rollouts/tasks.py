@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from lit_sdk.protocol import codec
 from lit_sdk.worker import check_takes, load_target
 
 log = logging.getLogger("lit")
@@ -47,7 +48,7 @@ def load_tasks(data: DataConfig) -> tuple[list[dict], list[dict]]:
         make = load_target(data.tasks, "tasks")
         check_takes(make, ("split", "n"), f"[data] tasks = {data.tasks}: the tasks function",
                     " (split: 'train' or 'validation')")
-        splits = tuple(_as_list(make(name, size), data.tasks, name)
+        splits = tuple(_as_list(_made(make, name, size, data.tasks), data.tasks, name)
                        for name, size in (("train", data.train_size), ("validation", data.val_size)))
     else:
         folder = Path(data.tasks)
@@ -79,6 +80,15 @@ def _content(task: dict) -> str:
     return json.dumps({k: v for k, v in task.items() if k != "id"}, sort_keys=True, default=repr)
 
 
+def _made(make, split: str, size: int, source: str) -> object:
+    """``make(split, size)``; an error of the user's function comes back naming it, its traceback kept."""
+    try:
+        return make(split, size)
+    except Exception as exc:
+        raise ValueError(f"[data] tasks = {source}: the tasks function raised {type(exc).__name__} for the {split} "
+                         f"split: {exc}") from exc
+
+
 def _as_list(made: object, source: str, split: str) -> list:
     """What the tasks function returned for ``split``, as a list: a generator or other iterable is read once."""
     if isinstance(made, list):
@@ -99,20 +109,60 @@ def _broken_rule(tasks: list) -> str | None:
             return f"has a {type(task).__name__} at position {i}, not a dict"
         if task.get("id") is None:
             return f"has a task without an 'id' at position {i} (keys: {sorted(task)[:6]})"
-        key = task["id"]
-        if not isinstance(key, (str, int)):
-            return f"has an id that is a {type(key).__name__} at position {i} (ids are strings or integers)"
+        if not isinstance(task["id"], (str, int)):
+            return f"has an id that is a {type(task['id']).__name__} at position {i} (ids are strings or integers)"
+        key = str(task["id"])  # rollout ids, the store and the groups take an id as text
         if key in seen:
-            return f"has the id {key!r} twice (positions {seen[key]} and {i})"
+            first = tasks[seen[key]]["id"]
+            if first == task["id"]:
+                return f"has the id {first!r} twice (positions {seen[key]} and {i})"
+            return (f"has the ids {first!r} and {task['id']!r}, which are one id to lit (it takes an id as text; "
+                    f"positions {seen[key]} and {i})")
         seen[key] = i
+        unsendable = _unsendable(task)
+        if unsendable:
+            return f"has a task lit cannot send to a worker at position {i} (id {task['id']!r}): {unsendable}"
+    return None
+
+
+_TASK_BYTES = codec.MAX_FRAME_BYTES // 2
+"""The largest task, encoded: it travels to a worker in a ``run`` message, whose frame has other fields too."""
+
+
+def _unsendable(task: dict) -> str | None:
+    """Why ``task`` cannot travel to a worker as it is (MessagePack, maps keyed by text), or None."""
+    try:
+        data = codec.packb(task)
+        codec.unpackb(data, strict_map_key=True)
+    except TypeError as exc:
+        return (f"{exc}; a task holds text, numbers, true/false, null, lists and dicts keyed by text (a date or a "
+                "path as text)")
+    except (OverflowError, ValueError) as exc:  # an int past 64 bits; a map keyed by a number
+        return f"{exc}; a task holds integers of at most 64 bits and dicts keyed by text"
+    if len(data) > _TASK_BYTES:
+        return f"{len(data)} bytes encoded, over {_TASK_BYTES}: keep large data in a file the agent reads"
     return None
 
 
 def _read_jsonl(path: Path) -> list[dict]:
+    if path.parent.is_file():
+        raise ValueError(f"[data] tasks = {path.parent} is a file: give the folder that holds train.jsonl and "
+                         "validation.jsonl (or module:function)")
+    if not path.parent.is_dir():
+        raise ValueError(f"[data] tasks = {path.parent}: no such folder (a relative path starts from the current "
+                         f"folder, {Path.cwd()})")
     if not path.exists():
         raise ValueError(f"[data] no {path.name} in {path.parent}")
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[:exc.start].count(b"\n") + 1
+        raise ValueError(f"[data] {path} line {line} is not UTF-8 (byte {exc.object[exc.start]:#04x}): save the file "
+                         "as UTF-8") from None
+    except OSError as exc:
+        raise ValueError(f"[data] {path} cannot be read: {exc.strerror or exc}") from None
     tasks = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(text.split("\n"), 1):  # not splitlines: U+2028 and the like may sit in a string
         if not line.strip():
             continue
         try:

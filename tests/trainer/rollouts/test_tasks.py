@@ -51,6 +51,11 @@ def test_splits_load_from_a_function(tmp_path: Path, monkeypatch):
         ([{"id": 1}], [], "the validation split is empty. Each split must be a non-empty list of dicts"),
         ([{"id": 1}, [1]], [{"id": 2}], "the train split has a list at position 1, not a dict"),
         ([{"id": [1]}], [{"id": 2}], "has an id that is a list at position 0"),
+        # one rollout key, one store row, one group for both: the run stopped at its first validation
+        ([{"id": 1}], [{"id": 2}, {"id": "2"}], r"has the ids 2 and '2', which are one id to lit \(it takes an id as "
+                                                  r"text; positions 0 and 1\)"),
+        ([{"id": 1, "when": {"1": 2**70}}], [{"id": 2}], r"cannot send to a worker at position 0 \(id 1\): Integer "
+                                                          "value out of range; a task holds integers of at most 64"),
     ],
 )
 def test_a_wrong_data_section_names_the_problem(tmp_path: Path, train, validation, words):
@@ -87,6 +92,28 @@ def test_validation_tasks_that_repeat_a_training_task_are_warned_about(tmp_path:
     assert not [r for r in caplog.records if r.name == "lit"]
 
 
+def test_a_file_not_in_utf8_names_its_line_and_a_bom_or_a_line_separator_is_fine(tmp_path: Path):
+    """A Latin-1 file gave 'utf-8 codec can't decode byte 0xe9 in position 16' with no file; U+2028 in a string
+    (json.dumps writes it raw) split the line in two, 'not JSON'; a BOM was 'not JSON' either."""
+    (tmp_path / "train.jsonl").write_bytes(b'{"id": 1, "q": "ok"}\n{"id": 2, "q": "Caf\xe9"}\n')
+    (tmp_path / "validation.jsonl").write_text("\ufeff" + json.dumps({"id": 3, "q": "a\u2028b"}, ensure_ascii=False),
+                                               encoding="utf-8")
+    with pytest.raises(ValueError) as raised:
+        load_tasks(DataConfig(tasks=str(tmp_path)))
+    assert str(raised.value) == (f"[data] {tmp_path / 'train.jsonl'} line 2 is not UTF-8 (byte 0xe9): save the file "
+                                 "as UTF-8")
+    write_split(tmp_path, "train", [{"id": 1}])
+    assert load_tasks(DataConfig(tasks=str(tmp_path)))[1] == [{"id": 3, "q": "a\u2028b"}]
+
+
+def test_a_folder_that_is_not_there_or_a_file_says_which(tmp_path: Path):
+    with pytest.raises(ValueError, match=r"tasks = .*nope: no such folder \(a relative path starts from the current"):
+        load_tasks(DataConfig(tasks=str(tmp_path / "nope")))
+    write_split(tmp_path, "train", [{"id": 1}])
+    with pytest.raises(ValueError, match=r"train.jsonl is a file: give the folder that holds train.jsonl"):
+        load_tasks(DataConfig(tasks=str(tmp_path / "train.jsonl")))
+
+
 def test_no_tasks_configured_says_how_to_set_them():
     with pytest.raises(ValueError, match=r"\[data\] tasks is not set"):
         load_tasks(DataConfig())
@@ -115,6 +142,10 @@ def test_a_generator_tasks_function_gives_its_tasks(tmp_path: Path, monkeypatch)
     ("import no_such_module_xyz\ndef make(split, n):\n    return []\n",
      "cannot import the tasks module 'user_tasks_.*': No module named 'no_such_module_xyz'"),
     ("def other(split, n):\n    return []\n", "the tasks module 'user_tasks_.*' has no function 'make'"),
+    ("def make(split, n):\n    return [{'id': int('abc')}]\n",  # the user's bug: named as theirs
+     r"the tasks function raised ValueError for the train split: invalid literal for int\(\)"),
+    ("import datetime\ndef make(split, n):\n    return [{'id': 1, 'day': datetime.date(2026, 1, 1)}]\n",
+     r"cannot send to a worker at position 0 \(id 1\): can not serialize 'datetime.date' object; a task holds text"),
 ])
 def test_a_wrong_tasks_function_names_the_rule_it_breaks(tmp_path: Path, monkeypatch, body: str, words: str):
     target = _tasks_module(tmp_path, monkeypatch, body)
