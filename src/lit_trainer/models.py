@@ -156,7 +156,11 @@ def prepare_default_model(
     t0 = time.perf_counter()
     if is_prepared(target) and not force:
         return PreparedModel(target, created=False, seconds=time.perf_counter() - t0)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file where a folder goes, no permission, a read-only disk
+        raise ModelError(f"cannot make the models folder {target.parent}: {exc.strerror or exc}. Give a folder lit "
+                         "can write: --cache-dir, or $LIT_CACHE_DIR") from None
     with _exclusive(target.parent / f".{target.name}.lock"):
         # Another process may have finished the work while this one waited for the lock.
         if is_prepared(target) and not force:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import socket
 import uuid
@@ -47,6 +48,8 @@ from lit_trainer.intake.store import RolloutRow, SqliteStore, Store
 from lit_trainer.metrics import plot_curve, supersede
 from lit_trainer.metrics import read as read_metrics
 from lit_trainer.viewer import RolloutView, view_rollout
+
+log = logging.getLogger("lit")
 
 STORE_FILE = "lit.sqlite"
 """The store's file in a run's folder."""
@@ -240,8 +243,15 @@ class RunFolder:
 
     def checkpoints(self) -> list[Checkpoint]:
         """The complete checkpoints, oldest first."""
-        found = [Checkpoint(p, _step_of(p)) for p in self.checkpoints_dir.glob(f"{CHECKPOINT_PREFIX}*")
-                 if (p / DONE_FILE).exists()]
+        found = []
+        for path in self.checkpoints_dir.glob(f"{CHECKPOINT_PREFIX}*"):
+            step = _step_of(path)
+            if step is None:  # a copy the user made (step-000020.bak): not lit's to read, nor to delete
+                if path not in _IGNORED:
+                    _IGNORED.add(path)
+                    log.warning("lit: ignoring %s: not a checkpoint name lit writes (step-N)", path)
+            elif (path / DONE_FILE).exists():
+                found.append(Checkpoint(path, step))
         return sorted(found, key=lambda c: c.step)
 
     def latest_checkpoint(self) -> Checkpoint | None:
@@ -254,7 +264,7 @@ def resolve_checkpoint(path: str | Path) -> Checkpoint:
     """A checkpoint folder, or a run's output folder (its latest checkpoint); a clear error otherwise."""
     path = Path(path)
     if (path / DONE_FILE).exists():
-        return Checkpoint(path, _step_of(path) if path.name.startswith(CHECKPOINT_PREFIX) else 0)
+        return Checkpoint(path, _step_of(path) or 0)
     found = RunFolder(path).latest_checkpoint()
     if found is None:
         raise FileNotFoundError(f"no checkpoint at {path}: give a checkpoints/step-N folder or a run's output_dir "
@@ -272,8 +282,14 @@ def eval_folder(checkpoint: Checkpoint | None, output_dir: str | Path) -> Path:
     return checkpoint.run_dir / EVAL_DIR / checkpoint.path.name
 
 
-def _step_of(path: Path) -> int:
-    return int(path.name.removeprefix(CHECKPOINT_PREFIX))
+_IGNORED: set[Path] = set()
+"""The folders named like checkpoints that ``checkpoints`` ignored and said so (once each)."""
+
+
+def _step_of(path: Path) -> int | None:
+    """The step of a checkpoint folder named ``step-N``; None for any other name."""
+    digits = path.name.removeprefix(CHECKPOINT_PREFIX)
+    return int(digits) if path.name.startswith(CHECKPOINT_PREFIX) and digits.isascii() and digits.isdigit() else None
 
 
 @dataclass(frozen=True)

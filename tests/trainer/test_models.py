@@ -190,3 +190,14 @@ def test_a_max_model_len_longer_than_the_model_stops_lit_train_and_eval_before_v
         assert "starting vLLM" not in out.stderr
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     models.check_context(folder, 2048)
+
+
+def test_a_cache_dir_that_cannot_hold_folders_is_one_line_naming_the_fix(tmp_path: Path):
+    """`lit model prepare --cache-dir FILE` printed a NotADirectoryError traceback."""
+    a_file = tmp_path / "not-a-folder"
+    a_file.write_text("")
+    out = subprocess.run([sys.executable, "-m", "lit_trainer.cli", "model", "prepare", "--cache-dir", str(a_file)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.strip() == (f"lit: error: cannot make the models folder {a_file / 'models'}: Not a directory. "
+                                  "Give a folder lit can write: --cache-dir, or $LIT_CACHE_DIR")

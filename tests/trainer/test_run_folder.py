@@ -137,3 +137,20 @@ def test_a_resume_names_the_settings_that_differ_from_the_stopped_runs(tmp_path:
     assert _changed_since(out, load_config(config, many).to_dict(), shown=3).endswith("; and 2 more")
     out.config.write_text("{not json")  # a damaged record is no reason to stop
     assert _changed_since(out, load_config(config).to_dict()) == ""
+
+
+def test_a_copy_of_a_checkpoint_under_another_name_is_ignored_not_fatal(tmp_path: Path, caplog):
+    """Hole: a `checkpoints/step-000002.bak` (a user's copy, with its DONE) made every command on the run raise
+    "invalid literal for int()": lit eval, --resume and lit train alike."""
+    from lit_trainer.runs import resolve_checkpoint
+
+    out = RunFolder(tmp_path / "run")
+    for name in ("step-000002", "step-000002.bak", "step-abc"):
+        (out.checkpoints_dir / name).mkdir(parents=True)
+        (out.checkpoints_dir / name / "DONE").write_text("")
+    assert [c.step for c in out.checkpoints()] == [2] and out.latest_checkpoint().path.name == "step-000002"
+    ignored = sorted(r.getMessage() for r in caplog.records if r.name == "lit")
+    assert ignored == [f"lit: ignoring {out.checkpoints_dir / n}: not a checkpoint name lit writes (step-N)"
+                       for n in ("step-000002.bak", "step-abc")]
+    assert resolve_checkpoint(out.checkpoints_dir / "step-abc").step == 0  # named outright: evaluated, as step 0
+    assert resolve_checkpoint(out.dir).step == 2
