@@ -131,28 +131,45 @@ def load_corpus(path: str) -> Corpus:
     blank lines. A task names it in its ``"corpus"`` field; ValueError saying what is wrong otherwise."""
     where = Path(path).expanduser()
     if where.is_dir():
-        files = sorted(f for f in where.rglob("*") if f.suffix in (".txt", ".md") and f.is_file())
-        passages = [" ".join(block.split()) for f in files for block in
-                    re.split(r"\n\s*\n", f.read_text(encoding="utf-8", errors="replace"))]
+        files = sorted(f for f in where.rglob("*") if f.suffix.lower() in _TEXT_SUFFIXES and f.is_file())
+        passages = [" ".join(block.split()) for f in files for block in re.split(r"\n\s*\n", _text_of(f))]
     elif where.is_file():
         passages = []
-        for number, line in enumerate(where.read_text(encoding="utf-8").splitlines(), 1):
+        for number, line in enumerate(_text_of(where).split("\n"), 1):  # U+2028 may sit inside a string
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
-                text = record["text"]
-            except (ValueError, KeyError, TypeError):
+                text, title = record["text"], record.get("title")
+            except (ValueError, KeyError, TypeError, AttributeError):
                 raise ValueError(f"corpus {where}, line {number}: not a JSON object with a \"text\"") from None
-            title = record.get("title")
-            passages.append(f"{title}: {text}" if title else str(text))
+            if not isinstance(text, str) or not isinstance(title, (str, type(None))):
+                raise ValueError(f"corpus {where}, line {number}: \"text\" (and \"title\", if given) must be text, "
+                                 f"got {type(text).__name__}" + (f" and {type(title).__name__}" if title else ""))
+            passages.append(f"{title}: {text}" if title else text)
     else:
         raise ValueError(f"the task's corpus {str(where)!r} does not exist: give a JSONL file of {{\"text\": ...}} "
                          "lines or a folder of .txt/.md files (task field \"corpus\")")
     passages = [p for p in passages if p.strip()]
     if not passages:
-        raise ValueError(f"the corpus {str(where)!r} holds no passage")
+        raise ValueError(f"the corpus {str(where)!r} holds no passage (a folder's {', '.join(_TEXT_SUFFIXES)} files "
+                         "are read, split at blank lines; a JSONL file's \"text\" fields)")
     return _corpus_of(passages)
+
+
+_TEXT_SUFFIXES = (".txt", ".md")
+"""The files of a corpus folder that are read."""
+
+
+def _text_of(path: Path) -> str:
+    """A corpus file's text (UTF-8, a BOM allowed); ValueError naming the file and line where it is not UTF-8."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise ValueError(f"corpus file {path}, line {line}: not UTF-8 (byte {data[exc.start]:#04x}): save it as "
+                         "UTF-8") from None
 
 
 def search(query: str, k: int = TOP_K, corpus: str | None = None) -> list[str]:

@@ -46,21 +46,30 @@ class SpiderError(ValueError):
 
 def read_questions(path: Path) -> list[dict]:
     """A questions file: one JSON list, or JSON lines, of objects with ``db_id``, ``question`` and ``query``."""
-    text = path.read_text(encoding="utf-8")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise SpiderError(f"{path}, line {line}: not UTF-8 (byte {data[exc.start]:#04x}): save it as UTF-8") from None
     try:
         loaded = json.loads(text)
         items = loaded if isinstance(loaded, list) else [loaded]
     except json.JSONDecodeError:
-        try:
-            items = [json.loads(line) for line in text.splitlines() if line.strip()]
-        except json.JSONDecodeError as exc:
-            raise SpiderError(f"{path} is neither a JSON list nor JSON lines: {exc}") from None
-    for i, item in enumerate(items):
+        items = []
+        for number, line in enumerate(text.split("\n"), 1):  # not splitlines: U+2028 may sit inside a string
+            if not line.strip():
+                continue
+            try:
+                items.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise SpiderError(f"{path} is neither a JSON list nor JSON lines: line {number}: {exc}") from None
+    for i, item in enumerate(items, 1):
         missing = [k for k in ("db_id", "question", "query") if not isinstance(item, dict) or
                    not isinstance(item.get(k), str) or not item[k].strip()]
         if missing:
-            raise SpiderError(f"{path}: question {i} has no {', '.join(missing)} (each needs db_id, question "
-                              "and query, as in Spider)")
+            raise SpiderError(f"{path}: question {i} (counting from 1) has no {', '.join(missing)} (each needs "
+                              "db_id, question and query, as in Spider)")
     return items
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -27,11 +28,15 @@ def validate(runner: RolloutRunner, tasks: list[dict], log: MetricsLog, step: in
     the tasks carry a ``"kind"``. ``title``: what the printed line says was validated (default: ``validation after
     step N``)."""
     t0 = time.perf_counter()
-    metrics = runner.run(tasks, 1, runner.agent.val_temperature, step, validation_label(step), version=step).metrics
+    batch = runner.run(tasks, 1, runner.agent.val_temperature, step, validation_label(step), version=step)
+    metrics = batch.metrics
     metrics.update({"minutes": minutes, "time/validation": time.perf_counter() - t0})
     log.log(step, metrics, kind="validation")
     print(f"{title or f'validation after step {step}'}: {accuracy_line(metrics)} on {len(tasks)} held-out tasks "
           f"(failed {metrics['rollouts/failed']:.0f}, {metrics['time/validation']:.0f} s)", flush=True)
+    if batch.failures:  # why, not only how many (a task's data the agent cannot read, say)
+        first = batch.failures[0].strip().splitlines() or [""]
+        print(f"lit: the first held-out rollout that failed: {first[-1][:300]}", file=sys.stderr, flush=True)
     return metrics
 
 

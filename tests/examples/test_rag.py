@@ -124,11 +124,12 @@ def test_search_reads_a_corpus_of_your_own_from_jsonl_or_a_folder(tmp_path):
 
 @pytest.mark.parametrize("content, words", [
     (None, "does not exist"), ("", "holds no passage"), ('{"text": "fine"}\n["no", "map"]\n', "line 2"),
-    ('{"body": "no text key"}\n', "line 1")])
+    ('{"body": "no text key"}\n', "line 1"), ('{"text": null}\n', r"line 1: \"text\" .* must be text, got NoneType"),
+    (b'{"text": "Caf\xe9"}\n', r"line 1: not UTF-8 \(byte 0xe9\)")])
 def test_a_corpus_that_cannot_be_read_is_named_with_what_is_wrong(tmp_path, content, words):
     path = tmp_path / "corpus.jsonl"
     if content is not None:
-        path.write_text(content)
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
     with pytest.raises(ValueError, match=words):
         search("anything", corpus=str(path))
 

@@ -150,7 +150,8 @@ def test_one_sqlite_file_holds_out_every_fifth_question(tmp_path: Path, capsys):
 @pytest.mark.parametrize(("change", "message"), [
     ("shared", "validation asks about 1 database(s) that training also uses (shop)"),
     ("missing_db", "no SQLite file for the database 'harbour' under"),
-    ("no_query", "question 0 has no query (each needs db_id, question and query, as in Spider)"),
+    ("no_query", "question 1 (counting from 1) has no query (each needs db_id, question and query, as in Spider)"),
+    ("latin1", "dev.json, line 1: not UTF-8 (byte 0xe9): save it as UTF-8"),
     ("no_dev", "has no dev.json or validation.json: give a Spider-format folder, or the questions with"),
     ("not_sqlite", "is not a SQLite file"),
 ])
@@ -163,6 +164,9 @@ def test_a_source_that_cannot_be_used_is_an_error_naming_the_fix_and_writes_noth
         (source / "dev.json").write_text(json.dumps([{**VALIDATION[0], "db_id": "harbour"}]))
     elif change == "no_query":
         (source / "dev.json").write_text(json.dumps([{"db_id": "port", "question": "q"}]))
+    elif change == "latin1":
+        (source / "dev.json").write_bytes(json.dumps([{**VALIDATION[0], "question": "Caf\u00e9?"}]).encode()
+                                          .replace(b"\\u00e9", b"\xe9"))
     elif change == "no_dev":
         (source / "dev.json").unlink()
     else:

@@ -319,3 +319,20 @@ def test_a_loop_leaving_on_an_error_ends_the_rollouts_running_ahead_before_the_s
         assert "the run is stopping" in str(ahead.exception())
         rows = store.rollouts_of_step(1)
         assert rows and all(r.status is RolloutStatus.FAILED and "the run is stopping" in r.error for r in rows)
+
+
+def test_a_validation_with_failed_rollouts_says_why_the_first_failed(tmp_path: Path, capsys):
+    """Hole: a validation whose rollouts failed printed only their count ('accuracy 0.000 on 64 held-out tasks
+    (failed 64 ...)'), and the cause (a corpus the agent could not read, say) was in the store alone."""
+    from lit_trainer.evaluation import validate
+
+    class Log:
+        def log(self, step, metrics, kind="train"):
+            assert kind == "validation"
+
+    with real_runner(tmp_path, "rollout_agents:raises", "val") as (_, runner):
+        metrics = validate(runner, [{"id": "v0"}], Log(), step=0, minutes=0.0)
+    assert metrics["rollouts/failed"] == 1
+    out, err = capsys.readouterr()
+    assert "accuracy 0.000 on 1 held-out tasks (failed 1" in out
+    assert "lit: the first held-out rollout that failed: attempt 2: RuntimeError: agent bug on purpose" in err, err
