@@ -22,6 +22,7 @@ else, briefly, with bounded memory and result.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import sqlite3
@@ -222,9 +223,22 @@ def format_schema(schema: Schema) -> str:
 
 
 def _name(identifier: str) -> str:
-    """An identifier as SQL accepts it: plain, or double-quoted when it has spaces or other characters."""
-    return identifier if identifier.replace("_", "a").isalnum() and not identifier[0].isdigit() \
-        else '"' + identifier.replace('"', '""') + '"'
+    """An identifier as SQL accepts it: plain, or double-quoted when it has spaces or other characters, or is a
+    word SQLite keeps for itself (``order``, ``group``: the model's ``SELECT group FROM order`` would not parse)."""
+    return '"' + identifier.replace('"', '""') + '"' if _needs_quotes(identifier) else identifier
+
+
+@functools.cache
+def _needs_quotes(identifier: str) -> bool:
+    if not (identifier.replace("_", "a").isalnum() and not identifier[0].isdigit()):
+        return True
+    try:  # letters, digits and _ only: SQLite itself says whether the word stands as a name
+        with contextlib.closing(sqlite3.connect(":memory:")) as db:
+            db.execute(f"CREATE TABLE {identifier} ({identifier} INTEGER)")
+            db.execute(f"SELECT {identifier}.{identifier} FROM {identifier} ORDER BY {identifier}")
+    except sqlite3.Error:
+        return True
+    return False
 
 
 def read_schema(path: Path) -> Schema:

@@ -106,6 +106,18 @@ def test_the_schema_is_read_from_the_users_database(tmp_path: Path):
         "Key: orders.customer_id = customer.customer_id")
 
 
+def test_names_sqlite_keeps_for_itself_are_quoted_in_the_schema(tmp_path: Path):
+    """A table `order` with a column `group` was shown as `Table order: group`, and the model's `SELECT group FROM
+    order` could not parse. Words SQLite takes as names (key, name, action) stay plain."""
+    db = tmp_path / "shop.sqlite"
+    with sqlite3.connect(db) as conn:
+        conn.execute('CREATE TABLE "order" ("group" TEXT, key INTEGER, name TEXT, "select" TEXT)')
+    text = schema_text(str(db))
+    assert text == 'Table "order": "group", key, name, "select"'
+    with sqlite3.connect(db) as conn:  # as shown, each name works in a query
+        conn.execute('SELECT "group", key, name, "select" FROM "order"')
+
+
 def test_the_agent_answers_a_held_out_join_question_on_the_users_database(tmp_path: Path, traced_rollout):
     out = tmp_path / "my_sql"
     convert(spider_folder(tmp_path / "spider"), out)
