@@ -44,11 +44,12 @@ EXPLAINED = {
 """The kinds of refused span, in the collector's ``refused_spans`` counts, in words."""
 
 
-MAX_ROLLOUT_SPANS = 20_000
-"""Spans the store takes of one rollout attempt (an honest agent sends a few per LLM or tool call)."""
-MAX_ROLLOUT_BYTES = 64 * 2**20
-"""Bytes of attributes and events the store takes of one rollout attempt (an LLM call's token ids and logprobs are
-a few kB per thousand tokens)."""
+MAX_ROLLOUT_SPANS = 50_000
+"""Spans the store takes of one rollout attempt (an honest agent sends a few per LLM or tool call: a thousand-turn
+agent some ten thousand)."""
+MAX_ROLLOUT_BYTES = 256 * 2**20
+"""Bytes of attributes and events the store takes of one rollout attempt: an LLM call with a 32k-token prompt
+records some 250 kB (its token ids, its messages as text), so a thousand such calls fit."""
 
 
 def is_root(span: PackedSpan) -> bool:

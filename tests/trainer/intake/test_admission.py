@@ -110,7 +110,7 @@ def test_a_forged_call_under_a_made_up_parent_is_stored_but_never_trained_on(tmp
 def test_a_flood_of_spans_under_a_rollout_id_is_capped_and_its_root_still_lands(tmp_path, monkeypatch):
     """A key holder that learned a rollout id could store any number of orphan spans under it (each read into the
     trainer's memory to build the episode), and any number outside rollouts (which no episode uses): the disk or
-    the memory filled. The store takes a share of each (4 spans here, 20,000 by default); the root, guarded by its
+    the memory filled. The store takes a share of each (4 spans here, 50,000 by default); the root, guarded by its
     secret, lands even then."""
     monkeypatch.setattr(admission, "MAX_ROLLOUT_SPANS", 4)
     with SqliteStore(tmp_path / "lit.db") as store, FakeLLM() as llm, \

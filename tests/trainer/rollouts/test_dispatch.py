@@ -264,9 +264,10 @@ def test_a_bad_agent_target_is_named(tmp_path, monkeypatch):
     assert load_agent("user_agents:wrapped") is not None  # a wrapper of a traced function is traced
 
 
-def rollout_spans(rollout_id: str, reward: float) -> list[SpanRecord]:
-    """A finished rollout: its root span returning ``reward`` and one LLM call with token ids."""
-    attrs = {sc.ROLLOUT_ID: rollout_id, sc.TASK_ID: "t", sc.ATTEMPT: 1}
+def rollout_spans(rollout_id: str, reward: float, task_id: str = "t") -> list[SpanRecord]:
+    """A finished rollout of ``task_id`` (its first attempt): its root span returning ``reward`` and one LLM call
+    with token ids."""
+    attrs = {sc.ROLLOUT_ID: rollout_id, sc.TASK_ID: task_id, sc.ATTEMPT: 1}
     root = SpanRecord("ab" * 16, "1" * 16, None, sc.ROLLOUT_SPAN, 0, 100, STATUS_OK, "", rollout_id,
                       {**attrs, sc.ROLLOUT_RETURN_REWARD: reward})
     call = SpanRecord("ab" * 16, "2" * 16, root.span_id, sc.LLM_SPAN, 10, 20, STATUS_OK, "", rollout_id,
@@ -289,7 +290,7 @@ def test_accuracy_and_reward_per_task_kind(tmp_path):
         for i, (kind, status, reward) in enumerate(cases):
             task = {"id": i, "question": "?"} | ({} if kind is None else {"kind": kind})
             if reward is not None:
-                store.add_spans(rollout_spans(f"r{i}-a1", reward))
+                store.add_spans(rollout_spans(f"r{i}-a1", reward, str(i)))
             outcomes.append(Outcome(RolloutRequest(f"r{i}", str(i), task, NO_LLM, 0), status, f"r{i}-a1", 1))
         episodes, metrics, _ = gather_episodes(store, outcomes, (), 1.0)
     assert len(episodes) == 6 and metrics["rollouts/unusable"] == 1
