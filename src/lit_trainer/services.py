@@ -126,6 +126,7 @@ def services(cfg: TrainConfig, store_path: Path, spool_dir: Path, keys_dir: Path
                 workers.append(spawn(cfg.agent.function, dispatcher.endpoint, cfg.agent.concurrency, env))
         print(f"lit: workers connect to {dispatcher.endpoint} ({len(workers)} local) with the keys in {folder} "
               f"({security.KEYS_ENV}={folder} lit worker ...)", file=sys.stderr)
+
         def watch() -> None:
             check_local_workers(workers)
 

@@ -156,7 +156,7 @@ def _read_jsonl(path: Path) -> list[dict]:
     try:
         text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as exc:
-        line = path.read_bytes()[:exc.start].count(b"\n") + 1
+        line = exc.object[:exc.start].count(b"\n") + 1
         raise ValueError(f"[data] {path} line {line} is not UTF-8 (byte {exc.object[exc.start]:#04x}): save the file "
                          "as UTF-8") from None
     except OSError as exc:
