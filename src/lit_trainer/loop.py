@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import shlex
 import sys
 import time
@@ -106,7 +105,7 @@ def _command(cfg: TrainConfig, verb: str, *args: str) -> str:
 def _launcher(verb: str) -> str:
     """How a suggested ``lit train`` starts: as this run was launched, with as many trainer processes (a sharded
     policy would not fit one process). ``lit eval`` runs no update: one process."""
-    processes, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    processes, local = distributed.launch_size()
     if verb != "train" or processes <= 1:
         return "lit"
     if processes == local:

@@ -273,10 +273,10 @@ def _bad_value(root: SpanRecord, calls: list[SpanRecord], rewards: list[tuple[st
         return Unusable.BAD_TOKEN_IDS, f"{_wrong_token_id(calls, high)} (vocabulary size {vocab_size})"
     for call in calls:
         attrs = call.attributes
-        length = len(attrs[sc.LLM_PROMPT_TOKEN_IDS]) + len(attrs[sc.LLM_RESPONSE_TOKEN_IDS])
-        if context is not None and length > context:
-            return Unusable.BAD_LENGTH, (f"LLM call {call.span_id}: {len(attrs[sc.LLM_PROMPT_TOKEN_IDS])} prompt and "
-                                       f"{len(attrs[sc.LLM_RESPONSE_TOKEN_IDS])} response tokens, over {context}")
+        prompt, response = attrs[sc.LLM_PROMPT_TOKEN_IDS], attrs[sc.LLM_RESPONSE_TOKEN_IDS]
+        if context is not None and len(prompt) + len(response) > context:
+            return Unusable.BAD_LENGTH, (f"LLM call {call.span_id}: {len(prompt)} prompt and {len(response)} "
+                                       f"response tokens, over {context}")
         logprobs = attrs.get(sc.LLM_RESPONSE_LOGPROBS)
         if isinstance(logprobs, list) and not _logprobs_ok(logprobs):
             wrong = next((x for x in logprobs if not (_is_number(x) and _LOWEST_LOGPROB <= x <= 0)), "their sum")

@@ -45,10 +45,16 @@ def is_launch_main() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+def launch_size() -> tuple[int, int]:
+    """(processes in the launch, processes on this node), as ``torchrun`` set them (``WORLD_SIZE``,
+    ``LOCAL_WORLD_SIZE``), known before accelerate starts; (1, 1) for a plain ``lit train``."""
+    return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def on_cpu_processes() -> bool:
     """Whether this is one of several processes (``torchrun`` set ``WORLD_SIZE``) on a machine without CUDA: then
     accelerate must be told to run on the CPU, or it would not join the processes' gloo group."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
+    return launch_size()[0] > 1 and not torch.cuda.is_available()
 
 
 def unsupported_launch(distributed_type: str, mixed_precision: str) -> str | None:
