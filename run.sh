@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # lit's entry point on a fresh machine. It sets up the project's virtual environment (once; later runs
-# reuse it in about a second) and then runs one job:
+# reuse it in about a second) and, where node is installed, the Node.js example's npm packages, then runs one job:
 #
 #   bash run.sh train   the main job: prepare the offline model and train the calc agent
 #   bash run.sh test    the full test suite (what CI runs)
@@ -159,6 +159,26 @@ if [[ ! -f "$stamp_file" || "$(cat "$stamp_file")" != "$stamp_want" ]]; then
     "put them on another disk with LIT_VENV=/path/to/venv"
   setup
 fi
+
+# The Node.js example's packages (examples/js_calc: an agent that is a program), with a stamp of their own in
+# node_modules: a changed package-lock.json reinstalls them, and not the Python environments. Without node, or when
+# npm fails, the rest runs (the example and its tests do not); the next run tries again.
+setup_js_example() {
+  local dir=examples/js_calc want
+  want="$(sha256sum "$dir/package-lock.json" | cut -c1-16)"
+  [[ "$(cat "$dir/node_modules/.lit-setup" 2>/dev/null)" == "$want" ]] && return 0
+  if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+    say "node and npm not found: the Node.js example $dir is not set up (install Node.js >= 20, then run again)"
+    return 0
+  fi
+  say "installing the Node.js example's npm packages in $dir"
+  if (cd "$dir" && npm ci --no-audit --no-fund --loglevel=error >/dev/null); then
+    echo "$want" > "$dir/node_modules/.lit-setup"
+  else
+    say "npm ci in $dir failed (above): the Node.js example will not run; the next run tries again"
+  fi
+}
+setup_js_example
 
 export PATH="$venv/bin:$PATH"
 case "$job" in

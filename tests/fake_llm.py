@@ -12,6 +12,13 @@ and rewriter; several searches before an answer). A call beyond the script gets 
 
 ``weight_version``: when set, every answer also carries it as ``lit_weight_version``, as lit's vLLM (its route
 guard) adds it; it may be changed between calls.
+
+``streams``: when set, a chat call with ``"stream": true`` gets the same reply as server-sent events, shaped as
+vLLM streams with ``return_token_ids``: ``prompt_token_ids`` on the first chunk, then one chunk per token, each
+with its ``token_ids`` and logprobs (a tool call as a first delta with its id and name, then its arguments in
+pieces), the ``finish_reason`` on the last, a usage chunk when ``stream_options.include_usage`` asks for it, and
+``[DONE]``; ``responses`` holds the whole reply, as for an unstreamed call. Otherwise (and for text completions)
+a streamed call is refused with HTTP 400, for tests of a call that fails.
 """
 
 from __future__ import annotations
@@ -25,12 +32,18 @@ from typing import Any
 
 class FakeLLM:
     def __init__(self, tool_args: dict[str, Any] | None = None, final_text: str = "The answer is 5.",
-                 script: list[str | tuple[str, dict[str, Any]]] | None = None, weight_version: str | None = None):
+                 script: list[str | tuple[str, dict[str, Any]]] | None = None, weight_version: str | None = None,
+                 streams: bool = False):
         self.tool_args = tool_args or {}
+        self.streams = streams
         self.weight_version = weight_version
         self.final_text = final_text
         self.script = script
         self.requests: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
+        """The HTTP headers of each request, in the order of ``requests`` (names in lower case)."""
+        self.before_answer: Any = None
+        """Called (without arguments) after a request has arrived and before it is answered, when set."""
         self.responses: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         handler = type("Handler", (_Handler,), {"llm": self})
@@ -111,6 +124,41 @@ def _chat(llm: FakeLLM, body: dict[str, Any], n: int) -> dict[str, Any]:
     }
 
 
+def _chunks(response: dict[str, Any], body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A chat reply as the chunks vLLM streams it (see the module's doc)."""
+    choice = response["choices"][0]
+    message, ids, logprobs = choice["message"], choice["token_ids"], choice["logprobs"]["content"]
+    head = {key: response[key] for key in ("id", "created", "model")}
+    head["object"] = "chat.completion.chunk"
+    if "lit_weight_version" in response:
+        head["lit_weight_version"] = response["lit_weight_version"]
+
+    def chunk(delta: dict[str, Any], at: slice, finish: str | None = None, **extra: Any) -> dict[str, Any]:
+        part = {"index": 0, "delta": delta, "logprobs": {"content": logprobs[at]}, "finish_reason": finish,
+                "token_ids": ids[at]}
+        return {**head, **extra, "choices": [part]}
+
+    chunks = [chunk({"role": "assistant", "content": ""}, slice(0, 0), prompt_token_ids=response["prompt_token_ids"])]
+    if message.get("tool_calls"):
+        call = message["tool_calls"][0]
+        args = call["function"]["arguments"]
+        first = {"index": 0, "id": call["id"], "type": "function", "function": {"name": call["function"]["name"],
+                                                                               "arguments": ""}}
+        chunks.append(chunk({"tool_calls": [first]}, slice(0, 1)))
+        pieces = [args[: len(args) // 2], args[len(args) // 2 :]]
+        for i, piece in enumerate(pieces):
+            at = slice(1, len(ids) // 2) if i == 0 else slice(len(ids) // 2, len(ids))
+            chunks.append(chunk({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}, at))
+    else:
+        text = message["content"]
+        cuts = [len(text) * i // len(ids) for i in range(len(ids) + 1)]
+        chunks += [chunk({"content": text[cuts[i] : cuts[i + 1]]}, slice(i, i + 1)) for i in range(len(ids))]
+    chunks.append(chunk({}, slice(0, 0), choice["finish_reason"]))
+    if (body.get("stream_options") or {}).get("include_usage"):
+        chunks.append({**head, "choices": [], "usage": response["usage"]})
+    return chunks
+
+
 def _completion(llm: FakeLLM, body: dict[str, Any], n: int) -> dict[str, Any]:
     response_ids = _ids(n, 4, 50_000)
     return {
@@ -143,10 +191,18 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         length = int(self.headers.get("content-length", 0))
         body = json.loads(self.rfile.read(length) or b"{}")
-        if body.get("stream"):
+        if body.get("stream") and not (self.llm.streams and self.path.endswith("/chat/completions")):
             self._send(400, {"error": {"message": "the fake engine does not stream"}})
             return
-        self._send(200, self.llm.answer(self.path, body))
+        with self.llm._lock:
+            self.llm.headers.append({k.lower(): v for k, v in self.headers.items()})
+        if self.llm.before_answer is not None:
+            self.llm.before_answer()
+        response = self.llm.answer(self.path, body)
+        if body.get("stream"):
+            self._stream(_chunks(response, body))
+        else:
+            self._send(200, response)
 
     def do_GET(self) -> None:
         self._send(200, {"object": "list", "data": [{"id": "fake", "object": "model"}]})
@@ -158,6 +214,16 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("content-length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+    def _stream(self, chunks: list[dict[str, Any]]) -> None:
+        """Server-sent events, then the connection closes (HTTP/1.0: no length to send)."""
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.end_headers()
+        for chunk in chunks:
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.flush()
+        self.wfile.write(b"data: [DONE]\n\n")
 
     def log_message(self, *args: Any) -> None:
         pass

@@ -12,9 +12,8 @@ transformers or vLLM (a test checks this in a fresh interpreter), so it runs ins
 
 from lit_sdk._context import assign as assign_rollout
 from lit_sdk.instrument import flush, instrument, uninstrument
-from lit_sdk.openai_instrumentor import LitStreamingError
 from lit_sdk.resources import LLM
 from lit_sdk.trace import reward, trace
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "assign_rollout", "flush", "instrument", "uninstrument", "reward", "trace", "LitStreamingError"]
+__all__ = ["LLM", "assign_rollout", "flush", "instrument", "uninstrument", "reward", "trace"]

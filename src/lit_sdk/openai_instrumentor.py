@@ -4,8 +4,11 @@ For calls to a lit-managed engine (a base URL given to ``lit.instrument(llm_base
 for token ids (``return_token_ids``) and logprobs, and records on a ``lit.llm`` span what RL needs: the engine's
 prompt token ids, response token ids, response logprobs, response id, model, weight version (from the engine's
 ``lit_weight_version`` field) and agent name.
-Chat and text completions, sync and async. Streaming calls to a managed engine raise a clear error (lit would
-otherwise record no or wrong ids); calls to other endpoints pass through untouched and unrecorded.
+Chat and text completions and the Responses API, sync and async, streamed or not. Every recorded call carries its
+span's id to the engine in the ``X-Lit-Call`` header: lit's gateway, in front of a lit-managed vLLM, records the
+engine's token ids of every call under a rollout's URL, and the trainer makes the two records one transition. A
+streamed answer and the Responses API carry no token ids, so their spans hold none of their own (the span ends when
+``create`` returns, the stream still open); calls to other endpoints pass through untouched and unrecorded.
 
 The user's call is never changed beyond the two request fields, its exceptions pass through unchanged, and a
 failure of lit's own recording is logged and swallowed.
@@ -37,16 +40,17 @@ _TARGETS = (
     ("openai.resources.chat.completions.completions", "AsyncCompletions", "chat"),
     ("openai.resources.completions", "Completions", "completion"),
     ("openai.resources.completions", "AsyncCompletions", "completion"),
+    ("openai.resources.responses.responses", "Responses", "responses"),
+    ("openai.resources.responses.responses", "AsyncResponses", "responses"),
 )
+CALL_HEADER = "X-Lit-Call"
+"""The header that carries the ``lit.llm`` span's id with the call, so that lit's gateway, which records the call at
+the engine, names the same call (``semconv.LLM_CALL_ID``; ``lit_trainer.intake.gateway.server.CALL_HEADER``)."""
 
 
 ENGINE_VERSION_FIELD = "lit_weight_version"
 """The field of a lit-managed vLLM's answer that holds its weight version when the request arrived (added by the
 trainer's route guard, ``lit_trainer.engine.route_guard.VERSION_FIELD``), recorded as ``LLM_WEIGHT_VERSION``."""
-
-
-class LitStreamingError(ValueError):
-    """A streamed call to a lit-managed engine: lit cannot record its token ids."""
 
 
 class LitOpenAIInstrumentor(BaseInstrumentor):
@@ -140,12 +144,6 @@ class _Patch:
             recorded = _context.current_rollout() is not None and self._is_managed(instance)
         if deciding.failed or not recorded:
             return None
-        if kwargs.get("stream") is True:
-            raise LitStreamingError(
-                "lit records the engine's token ids only for non-streamed calls; turn streaming off for the "
-                "agent being trained (e.g. stream=False, ChatOpenAI(streaming=False), AutoGen "
-                "model_client_stream=False, Runner.run instead of Runner.run_streamed)"
-            )
         call = _Call(self.processor, api)
         with quietly("start recording an LLM call") as starting:
             call.start(self.tracer, kwargs)
@@ -161,14 +159,15 @@ class _Patch:
             base = str(instance._client.base_url).rstrip("/")
         except AttributeError:
             return False
-        return "*" in self.llm_base_urls or base in self.llm_base_urls
+        # a managed URL, or a rollout's own URL under lit's gateway (its root is among the managed ones)
+        return "*" in self.llm_base_urls or any(base == u or base.startswith(u + "/") for u in self.llm_base_urls)
 
 
 class _Call:
     """One recorded LLM call: the request fields lit adds, and the span that records the answer. Each of lit's
     steps runs ``quietly``."""
 
-    __slots__ = ("api", "kwargs", "processor", "span", "token")
+    __slots__ = ("api", "kwargs", "processor", "span", "streamed", "token")
 
     def __init__(self, processor: Any, api: str):
         self.api = api
@@ -176,9 +175,13 @@ class _Call:
         self.kwargs: dict = {}
         self.span: Any = None
         self.token: Any = None
+        self.streamed = False
 
     def start(self, tracer: Any, kwargs: dict) -> None:
-        self.kwargs = _with_token_ids(kwargs, self.api)
+        # A streamed answer and the Responses API carry no token ids: the engine's come from lit's gateway, which
+        # records the call under the same id (CALL_HEADER).
+        self.streamed = kwargs.get("stream") is True
+        self.kwargs = dict(kwargs) if self.streamed or self.api == "responses" else _with_token_ids(kwargs, self.api)
         parent = otel_trace.get_current_span()
         attrs: dict[str, Any] = {
             semconv.LLM_API: self.api,
@@ -188,14 +191,22 @@ class _Call:
         rollout = _context.current_rollout()
         if rollout is not None and rollout.weight_version is not None:
             attrs[semconv.LLM_WEIGHT_VERSION] = rollout.weight_version
+        if self.streamed:
+            attrs[semconv.LLM_STREAMED] = True
         self.span = tracer.start_span(semconv.LLM_SPAN, attributes=attrs, kind=otel_trace.SpanKind.CLIENT)
         self.token = otel_context.attach(otel_trace.set_span_in_context(self.span))
+        headers = self.kwargs.get("extra_headers")
+        self.kwargs["extra_headers"] = {**(headers if isinstance(headers, dict) else {}),
+                                        CALL_HEADER: format(self.span.get_span_context().span_id, "016x")}
 
     def finish(self, result: Any) -> None:
         with quietly("record an LLM response"):
-            bulk = record_response(self.span, _parsed(result), self.api)
-            if bulk:
-                self.processor.attach_bulk(self.span, bulk)
+            if self.streamed or self.api == "responses":  # the gateway records what the engine sampled
+                self.span.set_attribute(semconv.LLM_TOKEN_IDS_MISSING, True)
+            else:
+                bulk = record_response(self.span, _parsed(result), self.api)
+                if bulk:
+                    self.processor.attach_bulk(self.span, bulk)
             self.span.set_status(otel_trace.Status(otel_trace.StatusCode.OK))
         self.close()
 

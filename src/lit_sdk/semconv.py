@@ -9,6 +9,11 @@ ROLLOUT_SPAN = "lit.rollout"
 """The root span of one rollout, opened by ``@lit.trace``."""
 LLM_SPAN = "lit.llm"
 """One call to the LLM engine (chat or text completion) with the engine's token ids."""
+ENGINE_CALL_SPAN = "lit.engine.call"
+"""One LLM call as lit's gateway saw it reach the engine under a rollout's URL: written by the trainer into its own
+store, never sent by an agent (the collector refuses a span of this name). It carries the engine's token ids; the
+episode builder merges it into the agent's ``lit.llm`` span of the same call (``LLM_CALL_ID``) or, when the agent
+recorded none, makes it a call of the rollout on its own."""
 REWARD_SPAN = "lit.reward"
 """A reward given with ``lit.reward(value, name=...)``, placed in the tree where it was given."""
 
@@ -42,7 +47,13 @@ shorter). Stamped by lit's span processor."""
 AGENT_NAME = "lit.agent.name"
 """Which agent made this LLM call (LangGraph node, AutoGen agent, Agents SDK agent, or ``@lit.trace(agent=)``)."""
 LLM_API = "lit.llm.api"
-"""``chat`` or ``completion``: which OpenAI API the call used."""
+"""Which API the call used: ``chat``, ``completion`` (OpenAI's), ``responses`` (OpenAI's Responses API) or
+``messages`` (Anthropic's)."""
+LLM_CALL_ID = "lit.llm.call_id"
+"""On an engine call: the span id of the agent's ``lit.llm`` span of the same call (the SDK sends it in the
+``X-Lit-Call`` header), which makes the two one transition. Absent when the agent's process runs no lit."""
+LLM_STREAMED = "lit.llm.streamed"
+"""True when the client asked for a streamed answer."""
 LLM_MODEL = "lit.llm.model"
 """The model name the engine answered with."""
 LLM_RESPONSE_ID = "lit.llm.response_id"

@@ -2,6 +2,10 @@
 function on them, with ``lit.instrument()`` on.
 
     lit worker --connect tcp://trainer-host:7374 examples.calc.agent:calc_agent --processes 2 --concurrency 16
+    lit worker --connect tcp://trainer-host:7374 --command "node examples/js_calc/agent.mjs"
+
+An agent that is a program, in any language (``--command``), runs once per rollout as ``command_agent`` runs it:
+the task on its stdin, the reward the last line of its stdout.
 
 Each process holds one ZeroMQ DEALER socket to the trainer's dispatcher and runs up to ``concurrency`` rollouts at
 once on an asyncio loop. It says hello on connect (and again when the trainer asks) with a ``worker_id`` that stays
@@ -51,6 +55,7 @@ import zmq
 import zmq.asyncio
 
 from lit_sdk import _context
+from lit_sdk.command_agent import check_command, command_agent
 from lit_sdk.instrument import flush, instrument
 from lit_sdk.processes import TERMINATED, interrupts_held, sigterm_as_interrupt, start_child, stop_children
 from lit_sdk.protocol import security
@@ -388,10 +393,15 @@ class Worker:
 
 
 def spawn(target: str, connect: str, concurrency: int, env: dict[str, str] | None = None,
-          die_with_parent: bool = True) -> subprocess.Popen:
-    """Start one worker process (``python -m lit_sdk.worker``) in its own process group; on Linux it gets SIGTERM
-    when the calling thread dies (``die_with_parent``). Stop it with ``lit_sdk.processes.stop_child``."""
-    cmd = [sys.executable, "-m", "lit_sdk.worker", "--connect", connect, "--concurrency", str(concurrency), target]
+          die_with_parent: bool = True, *, command: str = "") -> subprocess.Popen:
+    """Start one worker process (``python -m lit_sdk.worker``) in its own process group, running the agent function
+    ``target`` (module:function) or else, with ``target`` empty, the program ``command`` (``--command``); on Linux
+    it gets SIGTERM when the calling thread dies (``die_with_parent``). Stop it with
+    ``lit_sdk.processes.stop_child``."""
+    if bool(target) == bool(command):
+        raise ValueError(f"spawn takes an agent function or a command, exactly one; got {target!r} and {command!r}")
+    agent = [f"--command={command}"] if command else [target]  # with "=": a command may start with "-"
+    cmd = [sys.executable, "-m", "lit_sdk.worker", "--connect", connect, "--concurrency", str(concurrency), *agent]
     return start_child(cmd, env=env, die_with_parent=die_with_parent)
 
 
@@ -433,7 +443,10 @@ def _watch_children(children: list[subprocess.Popen], poll_s: float = 0.5) -> li
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lit worker", description="Run agent rollouts for a lit trainer.")
-    parser.add_argument("target", help="the @lit.trace agent function, as module:function")
+    parser.add_argument("target", nargs="?", default="", help="the @lit.trace agent function, as module:function")
+    parser.add_argument("--command", default="",
+                        help='instead of a function, a program to run per rollout (e.g. "node agent.mjs"): the task '
+                             "as a JSON line on its stdin, its reward the last line of its stdout")
     parser.add_argument("--connect", default=os.environ.get("LIT_DISPATCH", DEFAULT_DISPATCH_ENDPOINT),
                         help="the trainer's dispatch endpoint (default $LIT_DISPATCH or %(default)s)")
     parser.add_argument("--processes", type=int, default=1, help="worker processes on this host (default 1)")
@@ -446,15 +459,18 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("lit").setLevel(logging.INFO)
     if args.processes < 1 or not 1 <= args.concurrency <= MAX_SLOTS:
         parser.error(f"--processes must be at least 1 and --concurrency between 1 and {MAX_SLOTS}")
+    if bool(args.target) == bool(args.command):
+        parser.error("give the agent as module:function or as --command \"PROGRAM ARGS\", exactly one of them")
     try:
         check_endpoint(args.connect)
-        load_agent(args.target)  # fail here, once, with a clear message
+        # fail here, once, with a clear message
+        agent = load_agent(args.target) if args.target else command_agent(check_command(args.command, "--command"))
         security.check_connect(args.connect, security.client_keys(), "lit worker")
     except ValueError as exc:  # SecurityError included
         print(f"lit worker: error: {exc}", file=sys.stderr)
         return 1
     if args.processes == 1:
-        worker = Worker(load_agent(args.target), args.connect, args.concurrency)
+        worker = Worker(agent, args.connect, args.concurrency)
         try:
             n = asyncio.run(worker.run())
         except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C; SIGTERM (Worker._stop_on_sigterm)
@@ -470,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         with sigterm_as_interrupt():
             for _ in range(args.processes):
                 with interrupts_held():  # an interrupt inside Popen would leave a child that nothing stops
-                    children.append(spawn(args.target, args.connect, args.concurrency))
+                    children.append(spawn(args.target, args.connect, args.concurrency, command=args.command))
             codes = _watch_children(children)
     except KeyboardInterrupt as exc:  # the children have their own process groups: Ctrl-C reached only this one
         # SIGTERM to each: each says bye to the trainer (its rollouts are retried elsewhere at once) and ends

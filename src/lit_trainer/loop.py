@@ -171,7 +171,8 @@ def check(cfg: TrainConfig, resume: bool = False) -> list[str]:
              "starts at step 1" + (" (what it holds of a run with no checkpoint is set aside)"
                                    if out.metrics.exists() else ""))
     lines = [f"tasks: {len(ready.train_tasks)} for training, {len(ready.val_tasks)} held out",
-             f"agent: {cfg.agent.function} (imports; @lit.trace; takes (task, llm))",
+             (f"agent: {cfg.agent.command} (a program run per rollout; found)" if cfg.agent.command else
+              f"agent: {cfg.agent.function} (imports; @lit.trace; takes (task, llm))"),
              f"model: {ready.base_dir} (its config and tokenizer; vLLM's max_model_len fits it)",
              f"run folder: {out.dir}: {where}",
              f"addresses: the collector's {cfg.collector.endpoint}, the dispatcher's "
@@ -282,7 +283,7 @@ def _run(cfg: TrainConfig, resume: bool, out: RunFolder) -> dict[str, Any]:
         log.close()
     distributed.broadcast(None)  # the other processes' follow() ends
     distributed.leave()
-    png = plot_curve(out.metrics, out.curve, title=f"{cfg.agent.function} on {cfg.model}")
+    png = plot_curve(out.metrics, out.curve, title=f"{cfg.agent.function or cfg.agent.command} on {cfg.model}")
     if png:
         print(f"lit: curve written to {png}", file=sys.stderr)
     final = out.latest_checkpoint()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import zmq
 
+from lit_sdk.command_agent import check_command
 from lit_sdk.processes import interrupts_held, stop_children, wait_children
 from lit_sdk.protocol import security
 from lit_sdk.worker import load_agent, spawn
@@ -24,6 +25,7 @@ from lit_trainer.config import ConfigError, TrainConfig
 from lit_trainer.engine.fleet import Fleet, Weights
 from lit_trainer.engine.launch import InferenceError, pick_port, server_ports
 from lit_trainer.intake.collector import Collector
+from lit_trainer.intake.gateway.server import Gateway
 from lit_trainer.intake.store import SqliteStore
 from lit_trainer.models import vocab_size
 from lit_trainer.rollouts.dispatcher import Dispatcher, DispatchError
@@ -47,10 +49,14 @@ class Services:
 
 def check_agent(cfg: TrainConfig) -> None:
     """ConfigError or ValueError, naming the fix, unless ``[agent] function`` names an importable ``@lit.trace``
-    function that takes ``(task, llm)`` (``lit_sdk.worker.load_agent``): checked before any model or server
-    starts."""
+    function that takes ``(task, llm)`` (``lit_sdk.worker.load_agent``), or ``[agent] command`` a program that
+    can be found (``lit_sdk.command_agent.check_command``): checked before any model or server starts."""
+    if cfg.agent.command:
+        check_command(cfg.agent.command, "agent.command")
+        return
     if not cfg.agent.function:
-        raise ConfigError(f"{cfg.source or 'config'}: [agent] function is not set (module:function)")
+        raise ConfigError(f"{cfg.source or 'config'}: [agent] function is not set (module:function; or command, "
+                          "a program to run per rollout)")
     load_agent(cfg.agent.function)
 
 
@@ -116,14 +122,17 @@ def services(cfg: TrainConfig, store_path: Path, spool_dir: Path, keys_dir: Path
         fleet = Fleet(cfg.inference, cfg.weight_sync, weights)
         stack.callback(fleet.stop)
         fleet.launch()  # vLLM loads while the workers start: their URLs are known now
+        servers = [s.openai_url for s in fleet.servers]
+        gateway = stack.enter_context(Gateway(store, servers, cfg.inference.host))
         dispatcher = stack.enter_context(Dispatcher(store, cfg.dispatch_endpoint.endpoint, collector.endpoint,
-                                                    [s.openai_url for s in fleet.servers], cfg.dispatch, keys=keys))
+                                                    servers, cfg.dispatch, keys=keys, gateway=gateway))
         env = {**os.environ, "LIT_SPOOL_DIR": str(spool_dir), security.KEYS_ENV: str(folder)}
         workers: list = []
         stack.callback(stop_workers, dispatcher, workers)
         for _ in range(cfg.agent.local_workers):
             with interrupts_held():  # a Ctrl-C or SIGTERM inside Popen would leave a worker nothing stops
-                workers.append(spawn(cfg.agent.function, dispatcher.endpoint, cfg.agent.concurrency, env))
+                workers.append(spawn(cfg.agent.function, dispatcher.endpoint, cfg.agent.concurrency, env,
+                                     command=cfg.agent.command))
         print(f"lit: workers connect to {dispatcher.endpoint} ({len(workers)} local) with the keys in {folder} "
               f"({security.KEYS_ENV}={folder} lit worker ...)", file=sys.stderr)
 

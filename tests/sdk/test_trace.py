@@ -150,16 +150,23 @@ def test_reward_rejects_non_numbers_and_is_ignored_outside_a_rollout(tracing, ca
     assert tracing.delivered() == []
 
 
-def test_streaming_to_the_managed_engine_is_refused_clearly(tracing):
+def test_a_streamed_call_is_recorded_without_ids_and_names_itself_to_the_engine(tracing):
+    """A streamed answer carries no token ids: the span holds none, and its id goes with the call (X-Lit-Call), so
+    that lit's gateway, which records the engine's, makes the two one call."""
+    tracing.llm.streams = True
     client = OpenAI(base_url=tracing.llm.base_url, api_key="x")
 
     @lit.trace
-    def agent() -> None:
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
+    def agent() -> str:
+        stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
-    with pytest.raises(lit.LitStreamingError, match="turn streaming off"):
-        agent()
-    assert tracing.llm.requests == []  # nothing was sent
+    assert agent() == tracing.llm.final_text  # the user's stream, untouched
+    [llm] = [s for s in tracing.delivered() if s["name"] == sc.LLM_SPAN]
+    attrs = llm["attributes"]
+    assert attrs[sc.LLM_STREAMED] is True and attrs[sc.LLM_TOKEN_IDS_MISSING] is True
+    assert sc.LLM_PROMPT_TOKEN_IDS not in attrs and "return_token_ids" not in tracing.llm.requests[-1]
+    assert tracing.llm.headers[-1]["x-lit-call"] == llm["span_id"]
 
 
 def test_calls_to_other_endpoints_pass_through_unrecorded(tracing):

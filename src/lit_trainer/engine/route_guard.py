@@ -16,14 +16,16 @@ The guard also keeps the server's weight version, since vLLM's OpenAI responses 
 ``"0"`` (the weights vLLM loaded) and takes the version of every ``POST /update_weight_version`` (``new_version``)
 or ``/finish_weight_update`` (``weight_version``) it lets through that succeeds (a 2xx answer). Each non-streamed
 ``POST /v1/chat/completions`` or ``/v1/completions`` that succeeds as JSON gets a top-level field
-``"lit_weight_version"``: the version when the request *arrived*. That is the oldest weights any token of the call
+``"lit_weight_version"``: the version when the request *arrived*; every answer of those routes, streamed ones
+too, carries it in the ``X-Lit-Weight-Version`` header. That is the oldest weights any token of the call
 can have been sampled with: a sync with ``in_flight = "keep"`` lets a running request go on with newer weights,
 never older ones, so it is the conservative value for a staleness bound (and vLLM tags a version after loading its
-weights, so the guard never sees it early). Streamed responses (``text/event-stream``), errors and every other
-route pass through untouched, and a response that cannot be tagged (not a JSON object, compressed, cut short) goes
-out as the app wrote it. vLLM starts its engine at version ``"default"`` and has no option to start elsewhere; the
-guard exists before the first request, so in vLLM's single API server process (how lit starts it) it sees every
-update. With several API server processes (``--api-server-count``), each would see only the updates sent to it.
+weights, so the guard never sees it early). The bodies of streamed responses (``text/event-stream``) and errors,
+and every other route, pass through untouched, and a response that cannot be tagged (not a JSON object,
+compressed, cut short) goes out as the app wrote it. vLLM starts its engine at version ``"default"`` and has no
+option to start elsewhere; the guard exists before the first request, so in vLLM's single API server process
+(how lit starts it) it sees every update. With several API server processes (``--api-server-count``), each would
+see only the updates sent to it.
 
 Standard library only: the server copies this file into a private folder on vLLM's ``PYTHONPATH`` (as
 ``lit_route_guard``), so it also loads when vLLM runs from another environment (``InferenceConfig.python``).
@@ -49,6 +51,9 @@ INITIAL_VERSION = "0"
 """The version of the weights vLLM loaded at start, to lit."""
 VERSION_FIELD = "lit_weight_version"
 """The field the guard adds to the JSON of a completion: the server's weight version when the request arrived."""
+VERSION_HEADER = "x-lit-weight-version"
+"""The header with the same version, on every answer of a completion route, streamed ones included (lit's gateway
+reads it: ``lit_trainer.intake.gateway.calls.VERSION_HEADER``)."""
 TAGGED_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
 VERSION_ROUTES = {"/update_weight_version": "new_version", "/finish_weight_update": "weight_version"}
 """vLLM's admin routes that set the engine's weight version, with the field of their JSON body that holds it."""
@@ -147,6 +152,9 @@ class RouteGuard:
 
         async def tagging_send(message) -> None:
             nonlocal passing
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                  (VERSION_HEADER.encode(), version.encode())]}
             if passing:
                 await send(message)
             elif not held:

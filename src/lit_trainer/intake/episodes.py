@@ -7,6 +7,9 @@ Rules, in order:
 - The tree is rebuilt from spans in any arrival order; duplicates (same span id) count once; only the spans
   reachable from the rollout's root through their parent ids belong to it: a span whose parent never arrived (an
   orphan, or a span forged under a made-up parent) never becomes a transition.
+- A call recorded by lit's gateway (``lit.engine.call``, written by the trainer itself) is one call with the agent's
+  span of it (``with_engine_calls``): the engine's token ids in the agent's place in the tree; without an agent span
+  (a process without lit) it is a call of its own under the root, named by its ``X-Lit-Agent`` header.
 - LLM calls are ordered by start time (ties: end time, then span id). Calls that failed (error status) or carry no
   token ids are skipped and counted: a retried call therefore contributes only its successful attempt.
 - Only calls of the selected agents become transitions (all agents when none are selected).
@@ -36,7 +39,7 @@ import enum
 import math
 from array import array
 from collections.abc import Collection, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from operator import attrgetter
 
 import numpy
@@ -148,6 +151,7 @@ def build_episode(spans: Iterable[SpanRecord], agents: Collection[str] | None = 
     if not roots:
         return UnusableRollout(rollout_id, Unusable.NO_ROOT, f"{len(unique)} spans arrived without their root")
     root = roots[0]
+    unique = with_engine_calls(unique, root)
     if root.status == STATUS_ERROR:
         return UnusableRollout(rollout_id, Unusable.FAILED, root.status_message)
     members = _descendants(root, unique)
@@ -179,6 +183,36 @@ def _dedupe(spans: Iterable[SpanRecord]) -> dict[str, SpanRecord]:
     for span in spans:
         unique.setdefault(span.span_id, span)
     return unique
+
+
+_ENGINE_FIELDS = (sc.LLM_PROMPT_TOKEN_IDS, sc.LLM_RESPONSE_TOKEN_IDS, sc.LLM_RESPONSE_LOGPROBS, sc.LLM_WEIGHT_VERSION,
+                  sc.LLM_FINISH_REASON, sc.LLM_TEMPERATURE, sc.LLM_SAMPLING_UNSUPPORTED, sc.LLM_MODEL)
+"""What a call recorded at the engine gives the agent's span of the same call: the engine's ids and what it sampled
+with, in place of the agent's own (which it may not have: a streamed call, the Responses API)."""
+
+
+def with_engine_calls(unique: dict[str, SpanRecord], root: SpanRecord) -> dict[str, SpanRecord]:
+    """The spans with each call recorded by lit's gateway (``lit.engine.call``) made one ``lit.llm`` call of the
+    rollout: merged into the agent's span of the same call (``LLM_CALL_ID``), which keeps its place in the tree,
+    its agent name and its timing; or, when the agent recorded none, a call of its own under the root. Only the
+    trainer writes engine calls (the collector refuses them from peers), so they need no parent to belong here."""
+    engine = [s for s in unique.values() if s.name == sc.ENGINE_CALL_SPAN]
+    if not engine:
+        return unique
+    out = {k: v for k, v in unique.items() if v.name != sc.ENGINE_CALL_SPAN}
+    for call in engine:
+        sdk = out.get(str(call.attributes.get(sc.LLM_CALL_ID, "")))
+        if sdk is not None and sdk.name == sc.LLM_SPAN:
+            attrs = sdk.attributes
+            if sc.LLM_RESPONSE_TOKEN_IDS in call.attributes:  # the engine's ids and settings replace the agent's
+                attrs = {k: v for k, v in attrs.items() if k not in _ENGINE_FIELDS and k != sc.LLM_TOKEN_IDS_MISSING}
+                attrs.update((k, v) for k, v in call.attributes.items() if k in _ENGINE_FIELDS)
+            failed = call.status == STATUS_ERROR
+            out[sdk.span_id] = replace(sdk, attributes=attrs, status=call.status if failed else sdk.status,
+                                       status_message=call.status_message if failed else sdk.status_message)
+        else:
+            out[call.span_id] = replace(call, name=sc.LLM_SPAN, parent_id=root.span_id, trace_id=root.trace_id)
+    return out
 
 
 def _descendants(root: SpanRecord, unique: dict[str, SpanRecord]) -> list[SpanRecord]:

@@ -38,7 +38,7 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -61,6 +61,9 @@ from lit_sdk.protocol.dispatch import (
 from lit_sdk.resources import LLM
 from lit_trainer.intake.connections import ConnectionLimit
 from lit_trainer.intake.store import RolloutRow, RolloutStatus, Store
+
+if TYPE_CHECKING:
+    from lit_trainer.intake.gateway.server import Gateway
 
 log = logging.getLogger("lit.dispatcher")
 MAX_MESSAGE_BYTES = 1 << 20
@@ -205,15 +208,19 @@ def _ended_groups(round_: _Round) -> set[tuple[int, str]]:
 
 class Dispatcher:
     def __init__(self, store: Store, endpoint: str, spans_endpoint: str, llm_base_urls: Sequence[str],
-                 config: DispatchConfig | None = None, keys: security.ServerKeys | None = None):
+                 config: DispatchConfig | None = None, keys: security.ServerKeys | None = None,
+                 gateway: Gateway | None = None):
         """``keys``: the trainer's CURVE keys (``security.load_server_keys``): only workers holding the client key
         get in, the others are refused at the handshake and counted (``refused_peers``). Without them the
         dispatcher binds to loopback addresses only. Binding claims its share of the process's descriptors
-        (``ConnectionLimit.claim``), so a collector started first keeps its own."""
+        (``ConnectionLimit.claim``), so a collector started first keeps its own. ``gateway``: lit's gateway in
+        front of the servers; each attempt's agent then calls the model through its own URL there
+        (``Gateway.rollout_url``), where its calls are recorded."""
         self.store = store
         self.config = config or DispatchConfig()
         self.spans_endpoint = spans_endpoint
-        self.llm_base_urls = list(llm_base_urls)
+        self.gateway = gateway
+        self.llm_base_urls = list(llm_base_urls) + ([gateway.url] if gateway is not None else [])
         self.workers: dict[bytes, _Worker] = {}
         self.rejected: dict[str, int] = {}
         """Messages from workers refused (malformed, wrong version, a stale ``Done``...), by ``ProtocolError.kind``."""
@@ -427,7 +434,10 @@ class Dispatcher:
             self._round.running[attempt.rollout_id] = attempt
             self.store.set_rollout_status(attempt.rollout_id, RolloutStatus.RUNNING)
             r = attempt.request
-            self._send(worker.identity, Run(attempt.rollout_id, r.task_id, attempt.number, r.task, r.llm.to_dict(),
+            llm = r.llm.to_dict()
+            if self.gateway is not None:
+                llm["base_url"] = self.gateway.rollout_url(r.llm.base_url, attempt.rollout_id, attempt.secret)
+            self._send(worker.identity, Run(attempt.rollout_id, r.task_id, attempt.number, r.task, llm,
                                             self.config.rollout_timeout_s, secret=attempt.secret))
 
     def _drain(self, timeout_ms: int) -> None:

@@ -33,6 +33,11 @@ from lit_trainer.rollouts.gather import gather_episodes
 class AgentConfig:
     function: str = ""
     """The ``@lit.trace`` agent function as ``module:function``; it is called as ``fn(task, llm)``."""
+    command: str = ""
+    """Instead of ``function``, the program to run per rollout, in any language (``"node agent.mjs"``, from the folder
+    the workers run in): the task as one JSON line on its stdin, the LLM endpoint in ``OPENAI_BASE_URL`` and the
+    other variables of ``lit_sdk.command_agent.ENV``, its reward the last line of its stdout (a number or
+    ``{"reward": <number>}``). Started by ``lit_sdk.command_agent``."""
     agents: tuple[str, ...] = ()
     """Names of the agents whose LLM calls are trained; empty: every agent."""
     local_workers: int = 1
@@ -47,6 +52,9 @@ class AgentConfig:
     """Most tokens per LLM call."""
 
     def __post_init__(self) -> None:
+        if self.function and self.command:
+            raise ValueError("agent.function and agent.command are both set: give one (agent.function: a @lit.trace "
+                             "function as module:function; agent.command: a program to run per rollout)")
         if self.local_workers < 0:
             raise ValueError(f"agent.local_workers must be >= 0 (0: only workers started with `lit worker`), got "
                              f"{self.local_workers}")
@@ -134,6 +142,8 @@ class RolloutRunner:
         if self.stopping.is_set():
             raise RunStopping("the run is stopping: the rollouts running ahead are given up")
         self.collector.check()
+        if self.dispatcher.gateway is not None:
+            self.dispatcher.gateway.check()
         self.fleet.check()
         if self.watch is not None:
             self.watch()
@@ -181,6 +191,8 @@ class RolloutRunner:
         with bar:
             outcomes = self.dispatcher.run(requests, progress, check=self.check, enough=enough)
         self.check()
+        if self.dispatcher.gateway is not None:
+            self.dispatcher.gateway.settle()  # the calls the engine served them are in the store
         episodes, metrics, unusable = gather_episodes(self.store, outcomes, self.agent.agents, self.success_reward,
                                                       self.vocab_size, self.context)
         if enough is not None:

@@ -263,7 +263,8 @@ def test_the_field_is_added_to_the_body_as_it_was_and_the_length_fixed():
     start, body = _post(guard, "/v1/completions", b'{"prompt": "x"}')
     tagged = b'{"id":"cmpl-1","choices":[{"text":"\xc3\xa9"}],"lit_weight_version":"0"}'
     assert body == {"type": "http.response.body", "body": tagged}
-    assert start["headers"] == [(b"Content-Type", b"application/json"), (b"content-length", str(len(tagged)).encode())]
+    assert start["headers"] == [(b"Content-Type", b"application/json"), (b"content-length", str(len(tagged)).encode()),
+                                (route_guard.VERSION_HEADER.encode(), b"0")]
     empty = RouteGuard(_App({"/v1/completions": _answer(200, JSON, b"{ }")}))
     assert _json(_post(empty, "/v1/completions")) == {"lit_weight_version": "0"}
 
@@ -287,7 +288,14 @@ STREAM = [(b"content-type", b"text/event-stream; charset=utf-8")]
     ("/tokenize", _answer(200, JSON, b'{"tokens":[1,2]}')),
 ])
 def test_other_answers_pass_through_unchanged(path: str, answer: list[dict]):
+    """Their bodies are the app's own messages; a completion route's answer (streamed, an error...) only gets the
+    version header (lit's gateway reads it off streamed answers)."""
     sent = _post(RouteGuard(_App({path: answer})), path, b'{"stream": true}')
+    if path in route_guard.TAGGED_ROUTES:
+        start, *rest = answer
+        version = (route_guard.VERSION_HEADER.encode(), b"0")
+        assert sent[0] == {**start, "headers": [*start["headers"], version]}
+        sent, answer = sent[1:], rest
     assert sent == answer
     assert all(a is b for a, b in zip(sent, answer, strict=True)), "the app's own messages, not copies"
 
@@ -311,7 +319,7 @@ def test_an_answer_the_app_breaks_off_reaches_the_client_as_far_as_it_got():
     scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "root_path": "", "headers": []}
     with pytest.raises(RuntimeError, match="the engine died"):
         asyncio.run(RouteGuard(app)(scope, receive, send))
-    assert sent == [start, first]
+    assert sent == [{**start, "headers": [*start["headers"], (route_guard.VERSION_HEADER.encode(), b"0")]}, first]
 
 
 def test_vllm_answers_through_its_middleware_stack_carry_the_version(vllm_modules, tmp_path: Path, monkeypatch):

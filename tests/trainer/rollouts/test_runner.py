@@ -51,6 +51,8 @@ class Dispatcher:
     """A stand-in for the dispatcher: records the requests and fails them all (no store needed); its first
     ``deaths`` runs raise as a vLLM that died would; ``carried`` come back first, as the dispatcher's do."""
 
+    gateway = None  # no gateway in front of the servers: nothing to settle
+
     def __init__(self, deaths: int = 0, carried: list[RolloutRequest] = ()):
         self.requests, self.carried, self.runs, self.deaths = [], list(carried), 0, deaths
 

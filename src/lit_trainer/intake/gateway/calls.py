@@ -1,0 +1,141 @@
+"""One LLM call as the gateway sees it: what it asks vLLM for beyond the client's request, what it gathers from
+vLLM's answer or stream (the engine's token ids of choice 0, their logprobs, why it stopped), and the
+``lit.engine.call`` span it becomes in the store.
+
+vLLM's chat and text completions return the engine's ids when asked (``return_token_ids``): the whole answer has
+``prompt_token_ids`` (chat: at the top; text: on the choice) and ``choices[i].token_ids``; a stream has the
+prompt's ids in its first chunk and each chunk the ids of its piece. Logprobs come as ``logprobs.content[].logprob``
+(chat) or ``logprobs.token_logprobs`` (text).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+from lit_sdk import semconv as sc
+from lit_sdk.openai_instrumentor import sampling_attributes
+from lit_sdk.protocol import STATUS_ERROR, STATUS_OK, SpanRecord
+
+VERSION_HEADER = "x-lit-weight-version"
+"""The header lit's route guard adds to vLLM's answers: the engine's weight version when the request arrived."""
+
+
+class Call:
+    """One call being served; ``take_answer`` or ``take_chunk`` as vLLM answers, then ``record()``."""
+
+    def __init__(self, api: str, rollout_id: str, body: dict, agent: str | None, call_id: str | None):
+        self.api, self.rollout_id, self.body, self.agent, self.call_id = api, rollout_id, body, agent, call_id
+        self.streamed = body.get("stream") is True
+        self.start_ns = time.time_ns()
+        self.prompt_ids: list[int] | None = None
+        self.response_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish_reason = ""
+        self.model = ""
+        self.response_id = ""
+        self.choices = 0
+        self.weight_version: str | None = None
+        self.cut = False
+        self.stored = False
+        self.sampling: dict[str, Any] = {}
+
+    def engine_body(self, request: dict) -> dict:
+        """The chat or text request sent to vLLM: the client's (or its translation) asking for the engine's ids
+        and the sampled tokens' logprobs."""
+        self.sampling = sampling_attributes(request)
+        out = {**request, "return_token_ids": True}
+        if "messages" in out:
+            out["logprobs"] = True
+        elif not isinstance(out.get("logprobs"), int) or isinstance(out.get("logprobs"), bool):
+            out["logprobs"] = 0  # text completions: the sampled token's logprob only
+        return out
+
+    def take_answer(self, answer: dict) -> None:
+        """A whole (non-streamed) chat or text completion."""
+        self._take_meta(answer)
+        choices = answer.get("choices") or []
+        self.choices = len(choices)
+        if isinstance(answer.get("prompt_token_ids"), list):
+            self.prompt_ids = answer["prompt_token_ids"]
+        if choices:
+            self._take_choice(choices[0])
+
+    def take_chunk(self, chunk: dict) -> None:
+        """One chunk of a stream: its piece of choice 0."""
+        self._take_meta(chunk)
+        if isinstance(chunk.get("prompt_token_ids"), list):
+            self.prompt_ids = chunk["prompt_token_ids"]
+        for choice in chunk.get("choices") or ():
+            index = choice.get("index", 0)
+            self.choices = max(self.choices, index + 1)
+            if index == 0:
+                self._take_choice(choice)
+
+    def _take_meta(self, answer: dict) -> None:
+        self.model = self.model or str(answer.get("model") or "")
+        self.response_id = self.response_id or str(answer.get("id") or "")
+        version = answer.get("lit_weight_version")
+        if isinstance(version, str):
+            self.weight_version = version
+
+    def _take_choice(self, choice: dict) -> None:
+        if isinstance(choice.get("prompt_token_ids"), list):
+            self.prompt_ids = choice["prompt_token_ids"]
+        ids = choice.get("token_ids")
+        if isinstance(ids, list):
+            self.response_ids.extend(ids)
+        logprobs = choice.get("logprobs")
+        if isinstance(logprobs, dict):
+            if isinstance(logprobs.get("content"), list):
+                self.logprobs.extend(t.get("logprob") for t in logprobs["content"])
+            elif isinstance(logprobs.get("token_logprobs"), list):
+                self.logprobs.extend(logprobs["token_logprobs"])
+        if choice.get("finish_reason"):
+            self.finish_reason = str(choice["finish_reason"])
+
+    def record(self) -> SpanRecord:
+        """The call as a ``lit.engine.call`` span of its rollout attempt."""
+        attrs: dict[str, Any] = {sc.LLM_API: self.api, sc.LLM_CHOICES: self.choices, sc.LLM_STREAMED: self.streamed,
+                                 **self.sampling}
+        for key, value in ((sc.AGENT_NAME, self.agent), (sc.LLM_CALL_ID, self.call_id), (sc.LLM_MODEL, self.model),
+                           (sc.LLM_RESPONSE_ID, self.response_id), (sc.LLM_WEIGHT_VERSION, self.weight_version),
+                           (sc.LLM_FINISH_REASON, self.finish_reason)):
+            if value:
+                attrs[key] = value
+        if self.prompt_ids is not None and self.response_ids:
+            attrs[sc.LLM_PROMPT_TOKEN_IDS] = self.prompt_ids
+            attrs[sc.LLM_RESPONSE_TOKEN_IDS] = self.response_ids
+            if len(self.logprobs) == len(self.response_ids) and all(_is_number(x) for x in self.logprobs):
+                attrs[sc.LLM_RESPONSE_LOGPROBS] = [float(x) for x in self.logprobs]
+        else:
+            attrs[sc.LLM_TOKEN_IDS_MISSING] = True
+        return SpanRecord(os.urandom(16).hex(), os.urandom(8).hex(), None, sc.ENGINE_CALL_SPAN, self.start_ns,
+                          time.time_ns(), STATUS_ERROR if self.cut else STATUS_OK,
+                          "the client left before the answer ended: the call is cut" if self.cut else "",
+                          self.rollout_id, attrs)
+
+
+def size_of(record: SpanRecord) -> int:
+    """About how many bytes a record takes in the store (its token ids dominate)."""
+    attrs = record.attributes
+    return 64 + 5 * sum(len(attrs.get(k, ())) for k in (sc.LLM_PROMPT_TOKEN_IDS, sc.LLM_RESPONSE_TOKEN_IDS)) + \
+        9 * len(attrs.get(sc.LLM_RESPONSE_LOGPROBS, ()))
+
+
+def sse_data(line: bytes) -> str | None:
+    """The data of one line of a server-sent event stream (``data: ...``), or None for any other line."""
+    if not line.startswith(b"data:"):
+        return None
+    return line[5:].strip().decode()
+
+
+def sse_event(kind: str, data: dict) -> bytes:
+    """One server-sent event, as the Responses API and Anthropic's Messages stream them."""
+    return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

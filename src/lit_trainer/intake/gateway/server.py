@@ -1,0 +1,406 @@
+"""lit's gateway: the HTTP front of the vLLM servers that agents call during a rollout, where lit records every LLM
+call itself, whatever the client, its language or the API (docs/tracing.md, docs/protocol.md "The rollout URL").
+
+The dispatcher hands each attempt its own base URL (``Gateway.rollout_url``)::
+
+    http://HOST:PORT/rollouts/<rollout id>/<attempt secret>/<server>/v1
+
+Under it, ``POST chat/completions`` and ``completions`` go to vLLM with ``return_token_ids`` and logprobs added,
+and come back as vLLM answered; ``POST responses`` (OpenAI's Responses API) and ``messages`` (Anthropic's) are
+translated into a chat call and back (``responses_api``, ``messages_api``); streamed or not. Any other route
+(``GET models``...) is forwarded and not recorded. Each call becomes a ``lit.engine.call`` span of the attempt
+(``calls.Call.record``), queued for the store's thread *before* the answer's last bytes go out and written in
+order, so that ``settle()``, called once the agents are done, finds every call of theirs stored (the write is off
+the answer's path: an fsync per call would double the gateway's cost). A role name may come with a call in the
+``X-Lit-Agent`` header, and the SDK sends its own span's id in ``X-Lit-Call`` (the episode builder then merges
+the two into one transition).
+
+Trust (the trainer trusts nothing it did not hand out): a call under a rollout the store does not hold, with a
+wrong secret, or under an attempt that has ended is refused (403, 410) and recorded nowhere; an attempt's calls
+share its part of the store (``admission.MAX_ROLLOUT_SPANS`` calls, ``MAX_ROLLOUT_BYTES`` bytes: 429 past it); a
+client that leaves mid-stream leaves a call marked cut (error status), never trained as complete. Refusals are
+counted by kind (``Gateway.refused``) and logged once per kind.
+
+One background thread runs the asyncio loop (aiohttp's server and client); the store is written from one thread of
+its own. ``check()`` re-raises, in the caller, an error that stopped the thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
+
+from lit_trainer.intake import admission
+from lit_trainer.intake.gateway import calls, messages_api, responses_api
+from lit_trainer.intake.gateway.responses_api import TranslationError
+from lit_trainer.intake.store import RolloutStatus, Store
+
+log = logging.getLogger("lit")
+
+PREFIX = "/rollouts"
+RECORDED = {"chat/completions": "chat", "completions": "completion", "responses": "responses", "messages": "messages"}
+"""The routes under ``/v1/`` whose calls are recorded, with the API each is."""
+TRANSLATED = {"responses": responses_api, "messages": messages_api}
+AGENT_HEADER = "X-Lit-Agent"
+CALL_HEADER = "X-Lit-Call"
+_FORWARDED = ("authorization", "content-type", "accept")
+_HISTORY = 4096
+"""Responses kept for ``previous_response_id`` (all rollouts together; the oldest go first)."""
+_USAGE = 100_000
+"""Attempts whose share of the store is tracked in memory (the oldest go first)."""
+_JOIN_S = 10.0
+
+EXPLAINED = {
+    "unknown_rollout": "a call under a rollout this trainer did not hand out",
+    "wrong_secret": "a call under a rollout's URL with a secret other than its attempt's",
+    "ended_rollout": "a call under an attempt that had already ended (timed out, retried, or done)",
+    "too_many_calls": "a call past the attempt's share of the store",
+    "bad_request": "a request body that is not a JSON object, or that the gateway cannot translate",
+}
+"""The kinds of refused call, in ``Gateway.refused``, in words."""
+
+
+class GatewayError(RuntimeError):
+    """The gateway cannot listen, or its thread stopped on an error."""
+
+
+class Refused(Exception):
+    def __init__(self, kind: str, status: int, message: str):
+        super().__init__(message)
+        self.kind, self.status = kind, status
+
+
+class Gateway:
+    """``with Gateway(store, [server.openai_url, ...], host) as gateway: ...``; see the module docstring."""
+
+    def __init__(self, store: Store, upstreams: Sequence[str], host: str = "127.0.0.1", port: int = 0):
+        self.store = store
+        self.upstreams = [u.rstrip("/") for u in upstreams]
+        self.host, self.port = host, port
+        self.refused: dict[str, int] = {}
+        self.recorded = 0
+        self._history: OrderedDict[tuple[str, str], list[dict]] = OrderedDict()
+        self._usage: OrderedDict[str, list[int]] = OrderedDict()
+        self._admitted: OrderedDict[str, str] = OrderedDict()
+        """The running attempts seen so far, with their secrets (whether an attempt ended is checked when each of
+        its calls is written: a call of one that ended meanwhile is served, not recorded, and its next refused)."""
+        self._db = ThreadPoolExecutor(1, thread_name_prefix="lit-gateway-store")
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+
+    # -- life -----------------------------------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def rollout_url(self, upstream: str, rollout_id: str, secret: str) -> str:
+        """The base URL an attempt's agent calls (``/v1`` at its end, as OpenAI clients expect): its calls go to
+        ``upstream`` (one of this gateway's vLLM servers) and are recorded under the attempt."""
+        server = self.upstreams.index(upstream.rstrip("/"))
+        return f"{self.url}{PREFIX}/{rollout_id}/{secret}/{server}/v1"
+
+    def start(self) -> Gateway:
+        self._thread = threading.Thread(target=self._serve, name="lit-gateway", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            self._thread.join()
+            raise GatewayError(f"lit's gateway cannot listen on {self.host}:{self.port}: {self._error}")
+        return self
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stopping is not None and self._thread is not None:
+            self._loop.call_soon_threadsafe(self._stopping.set)
+            self._thread.join(_JOIN_S)
+        self._db.shutdown(wait=True)
+
+    def check(self) -> None:
+        """Raise ``GatewayError`` when the gateway's thread stopped on an error."""
+        if self._error is not None or (self._thread is not None and not self._thread.is_alive()):
+            raise GatewayError(f"lit's gateway stopped: {self._error or 'its thread ended'}")
+
+    def __enter__(self) -> Gateway:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def _serve(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as exc:  # carried to the caller by start() or check()
+            self._error = exc
+            self._ready.set()
+
+    async def _main(self) -> None:
+        self._loop, self._stopping = asyncio.get_running_loop(), asyncio.Event()
+        app = web.Application(client_max_size=admission.MAX_ROLLOUT_BYTES)
+        app.router.add_route("*", PREFIX + "/{rollout}/{secret}/{server}/v1/{route:.*}", self._handle)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        self.session = ClientSession(connector=TCPConnector(limit=0), timeout=ClientTimeout(total=None),
+                                     auto_decompress=False)
+        try:
+            site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
+            await site.start()
+            self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            self._ready.set()
+            await self._stopping.wait()
+        finally:
+            await runner.cleanup()
+            await self.session.close()
+
+    # -- one call -------------------------------------------------------------------------------------------------
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        info = request.match_info
+        route = info["route"].rstrip("/")
+        try:
+            upstream = self.upstreams[int(info["server"])]
+        except (ValueError, IndexError):
+            return _error(404, f"no server {info['server']!r} behind lit's gateway")
+        try:
+            await self._admit(info["rollout"], info["secret"])
+            if request.method != "POST" or route not in RECORDED:
+                return await self._forward(request, f"{upstream}/{route}")
+            body = await request.json(loads=json.loads)
+            if not isinstance(body, dict):
+                raise Refused("bad_request", 400, "the request body must be a JSON object")
+            call = calls.Call(RECORDED[route], info["rollout"], body, _agent_of(request),
+                              _call_id_of(request.headers.get(CALL_HEADER)))
+            if call.api in TRANSLATED:
+                return await self._translated(request, call, f"{upstream}/chat/completions")
+            return await self._recorded(request, call, f"{upstream}/{route}")
+        except Refused as refused:
+            self._count(refused.kind)
+            return _error(refused.status, str(refused))
+        except json.JSONDecodeError as exc:
+            self._count("bad_request")
+            return _error(400, f"the request body is not JSON: {exc}")
+
+    async def _admit(self, rollout_id: str, secret: str) -> None:
+        known = self._admitted.get(rollout_id)
+        if known is None:  # the first call of an attempt: the store says whether it was handed out, and is running
+            row = await asyncio.get_running_loop().run_in_executor(self._db, self.store.get_rollout, rollout_id)
+            if row is None:
+                raise Refused("unknown_rollout", 403, f"lit's gateway: no rollout {rollout_id!r} was handed out")
+            if row.status in (RolloutStatus.QUEUED, RolloutStatus.RUNNING) and row.secret is not None:
+                self._admitted[rollout_id] = known = row.secret
+                while len(self._admitted) > _USAGE:
+                    self._admitted.popitem(last=False)
+            elif row.secret is not None and hmac.compare_digest(row.secret.encode(), secret.encode()):
+                raise Refused("ended_rollout", 410, f"lit's gateway: rollout {rollout_id!r} has ended "
+                                                    f"({row.status.value}); its agent should stop")
+        if known is None or not hmac.compare_digest(known.encode(), secret.encode()):
+            raise Refused("wrong_secret", 403, f"lit's gateway: wrong secret for rollout {rollout_id!r}")
+        used = self._usage.get(rollout_id, (0, 0))
+        if used[0] >= admission.MAX_ROLLOUT_SPANS or used[1] >= admission.MAX_ROLLOUT_BYTES:
+            raise Refused("too_many_calls", 429, f"lit's gateway: rollout {rollout_id!r} made more calls than one "
+                                                 "episode can hold")
+
+    async def _forward(self, request: web.Request, url: str) -> web.StreamResponse:
+        """A route lit does not record: passed to vLLM and back as it is."""
+        data = await request.read()
+        async with self.session.request(request.method, url, data=data, headers=_upstream_headers(request),
+                                        params=request.query) as upstream:
+            body = await upstream.read()
+            return web.Response(status=upstream.status, body=body,
+                                content_type=upstream.content_type or "application/json")
+
+    async def _recorded(self, request: web.Request, call: calls.Call, url: str) -> web.StreamResponse:
+        """Chat and text completions: vLLM's own answer, with the token ids recorded on the way."""
+        async with self.session.post(url, json=call.engine_body(call.body), headers=_upstream_headers(request)
+                                     ) as upstream:
+            call.weight_version = upstream.headers.get(calls.VERSION_HEADER)
+            if upstream.status != 200 or not call.streamed:
+                body = await upstream.read()
+                if upstream.status == 200:
+                    call.take_answer(json.loads(body))
+                    self._store(call)
+                return web.Response(status=upstream.status, body=body,
+                                    content_type=upstream.content_type or "application/json")
+            response = await _start_stream(request)
+            try:
+                async for line in upstream.content:
+                    data = calls.sse_data(line)
+                    if data == "[DONE]":
+                        self._store(call)
+                    elif data is not None:
+                        call.take_chunk(json.loads(data))
+                    await response.write(line)
+            except (ConnectionError, asyncio.CancelledError):
+                self._store_cut(call)
+                raise
+            self._store_unended(call)
+            await response.write_eof()
+            return response
+
+    async def _translated(self, request: web.Request, call: calls.Call, url: str) -> web.StreamResponse:
+        """The Responses API and Anthropic's Messages: a chat call to vLLM, answered in the client's API."""
+        api = TRANSLATED[call.api]
+        history = self._history.get((call.rollout_id, call.body.get("previous_response_id") or ""))
+        if call.api == "responses" and call.body.get("previous_response_id") and history is None:
+            raise Refused("bad_request", 404, f"lit's gateway: no response {call.body['previous_response_id']!r} "
+                                              "in this rollout")
+        try:
+            chat = api.to_chat_request(call.body, history) if call.api == "responses" else \
+                api.to_chat_request(call.body)
+        except TranslationError as exc:
+            raise Refused("bad_request", 400, f"lit's gateway: {exc}") from None
+        response_id = ("resp_" if call.api == "responses" else "msg_") + uuid.uuid4().hex
+        async with self.session.post(url, json=call.engine_body(chat), headers=_upstream_headers(request)
+                                     ) as upstream:
+            call.weight_version = upstream.headers.get(calls.VERSION_HEADER)
+            if upstream.status != 200:
+                return web.Response(status=upstream.status, body=await upstream.read(),
+                                    content_type=upstream.content_type or "application/json")
+            if not call.streamed:
+                answer = json.loads(await upstream.read())
+                call.take_answer(answer)
+                out = api.from_chat_response(answer, call.body, response_id)
+                self._remember(call, chat, out)
+                self._store(call)
+                return web.json_response(out)
+            return await self._translate_stream(request, upstream, call, chat, api.StreamTranslator(call.body,
+                                                                                                   response_id))
+
+    async def _translate_stream(self, request: web.Request, upstream: Any, call: calls.Call, chat: dict,
+                                translator: Any) -> web.StreamResponse:
+        response = await _start_stream(request)
+        try:
+            async for line in upstream.content:
+                data = calls.sse_data(line)
+                if data is None:
+                    continue
+                if data == "[DONE]":
+                    events = translator.finish()
+                    self._remember(call, chat, translator.response)
+                    self._store(call)
+                else:
+                    chunk = json.loads(data)
+                    call.take_chunk(chunk)
+                    events = translator.feed(chunk)
+                if events:
+                    await response.write(b"".join(calls.sse_event(kind, event) for kind, event in events))
+        except (ConnectionError, asyncio.CancelledError):
+            self._store_cut(call)
+            raise
+        self._store_unended(call)
+        await response.write_eof()
+        return response
+
+    def _remember(self, call: calls.Call, chat: dict, response: dict) -> None:
+        """Keep a Responses API answer's conversation for a later ``previous_response_id`` of the same rollout."""
+        if call.api != "responses":
+            return
+        self._history[(call.rollout_id, response["id"])] = chat["messages"] + responses_api.output_messages(response)
+        while len(self._history) > _HISTORY:
+            self._history.popitem(last=False)
+
+    # -- the store ------------------------------------------------------------------------------------------------
+
+    def _store(self, call: calls.Call) -> None:
+        """Queue the call's record for the store's thread, before the answer's last bytes go out: ``settle()``
+        then finds it written once the agent is done."""
+        if call.stored:
+            return
+        call.stored = True
+        record = call.record()
+        used = self._usage.setdefault(record.rollout_id, [0, 0])
+        self._usage.move_to_end(record.rollout_id)
+        used[0] += 1
+        used[1] += calls.size_of(record)
+        while len(self._usage) > _USAGE:
+            self._usage.popitem(last=False)
+        future = asyncio.get_running_loop().run_in_executor(self._db, self._write, record)
+        future.add_done_callback(self._written)
+
+    def _store_cut(self, call: calls.Call) -> None:
+        call.cut = True
+        self._store(call)
+
+    def _store_unended(self, call: calls.Call) -> None:
+        """A stream that ended without its ``[DONE]`` (vLLM stopped mid-answer) is a cut call."""
+        if not call.stored:
+            self._store_cut(call)
+
+    def _written(self, future: asyncio.Future) -> None:
+        """On the loop, once a record's write ended: count it, or what stopped it (an error stops the gateway)."""
+        if future.cancelled():
+            return
+        if future.exception() is not None:
+            self._error = future.exception()
+            if self._stopping is not None:
+                self._stopping.set()
+            return
+        rollout_id, refusal = future.result()
+        if refusal is None:
+            self.recorded += 1
+        else:
+            self._admitted.pop(rollout_id, None)  # its next calls are refused
+            self._count(refusal)
+
+    def _write(self, record: Any) -> tuple[str, str | None]:
+        """In the store's thread: the record, unless its attempt ended meanwhile (then the kind of refusal)."""
+        row = self.store.get_rollout(record.rollout_id)
+        if row is None or row.status not in (RolloutStatus.QUEUED, RolloutStatus.RUNNING):
+            return record.rollout_id, "ended_rollout"
+        self.store.add_spans([record])
+        return record.rollout_id, None
+
+    def settle(self, timeout_s: float = 60.0) -> None:
+        """Wait until every call answered so far is written (the store's thread takes them in order); raise
+        ``GatewayError`` when the gateway stopped on an error. The trainer calls it before it builds episodes."""
+        self._db.submit(lambda: None).result(timeout_s)
+        self.check()
+
+    def _count(self, kind: str) -> None:
+        if kind not in self.refused:
+            log.warning("lit: the gateway refused %s (%s); counted in the run's refused calls, logged once",
+                        EXPLAINED.get(kind, kind), kind)
+        self.refused[kind] = self.refused.get(kind, 0) + 1
+
+
+def _agent_of(request: web.Request) -> str | None:
+    name = request.headers.get(AGENT_HEADER)
+    return name[:200] if name else None
+
+
+def _call_id_of(value: str | None) -> str | None:
+    """The SDK's span id (16 lowercase hex digits), or None for anything else."""
+    if value and len(value) == 16 and all(c in "0123456789abcdef" for c in value):
+        return value
+    return None
+
+
+def _upstream_headers(request: web.Request) -> dict[str, str]:
+    headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED}
+    if "authorization" not in {k.lower() for k in headers} and request.headers.get("x-api-key"):
+        headers["Authorization"] = f"Bearer {request.headers['x-api-key']}"  # Anthropic's clients send their key so
+    return headers
+
+
+async def _start_stream(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    return response
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "lit_gateway", "code": status}}, status=status)
+

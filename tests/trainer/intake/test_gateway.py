@@ -1,0 +1,128 @@
+"""lit's gateway without vLLM: who it serves and records (trust and bounds), on a real SQLite store and a real HTTP
+server, with the OpenAI-shaped test server (tests/fake_llm.py) as the engine. The calls on the real vLLM, streamed
+and in every API, are in tests/e2e/test_capture.py."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+from fake_llm import FakeLLM
+from openai import OpenAI
+
+from lit_sdk import semconv as sc
+from lit_trainer.intake.gateway import server as gateway_module
+from lit_trainer.intake.gateway.server import Gateway
+from lit_trainer.intake.store import RolloutRow, RolloutStatus, SqliteStore
+
+MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
+
+
+@pytest.fixture
+def served(tmp_path):
+    """(gateway, store, engine): a gateway in front of the test server, on a fresh store."""
+    with FakeLLM() as engine, SqliteStore(tmp_path / "lit.sqlite") as store, Gateway(store, [engine.base_url]) as gw:
+        yield gw, store, engine
+
+
+def hand_out(store: SqliteStore, rollout_id: str = "s1-t1-g0-a1", secret: str = "ab" * 16,
+             status: RolloutStatus = RolloutStatus.RUNNING) -> tuple[str, str]:
+    store.add_rollouts([RolloutRow(rollout_id, "t1", 0, secret=secret)])
+    if status is not RolloutStatus.QUEUED:
+        store.set_rollout_status(rollout_id, status)
+    return rollout_id, secret
+
+
+def engine_calls(gw: Gateway, store: SqliteStore, rollout_id: str) -> list:
+    gw.settle()
+    return [s for s in store.spans_of_rollout(rollout_id) if s.name == sc.ENGINE_CALL_SPAN]
+
+
+def post(url: str, body: dict, headers: dict | None = None) -> tuple[int, dict]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json",
+                                                                      **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_a_call_under_its_rollout_url_is_served_and_recorded_with_the_engines_ids(served):
+    gw, store, engine = served
+    rid, secret = hand_out(store)
+    client = OpenAI(base_url=gw.rollout_url(engine.base_url, rid, secret), api_key="x")
+    answer = client.chat.completions.create(model="m", messages=MESSAGES, temperature=0.5,
+                                            extra_headers={"X-Lit-Agent": "solver", "X-Lit-Call": "0123456789abcdef"})
+    assert engine.requests[-1]["return_token_ids"] is True and engine.requests[-1]["logprobs"] is True
+    [call] = engine_calls(gw, store, rid)
+    attrs = dict(call.attributes)
+    sent = engine.responses[-1]
+    assert attrs.pop(sc.LLM_PROMPT_TOKEN_IDS) == sent["prompt_token_ids"]
+    assert attrs.pop(sc.LLM_RESPONSE_TOKEN_IDS) == sent["choices"][0]["token_ids"]
+    assert attrs.pop(sc.LLM_RESPONSE_LOGPROBS) == [t["logprob"] for t in sent["choices"][0]["logprobs"]["content"]]
+    assert attrs == {sc.LLM_API: "chat", sc.LLM_CHOICES: 1, sc.LLM_STREAMED: False, sc.LLM_TEMPERATURE: 0.5,
+                     sc.AGENT_NAME: "solver", sc.LLM_CALL_ID: "0123456789abcdef", sc.LLM_MODEL: sent["model"],
+                     sc.LLM_RESPONSE_ID: sent["id"], sc.LLM_FINISH_REASON: answer.choices[0].finish_reason}
+    assert answer.id == sent["id"]  # the client got vLLM's own answer
+    assert gw.recorded == 1 and gw.refused == {}
+
+
+@pytest.mark.parametrize(("change", "status", "kind"), [
+    ("unknown", 403, "unknown_rollout"),
+    ("secret", 403, "wrong_secret"),
+    ("ended", 410, "ended_rollout"),
+])
+def test_a_call_under_a_url_the_trainer_did_not_hand_out_is_refused_and_recorded_nowhere(served, change, status,
+                                                                                       kind):
+    gw, store, engine = served
+    rid, secret = hand_out(store, status=RolloutStatus.SUCCEEDED if change == "ended" else RolloutStatus.RUNNING)
+    asked = "s9-t9-g0-a1" if change == "unknown" else rid
+    url = gw.rollout_url(engine.base_url, asked, "cd" * 16 if change == "secret" else secret)
+    code, body = post(url + "/chat/completions", {"model": "m", "messages": MESSAGES})
+    assert code == status and body["error"]["type"] == "lit_gateway" and repr(asked) in body["error"]["message"]
+    assert engine.requests == []  # never reached the engine
+    assert engine_calls(gw, store, rid) == [] and gw.refused == {kind: 1} and gw.recorded == 0
+
+
+def test_an_attempt_that_ends_while_its_call_runs_gets_the_answer_but_no_record(served):
+    gw, store, engine = served
+    rid, secret = hand_out(store)
+    engine.before_answer = lambda: store.set_rollout_status(rid, RolloutStatus.TIMED_OUT)
+    code, _ = post(gw.rollout_url(engine.base_url, rid, secret) + "/chat/completions",
+                   {"model": "m", "messages": MESSAGES})
+    assert code == 200 and engine_calls(gw, store, rid) == [] and gw.refused == {"ended_rollout": 1}
+
+
+def test_an_attempts_calls_stop_at_its_share_of_the_store(served, monkeypatch):
+    gw, store, engine = served
+    monkeypatch.setattr(gateway_module.admission, "MAX_ROLLOUT_SPANS", 2)
+    rid, secret = hand_out(store)
+    url = gw.rollout_url(engine.base_url, rid, secret) + "/chat/completions"
+    codes = [post(url, {"model": "m", "messages": MESSAGES})[0] for _ in range(3)]
+    assert codes == [200, 200, 429]
+    assert len(engine_calls(gw, store, rid)) == 2 and gw.refused == {"too_many_calls": 1}
+
+
+def test_a_body_that_is_not_a_json_object_is_refused_in_words(served):
+    gw, store, engine = served
+    rid, secret = hand_out(store)
+    code, body = post(gw.rollout_url(engine.base_url, rid, secret) + "/chat/completions", ["not", "an", "object"])
+    assert code == 400 and "JSON object" in body["error"]["message"]
+    assert gw.refused == {"bad_request": 1} and engine.requests == []
+
+
+def test_other_routes_are_forwarded_unrecorded(served):
+    gw, store, engine = served
+    rid, secret = hand_out(store)
+    with urllib.request.urlopen(gw.rollout_url(engine.base_url, rid, secret) + "/models", timeout=30) as response:
+        assert json.loads(response.read())["data"][0]["id"] == "fake"
+    assert engine_calls(gw, store, rid) == [] and gw.recorded == 0
+
+
+def test_a_gateway_that_cannot_listen_says_where(served):
+    gw, store, engine = served
+    with pytest.raises(gateway_module.GatewayError, match=f"cannot listen on 127.0.0.1:{gw.port}"):
+        Gateway(store, [engine.base_url], port=gw.port).start()
