@@ -136,3 +136,24 @@ def some_solved_parity_tasks(split, n):
     ``train18``. Their ``family`` is ``"solved"``, every other task's its own (a curriculum's category)."""
     return [{**task, "solved": i % 7 == 4, "family": "solved" if i % 7 == 4 else task["id"]}
             for i, task in enumerate(parity_tasks(split, n))]
+
+
+@lit.trace
+async def two_framework_parity(task, llm):
+    """Two agents as their frameworks' docs show them, neither asking for anything lit needs: the OpenAI Agents
+    SDK's default agent (its Responses API model), then a streamed LangChain chat (``ChatOpenAI(streaming=True)``,
+    ``astream``). Reward 1 when the two replies together have an even number of characters."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner
+    from langchain_openai import ChatOpenAI
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key)
+    writer = Agent(name="writer", instructions="Answer in one word.",
+                   model=OpenAIResponsesModel(model=llm.model, openai_client=client),
+                   model_settings=ModelSettings(temperature=llm.temperature, max_tokens=llm.max_tokens))
+    first = (await Runner.run(writer, task["question"])).final_output
+    chat = ChatOpenAI(model=llm.model, base_url=llm.base_url, api_key=llm.api_key, streaming=True,
+                      temperature=llm.temperature, max_tokens=llm.max_tokens)
+    second = "".join([chunk.content async for chunk in chat.astream(f"Repeat: {first}")])
+    await client.close()
+    return float(len(first + second) % 2 == 0)

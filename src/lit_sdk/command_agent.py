@@ -9,7 +9,9 @@ Per rollout, the program starts in the worker's folder, in a process group of it
 the task as one JSON line on its stdin (then end of file), calls the model at ``OPENAI_BASE_URL`` (or
 ``ANTHROPIC_BASE_URL``), where the trainer records each call whatever the client, and prints its reward as the
 last non-empty line of its stdout: a number, or a JSON object with a numeric ``"reward"`` (its other keys are
-ignored). Anything else there gives the rollout no final reward; the lines before it are the program's own.
+ignored). Anything else there gives the rollout no final reward; the lines before it are the program's own. A
+reward along the way (after a step, a test run) goes to ``LIT_REWARD_URL`` (``POST {"value": 0.5, "name": "..."}``:
+lit's gateway records it where it arrives among the calls).
 
 A program that exits with a non-zero code or dies of a signal fails the rollout: the error names the code or the
 signal and quotes the end of its stderr. When the rollout is cancelled (the worker's ``rollout_timeout_s``), its
@@ -45,7 +47,7 @@ __all__ = ["ENV", "AgentProgramError", "check_command", "command_agent", "final_
 log = logging.getLogger("lit")
 
 ENV = ("OPENAI_BASE_URL", "OPENAI_API_KEY", "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY", "LIT_MODEL",
-       "LIT_TEMPERATURE", "LIT_MAX_TOKENS", "LIT_TASK_ID", "LIT_ROLLOUT_ID")
+       "LIT_TEMPERATURE", "LIT_MAX_TOKENS", "LIT_TASK_ID", "LIT_ROLLOUT_ID", "LIT_REWARD_URL")
 """The variables a program gets on top of the worker's environment (``program_env``)."""
 STDOUT_KEEP = 64 * 1024
 """Bytes of the end of stdout kept: the reward line is in them."""
@@ -132,6 +134,7 @@ def program_env(task: Any, llm: LLM) -> dict[str, str]:
         "LIT_MAX_TOKENS": str(llm.max_tokens),
         "LIT_TASK_ID": task_id,
         "LIT_ROLLOUT_ID": rollout.rollout_id if rollout else "",
+        "LIT_REWARD_URL": base_url.removesuffix("/v1") + "/reward",
     }
 
 

@@ -14,6 +14,11 @@ ENGINE_CALL_SPAN = "lit.engine.call"
 store, never sent by an agent (the collector refuses a span of this name). It carries the engine's token ids; the
 episode builder merges it into the agent's ``lit.llm`` span of the same call (``LLM_CALL_ID``) or, when the agent
 recorded none, makes it a call of the rollout on its own."""
+ENGINE_REWARD_SPAN = "lit.engine.reward"
+"""A reward a program posted to its rollout's URL at lit's gateway (``POST .../reward``): written by the trainer,
+never sent by an agent; the episode builder makes it a ``lit.reward`` of the rollout, at the time it arrived."""
+ENGINE_PREFIX = "lit.engine."
+"""The names of the spans only the trainer writes (the collector refuses them from peers)."""
 REWARD_SPAN = "lit.reward"
 """A reward given with ``lit.reward(value, name=...)``, placed in the tree where it was given."""
 

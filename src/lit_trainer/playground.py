@@ -5,10 +5,12 @@
         attempt.episode.transitions[0].response_ids   # what training would use
         pg.show(attempt.rollout_id)                   # the rollout viewer
 
-It starts what one rollout needs: a SQLite store, the collector on a loopback port, and vLLM serving the config's
-model, then instruments this process (``lit.instrument``) to send spans there and record the token ids of calls to
-that vLLM. ``run`` calls the agent exactly as a worker does (``fn(task, llm)``, sync or async; from a notebook too,
-whose event loop is already running), waits until every span of the rollout is stored, and rebuilds its episode.
+It starts what one rollout needs: a SQLite store, the collector on a loopback port, vLLM serving the config's model
+and lit's gateway in front of it (which records every call of a rollout at the engine: streamed ones, the Responses
+API, Anthropic's Messages, calls from programs), then instruments this process (``lit.instrument``) to send spans
+there. ``run`` hands the agent its rollout's own URL at the gateway, as a worker gets it, calls the agent exactly
+as a worker does (``fn(task, llm)``, sync or async; from a notebook too, whose event loop is already running),
+waits until every span and call of the rollout is stored, and rebuilds its episode.
 Nothing is trained: ``lit_trainer.train`` starts its own services.
 """
 
@@ -33,6 +35,7 @@ from lit_trainer.config import TrainConfig
 from lit_trainer.engine.server import InferenceServer
 from lit_trainer.intake.collector import Collector
 from lit_trainer.intake.episodes import Episode, UnusableRollout, build_episode
+from lit_trainer.intake.gateway.server import Gateway
 from lit_trainer.intake.store import RolloutRow, SqliteStore
 from lit_trainer.runs import Run, RunFolder
 
@@ -65,6 +68,7 @@ class Playground:
         self._stack = contextlib.ExitStack()
         self.store: SqliteStore | None = None
         self.server: InferenceServer | None = None
+        self.gateway: Gateway | None = None
         self.collector: Collector | None = None
 
     def __enter__(self) -> Playground:
@@ -80,7 +84,9 @@ class Playground:
             print(f"lit: starting vLLM on {self.cfg.model} (about a minute on CPU)", file=sys.stderr, flush=True)
             # one server, with every core, whatever inference.servers a training config asks for
             self.server = self._stack.enter_context(InferenceServer(replace(self.cfg.inference, servers=1)))
-            lit.instrument(endpoint=collector.endpoint, llm_base_urls=[self.server.openai_url], spool_dir=run.spool)
+            self.gateway = self._stack.enter_context(Gateway(self.store, [self.server.openai_url]))
+            lit.instrument(endpoint=collector.endpoint, llm_base_urls=[self.server.openai_url, self.gateway.url],
+                           spool_dir=run.spool)
             self._stack.callback(lit.uninstrument)
         except BaseException:
             self._stack.close()
@@ -103,7 +109,8 @@ class Playground:
         the agent raises (it is in ``Attempt.error``), only a failure of lit's (spans not stored in time)."""
         llm = self.llm(temperature)
         rollout_id, secret = f"playground-{uuid.uuid4().hex[:12]}", secrets.token_hex(16)
-        assert self.store is not None
+        assert self.store is not None and self.gateway is not None
+        llm = replace(llm, base_url=self.gateway.rollout_url(llm.base_url, rollout_id, secret))
         # handed out as the dispatcher hands out an attempt: the collector stores only the spans of those
         self.store.add_rollouts([RolloutRow(rollout_id, str(task.get("id", "")), 0, secret=secret)])
         outcome: dict[str, Any] = {}
@@ -121,6 +128,7 @@ class Playground:
         thread.start()
         thread.join()
         seconds = time.perf_counter() - t0
+        self.gateway.settle(STORED_TIMEOUT_S)
         lit.flush(STORED_TIMEOUT_S)
         spans = self._wait_stored(rollout_id)
         agents = self.cfg.agent.agents or None

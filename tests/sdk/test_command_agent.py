@@ -70,7 +70,8 @@ print()
         "OPENAI_BASE_URL": tracing.llm.base_url, "OPENAI_API_KEY": "secret-key",
         "ANTHROPIC_BASE_URL": tracing.llm.base_url.removesuffix("/v1"), "ANTHROPIC_API_KEY": "secret-key",
         "LIT_MODEL": "policy", "LIT_TEMPERATURE": "0.5", "LIT_MAX_TOKENS": "32", "LIT_TASK_ID": "task-7",
-        "LIT_ROLLOUT_ID": "rollout-1", "LIT_TEST_WORKER_VAR": "kept"}  # fmt: skip
+        "LIT_ROLLOUT_ID": "rollout-1", "LIT_REWARD_URL": tracing.llm.base_url.removesuffix("/v1") + "/reward",
+        "LIT_TEST_WORKER_VAR": "kept"}  # fmt: skip
     (root,) = [s for s in tracing.delivered() if s["name"] == sc.ROLLOUT_SPAN]
     assert root["rollout_id"] == "rollout-1" and root["attributes"][sc.ROLLOUT_NAME] == "echo_agent.py"
     assert root["attributes"][sc.ROLLOUT_RETURN_REWARD] == 0.25

@@ -19,10 +19,10 @@ any rollout (which no episode uses); a root span is taken even then, being guard
 
     a span past its rollout's share (or past the share of spans outside rollouts)     refused: too_many_spans
 
-Calls recorded by lit's own gateway are ``lit.engine.call`` spans that the trainer writes into the store itself; a
-peer cannot send one (its token ids would be taken for the engine's):
+Calls and rewards recorded by lit's own gateway are ``lit.engine.*`` spans that the trainer writes into the store
+itself; a peer cannot send one (its token ids would be taken for the engine's, its reward for the rollout's):
 
-    a span named lit.engine.call from a peer                                           refused: engine_span
+    a span named lit.engine.* from a peer                                             refused: engine_span
 
 The refusals are counted by kind in the collector's counts; the frame that carried them is still acknowledged, so
 an honest sender does not send it again.
@@ -42,7 +42,7 @@ EXPLAINED = {
     "wrong_secret": "a rollout root span without the secret handed out with its attempt (a forged root, or an agent "
                     "run with lit.assign_rollout outside the trainer's workers)",
     "second_root": "a second root span for one rollout attempt (the first one stays)",
-    "engine_span": "a span of the kind only lit's gateway records (lit.engine.call), sent by a peer",
+    "engine_span": "a span of the kinds only lit's gateway records (lit.engine.*), sent by a peer",
     "too_many_spans": "a span past what the store takes of one rollout, or of the spans outside any rollout "
                       "(admission.MAX_ROLLOUT_SPANS spans, MAX_ROLLOUT_BYTES bytes): a peer floods a rollout id, or "
                       "an agent makes far more calls than one episode can hold",
@@ -103,10 +103,10 @@ class Admission:
             self._used.update((rollout_id, list(used.get(rollout_id, (0, 0)))) for rollout_id in new)
         admitted: list[PackedSpan] = []
         refused: dict[str, int] = {}
-        known, used, root_name, engine = self._known, self._used, semconv.ROLLOUT_SPAN, semconv.ENGINE_CALL_SPAN
+        known, used, root_name, engine = self._known, self._used, semconv.ROLLOUT_SPAN, semconv.ENGINE_PREFIX
         for span in spans:
             rollout_id = span.rollout_id
-            if span.name == engine:
+            if span.name.startswith(engine):
                 kind: str | None = "engine_span"
             elif known.get(rollout_id) is not None and (span.parent_id is not None or span.name != root_name):
                 # the common case, decided inline: a non-root span of a known rollout, within its share

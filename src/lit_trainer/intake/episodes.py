@@ -192,15 +192,18 @@ with, in place of the agent's own (which it may not have: a streamed call, the R
 
 
 def with_engine_calls(unique: dict[str, SpanRecord], root: SpanRecord) -> dict[str, SpanRecord]:
-    """The spans with each call recorded by lit's gateway (``lit.engine.call``) made one ``lit.llm`` call of the
-    rollout: merged into the agent's span of the same call (``LLM_CALL_ID``), which keeps its place in the tree,
+    """The spans with each reward posted to lit's gateway made a ``lit.reward`` under the root, and each call it
+    recorded (``lit.engine.call``) one ``lit.llm`` call of the rollout: merged into the agent's span of the same call (``LLM_CALL_ID``), which keeps its place in the tree,
     its agent name and its timing; or, when the agent recorded none, a call of its own under the root. Only the
     trainer writes engine calls (the collector refuses them from peers), so they need no parent to belong here."""
-    engine = [s for s in unique.values() if s.name == sc.ENGINE_CALL_SPAN]
+    engine = [s for s in unique.values() if s.name.startswith(sc.ENGINE_PREFIX)]
     if not engine:
         return unique
-    out = {k: v for k, v in unique.items() if v.name != sc.ENGINE_CALL_SPAN}
+    out = {k: v for k, v in unique.items() if not v.name.startswith(sc.ENGINE_PREFIX)}
     for call in engine:
+        if call.name == sc.ENGINE_REWARD_SPAN:  # a reward the program posted: the rollout's, when it arrived
+            out[call.span_id] = replace(call, name=sc.REWARD_SPAN, parent_id=root.span_id, trace_id=root.trace_id)
+            continue
         sdk = out.get(str(call.attributes.get(sc.LLM_CALL_ID, "")))
         if sdk is not None and sdk.name == sc.LLM_SPAN:
             attrs = sdk.attributes

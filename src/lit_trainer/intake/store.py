@@ -355,8 +355,8 @@ class SqliteStore:
         ended) is stored; otherwise what is missing, in words. A root from an SDK that declares no count is taken
         as complete."""
         conn = self._conn()
-        stored = conn.execute("SELECT count(*) FROM spans WHERE rollout_id = ? AND name != ?",
-                              (rollout_id, semconv.ENGINE_CALL_SPAN)).fetchone()[0]  # the gateway's are not sent
+        stored = conn.execute("SELECT count(*) FROM spans WHERE rollout_id = ? AND name NOT LIKE ?",
+                              (rollout_id, semconv.ENGINE_PREFIX + "%")).fetchone()[0]  # the gateway's: not sent
         row = conn.execute("SELECT attributes FROM spans WHERE rollout_id = ? AND parent_id IS NULL AND name = ?",
                            (rollout_id, semconv.ROLLOUT_SPAN)).fetchone()
         if row is None:

@@ -55,6 +55,16 @@ def test_a_call_only_the_engine_saw_is_a_call_of_the_rollout_named_by_its_header
     assert [tr.agent for tr in build_episode(spans, agents={"rewriter"}).transitions] == ["rewriter"]
 
 
+def test_a_reward_posted_to_the_gateway_is_the_rollouts_where_it_arrived():
+    t = Tree()
+    t.root(reward=None)
+    posted = SpanRecord("cd" * 16, format(0xF000, "016x"), None, sc.ENGINE_REWARD_SPAN, 20, 20, STATUS_OK, "", RID,
+                        {sc.REWARD_VALUE: 0.25, sc.REWARD_NAME: "tests"})
+    episode = build_episode([*t.spans, engine_call(10, agent="writer"), posted, engine_call(30, agent="writer")])
+    assert [tr.reward for tr in episode.transitions] == [0.25, None]
+    assert episode.rewards == [("tests", 0.25, 0)] and episode.episode_return == 0.25
+
+
 def test_a_cut_call_is_skipped_and_counted_never_trained():
     t = Tree()
     root = t.root()
@@ -76,3 +86,6 @@ def test_a_peer_cannot_send_an_engine_call():
     admission = Admission(lambda ids: {RID: (None, None)})
     admitted, refused, _ = admission.admit(spans[1:])
     assert admitted == [] and refused == {"engine_span": 1}
+    reward = SpanRecord("cd" * 16, "f" * 16, None, sc.ENGINE_REWARD_SPAN, 1, 1, STATUS_OK, "", RID,
+                        {sc.REWARD_VALUE: 1.0, sc.REWARD_NAME: ""})
+    assert admission.admit([pack_span(reward, pack)])[1] == {"engine_span": 1}

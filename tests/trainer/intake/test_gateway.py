@@ -13,6 +13,8 @@ from fake_llm import FakeLLM
 from openai import OpenAI
 
 from lit_sdk import semconv as sc
+from lit_sdk.protocol import STATUS_ERROR, STATUS_OK
+from lit_trainer.intake.gateway import calls
 from lit_trainer.intake.gateway import server as gateway_module
 from lit_trainer.intake.gateway.server import Gateway
 from lit_trainer.intake.store import RolloutRow, RolloutStatus, SqliteStore
@@ -126,3 +128,30 @@ def test_a_gateway_that_cannot_listen_says_where(served):
     gw, store, engine = served
     with pytest.raises(gateway_module.GatewayError, match=f"cannot listen on 127.0.0.1:{gw.port}"):
         Gateway(store, [engine.base_url], port=gw.port).start()
+
+
+def test_a_program_posts_rewards_to_its_rollouts_url(served):
+    gw, store, engine = served
+    rid, secret = hand_out(store)
+    base = gw.rollout_url(engine.base_url, rid, secret).removesuffix("/v1")
+    assert post(base + "/reward", {"value": 0.5, "name": "tests"}) == (200, {"recorded": True})
+    code, body = post(base + "/reward", {"value": "high"})
+    assert code == 400 and '{"value": <number>' in body["error"]["message"]
+    forged = gw.rollout_url(engine.base_url, rid, "cd" * 16).removesuffix("/v1")
+    assert post(forged + "/reward", {"value": 1e6})[0] == 403
+    gw.settle()
+    [reward] = [s for s in store.spans_of_rollout(rid) if s.name == sc.ENGINE_REWARD_SPAN]
+    assert reward.attributes == {sc.REWARD_VALUE: 0.5, sc.REWARD_NAME: "tests"}
+    assert gw.refused == {"bad_request": 1, "wrong_secret": 1}
+
+
+def test_a_stream_its_client_left_is_recorded_cut_with_what_was_sampled():
+    call = calls.Call("chat", "s1-t1-g0-a1", {"stream": True, "messages": MESSAGES}, None, None)
+    call.take_chunk({"id": "c1", "model": "m", "prompt_token_ids": [1, 2, 3], "choices": [
+        {"index": 0, "delta": {"content": "Fi"}, "token_ids": [40], "logprobs": {"content": [{"logprob": -0.5}]}}]})
+    whole = call.record()
+    assert whole.status == STATUS_OK and whole.attributes[sc.LLM_RESPONSE_TOKEN_IDS] == [40]
+    call.cut = True
+    cut = call.record()
+    assert cut.status == STATUS_ERROR and "cut" in cut.status_message
+    assert cut.attributes[sc.LLM_PROMPT_TOKEN_IDS] == [1, 2, 3] and cut.attributes[sc.LLM_STREAMED] is True

@@ -118,6 +118,20 @@ class Call:
                           self.rollout_id, attrs)
 
 
+def reward_record(rollout_id: str, body: object) -> SpanRecord:
+    """A reward posted to the gateway (``{"value": <number>, "name": <text, optional>}``) as a ``lit.engine.reward``
+    span of the attempt; ValueError in words for anything else. Whether the value is finite and within bounds is
+    the episode builder's to check, as for every reward."""
+    if not isinstance(body, dict) or not _is_number(body.get("value")):
+        raise ValueError('a reward is a JSON object {"value": <number>, "name": <text, optional>}')
+    name = body.get("name", "")
+    if not isinstance(name, str) or len(name) > 200:
+        raise ValueError("a reward's name is a text of at most 200 characters")
+    now = time.time_ns()
+    return SpanRecord(os.urandom(16).hex(), os.urandom(8).hex(), None, sc.ENGINE_REWARD_SPAN, now, now, STATUS_OK,
+                      "", rollout_id, {sc.REWARD_VALUE: float(body["value"]), sc.REWARD_NAME: name})
+
+
 def size_of(record: SpanRecord) -> int:
     """About how many bytes a record takes in the store (its token ids dominate)."""
     attrs = record.attributes

@@ -15,6 +15,9 @@ the answer's path: an fsync per call would double the gateway's cost). A role na
 ``X-Lit-Agent`` header, and the SDK sends its own span's id in ``X-Lit-Call`` (the episode builder then merges
 the two into one transition).
 
+A program may also post rewards to ``<its base URL without /v1>/reward`` (``{"value": 1.0, "name": "tests"}``),
+recorded as ``lit.engine.reward`` spans: the rollout's rewards, at the time they arrived.
+
 Trust (the trainer trusts nothing it did not hand out): a call under a rollout the store does not hold, with a
 wrong secret, or under an attempt that has ended is refused (403, 410) and recorded nowhere; an attempt's calls
 share its part of the store (``admission.MAX_ROLLOUT_SPANS`` calls, ``MAX_ROLLOUT_BYTES`` bytes: 429 past it); a
@@ -151,6 +154,7 @@ class Gateway:
         self._loop, self._stopping = asyncio.get_running_loop(), asyncio.Event()
         app = web.Application(client_max_size=admission.MAX_ROLLOUT_BYTES)
         app.router.add_route("*", PREFIX + "/{rollout}/{secret}/{server}/v1/{route:.*}", self._handle)
+        app.router.add_post(PREFIX + "/{rollout}/{secret}/{server}/reward", self._reward)
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
         self.session = ClientSession(connector=TCPConnector(limit=0), timeout=ClientTimeout(total=None),
@@ -192,6 +196,23 @@ class Gateway:
         except json.JSONDecodeError as exc:
             self._count("bad_request")
             return _error(400, f"the request body is not JSON: {exc}")
+
+    async def _reward(self, request: web.Request) -> web.Response:
+        """``POST <rollout URL without /v1>/reward {"value": 1.0, "name": "tests"}``: a reward of the rollout, for
+        a program that gives one before its last line (``calls.reward_record``)."""
+        info = request.match_info
+        try:
+            await self._admit(info["rollout"], info["secret"])
+            body = await request.json(loads=json.loads)
+            record = calls.reward_record(info["rollout"], body)
+        except Refused as refused:
+            self._count(refused.kind)
+            return _error(refused.status, str(refused))
+        except (ValueError, TypeError) as exc:  # not JSON, or not a reward
+            self._count("bad_request")
+            return _error(400, f"lit's gateway: {exc}")
+        self._queue(record)
+        return web.json_response({"recorded": True})
 
     async def _admit(self, rollout_id: str, secret: str) -> None:
         known = self._admitted.get(rollout_id)
@@ -320,7 +341,9 @@ class Gateway:
         if call.stored:
             return
         call.stored = True
-        record = call.record()
+        self._queue(call.record())
+
+    def _queue(self, record: Any) -> None:
         used = self._usage.setdefault(record.rollout_id, [0, 0])
         self._usage.move_to_end(record.rollout_id)
         used[0] += 1

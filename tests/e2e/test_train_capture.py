@@ -1,0 +1,109 @@
+"""Agents lit sees only at the engine, trained by ``lit train`` with nothing stood in (real vLLM, workers, ZeroMQ,
+SQLite): the OpenAI Agents SDK's default agent (the Responses API) and a streamed LangChain chat in one Python
+agent, and the Node.js calc agent (examples/js_calc), a program without a line of lit. Each trains 2 steps, its
+rollouts' every LLM call one transition with the engine's ids, and the weights reach vLLM (the sync check)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+ROOT = Path(__file__).parents[2]
+TESTS = ROOT / "tests"
+
+FRAMEWORKS = """
+model = "{model}"
+[agent]
+function = "rollout_agents:two_framework_parity"
+concurrency = 8
+max_tokens = 12
+temperature = 0.7
+[data]
+tasks = "rollout_agents:parity_tasks"
+train_size = 20
+val_size = 4
+[train]
+steps = 2
+tasks_per_step = 2
+group_size = 4
+val_every = 0
+checkpoint_every = 0
+check_sync_every = 1
+output_dir = "{out}"
+[policy]
+learning_rate = 1e-5
+[inference]
+log_dir = "{logs}"
+cpu_kv_cache_gb = 1
+extra_args = ["--enforce-eager"]
+"""
+
+JS_OVERRIDES = ["train.steps=2", "train.tasks_per_step=2", "train.group_size=4", "train.val_every=0",
+                "train.checkpoint_every=0", "train.check_sync_every=1", "data.train_size=20", "data.val_size=4",
+                "agent.concurrency=8", "inference.extra_args=['--enforce-eager']"]
+
+
+def _train(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(TESTS), "CI": "true"}
+    return subprocess.run([sys.executable, "-m", "lit_trainer.cli", "train", *args], env=env, capture_output=True,
+                          text=True, timeout=900, cwd=ROOT)
+
+
+def _trained(out: Path, log: str) -> list[dict]:
+    """Each step's metrics, once checked: every rollout succeeded, a step that updated also synced and vLLM serves
+    the trainer's weights."""
+    train = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2], log[-3000:]
+    for r in train:
+        assert r["rollouts/failed"] == 0 and r["rollouts/unusable"] == 0, r
+        assert ("time/update" in r) == ("sync/logprob_gap_max" in r), r
+        if "time/update" in r:
+            assert r["sync/logprob_gap_max"] < 0.02, r
+    assert any(r.get("update/transitions") for r in train), "no step had a group with differing rewards"
+    return train
+
+
+def _episodes(out: Path) -> list[dict]:
+    with sqlite3.connect(out / "lit.sqlite") as db:
+        return [msgpack.unpackb(row[0]) for row in db.execute("SELECT data FROM episodes")]
+
+
+@pytest.mark.timeout(900)
+def test_the_agents_sdk_default_agent_and_a_streamed_langchain_chat_train(prepared_model: Path, tmp_path: Path):
+    out = tmp_path / "run"
+    config = tmp_path / "config.toml"
+    config.write_text(FRAMEWORKS.format(model=prepared_model, out=out, logs=tmp_path / "vllm-logs"))
+    run = _train(str(config))
+    log = run.stdout + run.stderr
+    assert run.returncode == 0, log[-3000:]
+    _trained(out, log)
+    episodes = _episodes(out)
+    assert len(episodes) == 16
+    for episode in episodes:  # the Agents SDK's call (named by its agent) and LangChain's streamed one
+        agents = [t["agent"] for t in episode["transitions"]]
+        assert len(agents) == 2 and agents[0] == "writer", agents
+        assert all(t["logprobs"] and len(t["logprobs"]) == len(t["response_ids"]) for t in episode["transitions"])
+
+
+@pytest.mark.timeout(900)
+def test_the_node_calc_agent_trains(tmp_path: Path):
+    assert (ROOT / "examples/js_calc/node_modules/openai").is_dir(), \
+        "examples/js_calc's npm packages are missing: bash run.sh test installs them (npm ci)"
+    out = tmp_path / "run"
+    run = _train("examples/js_calc/config.toml", f"train.output_dir='{out}'", f"inference.log_dir='{tmp_path}'",
+                 *JS_OVERRIDES)
+    log = run.stdout + run.stderr
+    assert run.returncode == 0, log[-3000:]
+    _trained(out, log)
+    episodes = _episodes(out)
+    assert len(episodes) == 16
+    for episode in episodes:  # the program's streamed calls, seen at the engine only
+        assert 1 <= len(episode["transitions"]) <= 2 and episode["final_reward"] in (0.0, 1.0)
