@@ -193,9 +193,10 @@ with, in place of the agent's own (which it may not have: a streamed call, the R
 
 def with_engine_calls(unique: dict[str, SpanRecord], root: SpanRecord) -> dict[str, SpanRecord]:
     """The spans with each reward posted to lit's gateway made a ``lit.reward`` under the root, and each call it
-    recorded (``lit.engine.call``) one ``lit.llm`` call of the rollout: merged into the agent's span of the same call (``LLM_CALL_ID``), which keeps its place in the tree,
-    its agent name and its timing; or, when the agent recorded none, a call of its own under the root. Only the
-    trainer writes engine calls (the collector refuses them from peers), so they need no parent to belong here."""
+    recorded (``lit.engine.call``) one ``lit.llm`` call of the rollout: merged into the agent's span of the same
+    call (``LLM_CALL_ID``), which keeps its place in the tree, its agent name and its timing; or, when the agent
+    recorded none, a call of its own under the root. Only the trainer writes ``lit.engine.*`` spans (the collector
+    refuses them from peers), so they need no parent to belong here."""
     engine = [s for s in unique.values() if s.name.startswith(sc.ENGINE_PREFIX)]
     if not engine:
         return unique
