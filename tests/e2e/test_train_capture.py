@@ -6,55 +6,23 @@ rollouts' every LLM call one transition with the engine's ids, and the weights r
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
-import subprocess
-import sys
 from pathlib import Path
 
 import msgpack
 import pytest
+from test_train_options import CONFIG, _lit
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ROOT = Path(__file__).parents[2]
-TESTS = ROOT / "tests"
 
-FRAMEWORKS = """
-model = "{model}"
-[agent]
-function = "rollout_agents:two_framework_parity"
-concurrency = 8
-max_tokens = 12
-temperature = 0.7
-[data]
-tasks = "rollout_agents:parity_tasks"
-train_size = 20
-val_size = 4
-[train]
-steps = 2
-tasks_per_step = 2
-group_size = 4
-val_every = 0
-checkpoint_every = 0
-check_sync_every = 1
-output_dir = "{out}"
-[policy]
-learning_rate = 1e-5
-[inference]
-log_dir = "{logs}"
-cpu_kv_cache_gb = 1
-extra_args = ["--enforce-eager"]
-"""
+FRAMEWORKS = ["agent.function='rollout_agents:two_framework_parity'", "agent.max_tokens=12",
+              "inference.cpu_kv_cache_gb=1", "inference.extra_args=['--enforce-eager']"]
+"""test_train_options' config (2 steps of 2 tasks x 4 rollouts, parity rewards), with this agent."""
 
 JS_OVERRIDES = ["train.steps=2", "train.tasks_per_step=2", "train.group_size=4", "train.val_every=0",
                 "train.checkpoint_every=0", "train.check_sync_every=1", "data.train_size=20", "data.val_size=4",
                 "agent.concurrency=8", "inference.extra_args=['--enforce-eager']"]
-
-
-def _train(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(TESTS), "CI": "true"}
-    return subprocess.run([sys.executable, "-m", "lit_trainer.cli", "train", *args], env=env, capture_output=True,
-                          text=True, timeout=900, cwd=ROOT)
 
 
 def _trained(out: Path, log: str) -> list[dict]:
@@ -80,8 +48,8 @@ def _episodes(out: Path) -> list[dict]:
 def test_the_agents_sdk_default_agent_and_a_streamed_langchain_chat_train(prepared_model: Path, tmp_path: Path):
     out = tmp_path / "run"
     config = tmp_path / "config.toml"
-    config.write_text(FRAMEWORKS.format(model=prepared_model, out=out, logs=tmp_path / "vllm-logs"))
-    run = _train(str(config))
+    config.write_text(CONFIG.format(model=prepared_model, out=out, logs=tmp_path / "vllm-logs"))
+    run = _lit("train", str(config), *FRAMEWORKS)
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-3000:]
     _trained(out, log)
@@ -94,11 +62,12 @@ def test_the_agents_sdk_default_agent_and_a_streamed_langchain_chat_train(prepar
 
 
 @pytest.mark.timeout(900)
-def test_the_node_calc_agent_trains(tmp_path: Path):
+def test_the_node_calc_agent_trains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     assert (ROOT / "examples/js_calc/node_modules/openai").is_dir(), \
         "examples/js_calc's npm packages are missing: bash run.sh test installs them (npm ci)"
+    monkeypatch.chdir(ROOT)  # the example's command and tasks are found from the repository's root
     out = tmp_path / "run"
-    run = _train("examples/js_calc/config.toml", f"train.output_dir='{out}'", f"inference.log_dir='{tmp_path}'",
+    run = _lit("train", "examples/js_calc/config.toml", f"train.output_dir='{out}'", f"inference.log_dir='{tmp_path}'",
                  *JS_OVERRIDES)
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-3000:]

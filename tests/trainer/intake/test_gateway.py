@@ -155,3 +155,29 @@ def test_a_stream_its_client_left_is_recorded_cut_with_what_was_sampled():
     cut = call.record()
     assert cut.status == STATUS_ERROR and "cut" in cut.status_message
     assert cut.attributes[sc.LLM_PROMPT_TOKEN_IDS] == [1, 2, 3] and cut.attributes[sc.LLM_STREAMED] is True
+
+
+def test_streams_in_every_api_are_relayed_and_recorded(served):
+    """Chat passed through, the Responses API and Anthropic's Messages translated: each streamed answer reaches the
+    official client whole, and its call is recorded with the engine's ids (the test server streams as vLLM does)."""
+    import anthropic
+
+    gw, store, engine = served
+    engine.streams = True
+    rid, secret = hand_out(store)
+    url = gw.rollout_url(engine.base_url, rid, secret)
+    client = OpenAI(base_url=url, api_key="x")
+    chat = client.chat.completions.create(model="m", messages=MESSAGES, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices) == engine.final_text
+    events = list(client.responses.create(model="m", input="What is 2 + 3?", stream=True))
+    assert events[-1].type == "response.completed" and events[-1].response.output_text == engine.final_text
+    with anthropic.Anthropic(base_url=url.removesuffix("/v1"), api_key="x").messages.stream(
+            model="m", max_tokens=16, messages=MESSAGES) as stream:
+        assert stream.get_final_message().content[0].text == engine.final_text
+    recorded = sorted(engine_calls(gw, store, rid), key=lambda s: s.start_ns)
+    assert [c.attributes[sc.LLM_API] for c in recorded] == ["chat", "responses", "messages"]
+    for call, sent in zip(recorded, engine.responses, strict=True):
+        assert call.status == STATUS_OK and call.attributes[sc.LLM_STREAMED] is True
+        assert call.attributes[sc.LLM_PROMPT_TOKEN_IDS] == sent["prompt_token_ids"]
+        assert call.attributes[sc.LLM_RESPONSE_TOKEN_IDS] == sent["choices"][0]["token_ids"]
+        assert len(call.attributes[sc.LLM_RESPONSE_LOGPROBS]) == len(sent["choices"][0]["token_ids"])

@@ -37,7 +37,7 @@ import logging
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -255,21 +255,7 @@ class Gateway:
                     self._store(call)
                 return web.Response(status=upstream.status, body=body,
                                     content_type=upstream.content_type or "application/json")
-            response = await _start_stream(request)
-            try:
-                async for line in upstream.content:
-                    data = calls.sse_data(line)
-                    if data == "[DONE]":
-                        self._store(call)
-                    elif data is not None:
-                        call.take_chunk(json.loads(data))
-                    await response.write(line)
-            except (ConnectionError, asyncio.CancelledError):
-                self._store_cut(call)
-                raise
-            self._store_unended(call)
-            await response.write_eof()
-            return response
+            return await self._relay(request, upstream, call, lambda line, chunk: line)
 
     async def _translated(self, request: web.Request, call: calls.Call, url: str) -> web.StreamResponse:
         """The Responses API and Anthropic's Messages: a chat call to vLLM, answered in the client's API."""
@@ -297,27 +283,39 @@ class Gateway:
                 self._remember(call, chat, out)
                 self._store(call)
                 return web.json_response(out)
-            return await self._translate_stream(request, upstream, call, chat, api.StreamTranslator(call.body,
-                                                                                                   response_id))
+            translator = api.StreamTranslator(call.body, response_id)
 
-    async def _translate_stream(self, request: web.Request, upstream: Any, call: calls.Call, chat: dict,
-                                translator: Any) -> web.StreamResponse:
+            def relay(line: bytes, chunk: dict | str | None) -> bytes:
+                if chunk is None:
+                    return b""
+                if chunk == "[DONE]":
+                    events = translator.finish()
+                    self._remember(call, chat, translator.response)
+                else:
+                    events = translator.feed(chunk)
+                return b"".join(calls.sse_event(kind, event) for kind, event in events)
+
+            return await self._relay(request, upstream, call, relay)
+
+    async def _relay(self, request: web.Request, upstream: Any, call: calls.Call,
+                     relay: Callable[[bytes, dict | str | None], bytes]) -> web.StreamResponse:
+        """vLLM's stream to the client as it comes: each chunk taken into the call, then ``relay(line, chunk)``
+        says what the client gets of it (``chunk``: the line's JSON, ``"[DONE]"``, or None for any other line).
+        The call is queued for the store before the end of the stream goes out; a stream that breaks off is cut."""
         response = await _start_stream(request)
         try:
             async for line in upstream.content:
                 data = calls.sse_data(line)
-                if data is None:
-                    continue
-                if data == "[DONE]":
-                    events = translator.finish()
-                    self._remember(call, chat, translator.response)
-                    self._store(call)
-                else:
-                    chunk = json.loads(data)
+                chunk = data if data in (None, "[DONE]") else json.loads(data)
+                if not isinstance(chunk, dict) and chunk != "[DONE]":
+                    chunk = None
+                elif isinstance(chunk, dict):
                     call.take_chunk(chunk)
-                    events = translator.feed(chunk)
-                if events:
-                    await response.write(b"".join(calls.sse_event(kind, event) for kind, event in events))
+                payload = relay(line, chunk)
+                if chunk == "[DONE]":
+                    self._store(call)
+                if payload:
+                    await response.write(payload)
         except (ConnectionError, asyncio.CancelledError):
             self._store_cut(call)
             raise
