@@ -372,6 +372,8 @@ class Dispatcher:
         if attempt.worker is not None:
             attempt.worker.running.discard(attempt.rollout_id)
         self.store.set_rollout_status(attempt.rollout_id, status, error)
+        if self.gateway is not None:
+            self.gateway.end(attempt.rollout_id)  # a straggler of a timed-out attempt calls the model no more
         key = attempt.request.key
         if error:
             r.errors[key].append(f"attempt {attempt.number}: {error}")

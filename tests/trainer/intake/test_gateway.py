@@ -89,13 +89,24 @@ def test_a_call_under_a_url_the_trainer_did_not_hand_out_is_refused_and_recorded
     assert engine_calls(gw, store, rid) == [] and gw.refused == {kind: 1} and gw.recorded == 0
 
 
-def test_an_attempt_that_ends_while_its_call_runs_gets_the_answer_but_no_record(served):
+def test_an_attempt_that_ends_while_its_call_runs_keeps_that_call_and_no_later_one(served):
+    """The dispatcher may store an attempt's end (its agent done) before the gateway's thread writes its last
+    call: that call is still the attempt's. Once ended, the attempt's URL takes no more calls."""
     gw, store, engine = served
     rid, secret = hand_out(store)
-    engine.before_answer = lambda: store.set_rollout_status(rid, RolloutStatus.TIMED_OUT)
-    code, _ = post(gw.rollout_url(engine.base_url, rid, secret) + "/chat/completions",
-                   {"model": "m", "messages": MESSAGES})
-    assert code == 200 and engine_calls(gw, store, rid) == [] and gw.refused == {"ended_rollout": 1}
+    url = gw.rollout_url(engine.base_url, rid, secret) + "/chat/completions"
+    assert post(url, {"model": "m", "messages": MESSAGES})[0] == 200  # the gateway knows the attempt now
+
+    def end_it() -> None:
+        store.set_rollout_status(rid, RolloutStatus.SUCCEEDED)
+        gw.end(rid)
+
+    engine.before_answer = end_it
+    assert post(url, {"model": "m", "messages": MESSAGES})[0] == 200
+    assert len(engine_calls(gw, store, rid)) == 2 and gw.refused == {}
+    code, body = post(url, {"model": "m", "messages": MESSAGES})
+    assert code == 410 and "has ended (succeeded)" in body["error"]["message"]
+    assert len(engine_calls(gw, store, rid)) == 2 and gw.refused == {"ended_rollout": 1}
 
 
 def test_an_attempts_calls_stop_at_its_share_of_the_store(served, monkeypatch):

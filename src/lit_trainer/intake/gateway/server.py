@@ -19,7 +19,8 @@ A program may also post rewards to ``<its base URL without /v1>/reward`` (``{"va
 recorded as ``lit.engine.reward`` spans: the rollout's rewards, at the time they arrived.
 
 Trust (the trainer trusts nothing it did not hand out): a call under a rollout the store does not hold, with a
-wrong secret, or under an attempt that has ended is refused (403, 410) and recorded nowhere; an attempt's calls
+wrong secret, or under an attempt that has ended (``end``) is refused (403, 410) and recorded nowhere (a call under
+way when its attempt ends is its attempt's, and recorded as such); an attempt's calls
 share its part of the store (``admission.MAX_ROLLOUT_SPANS`` calls, ``MAX_ROLLOUT_BYTES`` bytes: 429 past it); a
 client that leaves mid-stream leaves a call marked cut (error status), never trained as complete. Refusals are
 counted by kind (``Gateway.refused``) and logged once per kind.
@@ -95,8 +96,8 @@ class Gateway:
         self._history: OrderedDict[tuple[str, str], list[dict]] = OrderedDict()
         self._usage: OrderedDict[str, list[int]] = OrderedDict()
         self._admitted: OrderedDict[str, str] = OrderedDict()
-        """The running attempts seen so far, with their secrets (whether an attempt ended is checked when each of
-        its calls is written: a call of one that ended meanwhile is served, not recorded, and its next refused)."""
+        """The running attempts seen so far, with their secrets; ``end`` takes one out, and its next call finds in
+        the store that it ended."""
         self._db = ThreadPoolExecutor(1, thread_name_prefix="lit-gateway-store")
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -361,7 +362,7 @@ class Gateway:
             self._store_cut(call)
 
     def _written(self, future: asyncio.Future) -> None:
-        """On the loop, once a record's write ended: count it, or what stopped it (an error stops the gateway)."""
+        """On the loop, once a record's write ended: count it, or stop the gateway on the store's error."""
         if future.cancelled():
             return
         if future.exception() is not None:
@@ -369,20 +370,17 @@ class Gateway:
             if self._stopping is not None:
                 self._stopping.set()
             return
-        rollout_id, refusal = future.result()
-        if refusal is None:
-            self.recorded += 1
-        else:
-            self._admitted.pop(rollout_id, None)  # its next calls are refused
-            self._count(refusal)
+        self.recorded += 1
 
-    def _write(self, record: Any) -> tuple[str, str | None]:
-        """In the store's thread: the record, unless its attempt ended meanwhile (then the kind of refusal)."""
-        row = self.store.get_rollout(record.rollout_id)
-        if row is None or row.status not in (RolloutStatus.QUEUED, RolloutStatus.RUNNING):
-            return record.rollout_id, "ended_rollout"
+    def _write(self, record: Any) -> None:
+        """In the store's thread. A call admitted while its attempt ran is its attempt's, and is written even when
+        the attempt ended meanwhile (its answer reached the agent before the agent was done): checking again here
+        lost the last call of an attempt whose end the dispatcher stored first."""
         self.store.add_spans([record])
-        return record.rollout_id, None
+
+    def end(self, rollout_id: str) -> None:
+        """The attempt has ended (the dispatcher says so, from its thread): its later calls are refused (410)."""
+        self._admitted.pop(rollout_id, None)
 
     def settle(self, timeout_s: float = 60.0) -> None:
         """Wait until every call answered so far is written (the store's thread takes them in order); raise
