@@ -31,7 +31,7 @@ from typing import Any
 from lit_sdk import semconv as sc
 from lit_sdk.protocol import STATUS_ERROR, SpanRecord
 from lit_trainer import steps
-from lit_trainer.intake.episodes import Episode, Transition, UnusableRollout, build_episode
+from lit_trainer.intake.episodes import Episode, Transition, UnusableRollout, build_episode, merged_spans
 from lit_trainer.intake.store import RolloutRow, Store
 
 Decode = Callable[[object], str | None]
@@ -100,7 +100,7 @@ def view_rollout(store: Store, rollout_id: str, tokenizer: Any = None) -> Rollou
 
 
 def _view(store: Store, rollout_id: str, decode: Decode | None) -> RolloutView:
-    spans = store.spans_of_rollout(rollout_id)
+    spans = merged_spans(store.spans_of_rollout(rollout_id))  # the calls lit's gateway recorded among them
     rollout = store.get_rollout(rollout_id)
     if not spans and rollout is None:
         raise ValueError(f"no rollout {rollout_id!r} in the store (`lit show --run RUN_DIR` lists the last "

@@ -185,6 +185,14 @@ def _dedupe(spans: Iterable[SpanRecord]) -> dict[str, SpanRecord]:
     return unique
 
 
+def merged_spans(spans: Iterable[SpanRecord]) -> list[SpanRecord]:
+    """A rollout's spans as ``build_episode`` reads them, once each: the gateway's records merged in
+    (``with_engine_calls``); as they are when the root has not arrived."""
+    unique = _dedupe(spans)
+    root = next((s for s in unique.values() if s.name == sc.ROLLOUT_SPAN and s.parent_id is None), None)
+    return list((with_engine_calls(unique, root) if root is not None else unique).values())
+
+
 _ENGINE_FIELDS = (sc.LLM_PROMPT_TOKEN_IDS, sc.LLM_RESPONSE_TOKEN_IDS, sc.LLM_RESPONSE_LOGPROBS, sc.LLM_WEIGHT_VERSION,
                   sc.LLM_FINISH_REASON, sc.LLM_TEMPERATURE, sc.LLM_SAMPLING_UNSUPPORTED, sc.LLM_MODEL)
 """What a call recorded at the engine gives the agent's span of the same call: the engine's ids and what it sampled
