@@ -192,3 +192,13 @@ def test_streams_in_every_api_are_relayed_and_recorded(served):
         assert call.attributes[sc.LLM_PROMPT_TOKEN_IDS] == sent["prompt_token_ids"]
         assert call.attributes[sc.LLM_RESPONSE_TOKEN_IDS] == sent["choices"][0]["token_ids"]
         assert len(call.attributes[sc.LLM_RESPONSE_LOGPROBS]) == len(sent["choices"][0]["token_ids"])
+
+
+def test_a_rollout_id_with_any_characters_travels_in_its_url(served):
+    """Rollout ids carry the user's task ids, which may hold a slash, a space, a question mark..."""
+    gw, store, engine = served
+    rid, secret = hand_out(store, rollout_id="s1-calc/12 ü?x#%-g0-a1")
+    client = OpenAI(base_url=gw.rollout_url(engine.base_url, rid, secret), api_key="x")
+    client.chat.completions.create(model="m", messages=MESSAGES)
+    [call] = engine_calls(gw, store, rid)
+    assert call.rollout_id == rid and gw.refused == {}

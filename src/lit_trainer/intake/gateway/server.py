@@ -41,6 +41,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+from urllib.parse import quote
 
 from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 
@@ -116,7 +117,7 @@ class Gateway:
         """The base URL an attempt's agent calls (``/v1`` at its end, as OpenAI clients expect): its calls go to
         ``upstream`` (one of this gateway's vLLM servers) and are recorded under the attempt."""
         server = self.upstreams.index(upstream.rstrip("/"))
-        return f"{self.url}{PREFIX}/{rollout_id}/{secret}/{server}/v1"
+        return f"{self.url}{PREFIX}/{quote(rollout_id, safe='')}/{quote(secret, safe='')}/{server}/v1"
 
     def start(self) -> Gateway:
         self._thread = threading.Thread(target=self._serve, name="lit-gateway", daemon=True)
