@@ -26,8 +26,8 @@ at first: 4 tasks, once in 90,000)."""
 FRAMEWORKS = ["agent.function='rollout_agents:two_framework_parity'", "agent.max_tokens=12",
               "inference.cpu_kv_cache_gb=1", *ONE_STEP]
 """test_train_options' config (parity rewards) with this agent."""
-JS = [*ONE_STEP, "train.tasks_per_step=4", "train.val_every=0", "train.checkpoint_every=0", "train.check_sync_every=1", "data.train_size=20",
-      "data.val_size=4"]
+JS = [*ONE_STEP, "train.tasks_per_step=4", "train.val_every=0", "train.checkpoint_every=0",
+      "train.check_sync_every=1", "data.train_size=20", "data.val_size=4"]
 
 
 def _trained(out: Path, log: str) -> list[dict]:
