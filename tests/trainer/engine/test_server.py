@@ -184,8 +184,9 @@ def test_vllm_keeps_its_temporary_files_in_the_servers_private_folder(tmp_path: 
     the folder is too deep for a socket's path (107 bytes). The trainer's own settings of either win."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    env = build_env(InferenceConfig(device="cpu"), base={"TMPDIR": "/elsewhere"}, private_dir=tmp_path)
-    assert env["TMPDIR"] == env["VLLM_RPC_BASE_PATH"] == env["PYTHONPATH"] == str(tmp_path)
+    short = Path(tempfile.gettempdir()) / "lit-vllm-x"  # pytest's tmp_path is too deep for a socket on some hosts
+    env = build_env(InferenceConfig(device="cpu"), base={"TMPDIR": "/elsewhere"}, private_dir=short)
+    assert env["TMPDIR"] == env["VLLM_RPC_BASE_PATH"] == env["PYTHONPATH"] == str(short)
     assert env["TORCHINDUCTOR_CACHE_DIR"] == default_cache_dir()  # torch's default in the trainer's process
     deep = Path(tempfile.gettempdir()) / ("d" * 80)
     env = build_env(InferenceConfig(device="cpu"), base={}, private_dir=deep)

@@ -202,3 +202,22 @@ def test_a_rollout_id_with_any_characters_travels_in_its_url(served):
     client.chat.completions.create(model="m", messages=MESSAGES)
     [call] = engine_calls(gw, store, rid)
     assert call.rollout_id == rid and gw.refused == {}
+
+
+def test_a_store_that_cannot_write_stops_the_gateway_loudly(served, monkeypatch: pytest.MonkeyPatch):
+    """The disk fault is simulated (a full disk cannot be made here): settle() raises it, and no later call is
+    served as if it were recorded."""
+    import sqlite3
+
+    gw, store, engine = served
+    rid, secret = hand_out(store)
+
+    def full_disk(records):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(store, "add_spans", full_disk)
+    client = OpenAI(base_url=gw.rollout_url(engine.base_url, rid, secret), api_key="x", max_retries=0)
+    client.chat.completions.create(model="m", messages=MESSAGES)
+    with pytest.raises(gateway_module.GatewayError, match="disk is full"):
+        gw.settle()
+    assert gw.recorded == 0

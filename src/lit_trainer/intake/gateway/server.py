@@ -32,6 +32,7 @@ its own. ``check()`` re-raises, in the caller, an error that stopped the thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -129,8 +130,9 @@ class Gateway:
         return self
 
     def stop(self) -> None:
-        if self._loop is not None and self._stopping is not None and self._thread is not None:
-            self._loop.call_soon_threadsafe(self._stopping.set)
+        """Idempotent; also after the thread stopped on an error (its loop is closed then)."""
+        self._wake()
+        if self._thread is not None:
             self._thread.join(_JOIN_S)
         self._db.shutdown(wait=True)
 
@@ -350,8 +352,7 @@ class Gateway:
         used[1] += calls.size_of(record)
         while len(self._usage) > _USAGE:
             self._usage.popitem(last=False)
-        future = asyncio.get_running_loop().run_in_executor(self._db, self._write, record)
-        future.add_done_callback(self._written)
+        self._db.submit(self._write, record)
 
     def _store_cut(self, call: calls.Call) -> None:
         call.cut = True
@@ -362,22 +363,26 @@ class Gateway:
         if not call.stored:
             self._store_cut(call)
 
-    def _written(self, future: asyncio.Future) -> None:
-        """On the loop, once a record's write ended: count it, or stop the gateway on the store's error."""
-        if future.cancelled():
+    def _write(self, record: Any) -> None:
+        """In the store's thread, in order. A call admitted while its attempt ran is its attempt's, and is written
+        even when the attempt ended meanwhile (its answer reached the agent before the agent was done): checking
+        again here lost the last call of an attempt whose end the dispatcher stored first. The store's error stops
+        the gateway (``check`` raises it), and what is queued after it is not written."""
+        if self._error is not None:
             return
-        if future.exception() is not None:
-            self._error = future.exception()
-            if self._stopping is not None:
-                self._stopping.set()
+        try:
+            self.store.add_spans([record])
+        except Exception as error:  # the trainer raises it from check()
+            self._error = error
+            self._wake()
             return
         self.recorded += 1
 
-    def _write(self, record: Any) -> None:
-        """In the store's thread. A call admitted while its attempt ran is its attempt's, and is written even when
-        the attempt ended meanwhile (its answer reached the agent before the agent was done): checking again here
-        lost the last call of an attempt whose end the dispatcher stored first."""
-        self.store.add_spans([record])
+    def _wake(self) -> None:
+        """From any thread: let the server's loop stop, unless it has already."""
+        if self._loop is not None and self._stopping is not None and not self._loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # closed between the check and the call
+                self._loop.call_soon_threadsafe(self._stopping.set)
 
     def end(self, rollout_id: str) -> None:
         """The attempt has ended (the dispatcher says so, from its thread): its later calls are refused (410)."""
