@@ -160,3 +160,17 @@ async def two_framework_parity(task, llm):
     second = "".join([chunk.content async for chunk in chat.astream(f"Repeat: {first}")])
     await client.close()
     return float(len(first + second) % 2 == 0)
+
+
+@lit.trace
+async def posts_a_reward_to_its_url(task, llm):
+    """Posts its reward to the rollout's URL at lit's gateway (as a program without the SDK does) and returns the
+    URL, which the stored root span keeps as the rollout's output."""
+    import json
+    import urllib.request
+
+    url = llm.base_url.removesuffix("/v1") + "/reward"
+    body = json.dumps({"value": 1.0}).encode()
+    request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+    await asyncio.to_thread(lambda: urllib.request.urlopen(request, timeout=10).read())
+    return url

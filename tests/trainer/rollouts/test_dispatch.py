@@ -6,6 +6,8 @@ import os
 import signal
 import socket
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from lit_sdk.resources import LLM
 from lit_sdk.worker import spawn
 from lit_trainer.evaluation import accuracy_line
 from lit_trainer.intake.collector import Collector
+from lit_trainer.intake.gateway.server import Gateway
 from lit_trainer.intake.store import RolloutStatus, SqliteStore
 from lit_trainer.rollouts.dispatcher import DispatchConfig, Dispatcher, DispatchError, Outcome, RolloutRequest
 from lit_trainer.rollouts.gather import gather_episodes
@@ -31,22 +34,25 @@ def rig(tmp_path):
     """Start a store, collector and dispatcher; ``rig(target, n_workers, **config)`` starts workers."""
     made = []
 
-    def start(target: str, workers: int = 1, concurrency: int = 4, **config):
+    def start(target: str, workers: int = 1, concurrency: int = 4, gateway: bool = False, **config):
         store = SqliteStore(tmp_path / "lit.sqlite")
         collector = Collector(store, "tcp://127.0.0.1:0").start()
+        gateway = Gateway(store, [NO_LLM.base_url]).start() if gateway else None
         dispatcher = Dispatcher(store, "tcp://127.0.0.1:0", collector.endpoint, [NO_LLM.base_url],
-                                DispatchConfig(**config))
+                                DispatchConfig(**config), gateway=gateway)
         env = {**os.environ, "PYTHONPATH": str(TESTS), "LIT_SPOOL_DIR": str(tmp_path / "spool")}
         procs = [spawn(f"rollout_agents:{target}", dispatcher.endpoint, concurrency, env) for _ in range(workers)]
-        made.append((store, collector, dispatcher, procs))
+        made.append((store, collector, dispatcher, procs, gateway))
         if workers:
             dispatcher.wait_for_workers(workers, timeout_s=60)
         return store, dispatcher, procs
 
     yield start
-    for store, collector, dispatcher, procs in made:
+    for store, collector, dispatcher, procs, gateway in made:
         stop_workers(dispatcher, procs)
         collector.stop()
+        if gateway is not None:
+            gateway.stop()
         store.close()
 
 
@@ -70,6 +76,20 @@ def test_rollouts_spread_over_workers_and_their_spans_are_stored_first(rig):
     assert why == {"no_llm_calls": "no LLM call of the selected agents carries token ids (the first: rollout "
                                    "r0-a1: the rollout made no LLM call that lit recorded (lit.instrument() off, or "
                                    "the engine not called))"}
+
+
+def test_an_ended_attempts_url_is_refused_at_the_gateway(rig):
+    """The dispatcher tells lit's gateway when an attempt ends: the URL its agent used while it ran is refused
+    afterwards (410), though the gateway admitted it before and would not ask the store again."""
+    store, dispatcher, _ = rig("posts_a_reward_to_its_url", gateway=True)
+    gateway = dispatcher.gateway
+    [outcome] = dispatcher.run(requests(1))
+    gateway.settle()
+    assert outcome.status is RolloutStatus.SUCCEEDED and gateway.recorded == 1 and gateway.refused == {}
+    url = gateway.rollout_url(NO_LLM.base_url, outcome.rollout_id, store.get_rollout(outcome.rollout_id).secret)
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(urllib.request.Request(url.removesuffix("/v1") + "/reward", b'{"value": 1}'))
+    assert refused.value.code == 410 and gateway.refused == {"ended_rollout": 1}
 
 
 def test_groups_not_ended_carry_over_to_the_next_run_still_running(rig):
