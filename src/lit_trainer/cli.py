@@ -205,11 +205,11 @@ def _train(args: argparse.Namespace) -> int:
 
     config = lit_trainer.load_config(args.config, args.overrides)
     if args.check:
-        from lit_trainer.loop import check
+        from lit_trainer.preflight import preflight
+        from lit_trainer.runs import RunFolder
 
-        for line in check(config, resume=args.resume):
+        for line in preflight(config, args.resume, RunFolder(config.train.output_dir)).lines(config):
             print(f"lit: {line}", file=sys.stderr)
-        print(f"lit: policy: {_memory_of(config)}", file=sys.stderr)
         print("lit: --check: every check made before the model loads passed; nothing was trained", file=sys.stderr)
         return 0
     with sigterm_as_interrupt():  # stops as Ctrl-C does
@@ -256,8 +256,10 @@ def _config_keys(args: argparse.Namespace) -> int:
 def _config_show(args: argparse.Namespace) -> int:
     import lit_trainer
     from lit_trainer.config import NOT_KEYS
+    from lit_trainer.preflight import memory_of
 
-    table = lit_trainer.load_config(args.config, args.overrides).to_dict()
+    config = lit_trainer.load_config(args.config, args.overrides)
+    table = config.to_dict()
     for name in NOT_KEYS:
         table.pop(name, None)
     for name, value in table.items():
@@ -268,36 +270,8 @@ def _config_show(args: argparse.Namespace) -> int:
             print(f"\n[{name}]")
             for key, item in value.items():
                 print(_toml_line(key, item))
-    print(f"\n# {_memory_of(lit_trainer.load_config(args.config, args.overrides))}")
+    print(f"\n# {memory_of(config)}")
     return 0
-
-
-def _memory_of(cfg) -> str:
-    """What one trainer process of this config would hold for the policy (learner/memory.py), in words."""
-    import torch
-    from transformers import AutoConfig
-
-    from lit_trainer.learner import memory, precision
-    from lit_trainer.models import resolve_model
-
-    try:
-        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        policy = cfg.policy
-        used = precision.resolve(policy.precision, device)
-        counts = memory.count(AutoConfig.from_pretrained(resolve_model(policy.model)), policy.lora_rank,
-                              policy.lora_target_modules)
-        plan = memory.plan(*counts, precision=used, lora=bool(policy.lora_rank),
-                           reference=cfg.loss.kl_beta > 0 and not policy.lora_rank)
-        processes = max(2, torch.cuda.device_count())  # what a sharded launch would likely use here
-        sharded = memory.plan(*counts, precision=used, lora=False, reference=cfg.loss.kl_beta > 0,
-                              processes=processes, sharded=True) if policy.shard else None
-    except (ModelError, ValueError, OSError) as exc:
-        return f"the policy's memory is not known here: {str(exc).splitlines()[0]}"
-    line = f"{plan.describe()}: one process on {device}, {used}"
-    if sharded is not None:
-        line += (f"\n# sharded (policy.shard) over {processes} processes: about {sharded.total / memory.GB:.2f} GB "
-                 f"each, and {sharded.gathered / memory.GB:.2f} GB more in the main process")
-    return line
 
 
 def _toml_line(key: str, value: object) -> str:

@@ -8,8 +8,7 @@ checkpoint when due. Generation and training alternate: vLLM idles during the up
 the rollouts, so on a 2-core machine neither slows the other. With ``train.max_staleness`` > 0 they overlap instead
 (``rollouts/feed.py``: the next step's rollouts run during this step's update), for machines where vLLM and the
 trainer have hardware of their own. Under ``torchrun --nproc_per_node N`` the main process runs all this and the
-others take their share of each update (``follow``); with ``policy.shard`` they also join every other use of the
-weights (gathering them for a push, scoring the sync check, writing a checkpoint: ``together``).
+others join what needs them (``trainers.py``). The checks made before the model loads are in ``preflight.py``.
 
 Rollouts that fail after every retry give no episode, never a reward of 0; a task left with fewer than
 ``min_group_size`` episodes is skipped. A step none of whose rollouts gave an episode stops the run with the cause
@@ -19,37 +18,34 @@ Rollouts that fail after every retry give no episode, never a reward of 0; a tas
 from __future__ import annotations
 
 import contextlib
-import functools
 import shlex
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any, TypeVar
+from dataclasses import replace
+from typing import Any
 
 import torch
 
 from lit_trainer import pipeline
-from lit_trainer.config import ConfigError, TrainConfig, changed_settings, override_key
+from lit_trainer.config import TrainConfig, TrainLoopConfig, changed_settings, override_key
 from lit_trainer.engine.fleet import SERVING_DTYPES
 from lit_trainer.evaluation import validate
-from lit_trainer.intake.store import Store
+from lit_trainer.intake.rows import Store
 from lit_trainer.learner import checkpoint as ckpt
 from lit_trainer.learner import distributed
-from lit_trainer.metrics import STEP_LINE_LEGEND, MetricsLog, check_wandb_login, memory_gb, plot_curve, step_line
+from lit_trainer.learner.policy import Policy
+from lit_trainer.metrics import STEP_LINE_LEGEND, MetricsLog, memory_gb, plot_curve, step_line
 from lit_trainer.metrics import read as read_metrics
-from lit_trainer.models import check_context, check_model_folder, resolve_model
+from lit_trainer.preflight import Ready, preflight
 from lit_trainer.progress import quiet_library_bars
-from lit_trainer.rollouts.curriculum import Curriculum, check_rest_by
+from lit_trainer.rollouts.curriculum import Curriculum
 from lit_trainer.rollouts.feed import StepFeed, StepPlan
-from lit_trainer.rollouts.guidance import check_references, guide, reference_encoder, references_of
-from lit_trainer.rollouts.runner import RolloutsFailed
-from lit_trainer.rollouts.tasks import load_tasks
+from lit_trainer.rollouts.guidance import guide, reference_encoder
+from lit_trainer.rollouts.runner import RolloutBatch, RolloutsFailed
 from lit_trainer.runs import Checkpoint, RunFolder
-from lit_trainer.services import check_agent, check_ports, services
-
-T = TypeVar("T")
+from lit_trainer.services import Services, services
+from lit_trainer.trainers import Trainers
 
 
 def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
@@ -113,176 +109,125 @@ def _launcher(verb: str) -> str:
     return "torchrun <this run's launch options, on each node> -m lit_trainer.cli"
 
 
-@dataclass
-class _Ready:
-    """What the checks made before the model loads found (``_preflight``)."""
-
-    start: Checkpoint | None
-    """The checkpoint a --resume continues from."""
-    train_tasks: list
-    val_tasks: list
-    references: dict
-    base_dir: Path | None
-    """The model's folder; None when the run is already trained to ``train.steps`` (nothing to load)."""
-
-
-def _preflight(cfg: TrainConfig, resume: bool, out: RunFolder) -> _Ready:
-    """Every check that needs neither the weights nor vLLM: what a mistake in the config, the data, the agent, the
-    model folder or the run folder makes fail in seconds, not after the model and vLLM loaded (``lit train
-    --check`` runs these alone)."""
-    start = out.latest_checkpoint()
-    if resume and start is None and distributed.is_launch_main():
-        print(f"lit: --resume: no checkpoint in {out.dir} to resume from: training starts at step 1",
-              file=sys.stderr)
-    if start is not None and not resume:
-        raise ConfigError(f"{out.dir} already holds checkpoints (latest: step {start.step}): continue it with "
-                          "--resume, or choose another train.output_dir")
-    if start is not None and start.step >= cfg.train.steps:
-        print(f"lit: {out.dir} is already trained to step {start.step} of {cfg.train.steps}; raise train.steps to "
-              "go on, or choose another train.output_dir", file=sys.stderr)
-        return _Ready(start, [], [], {}, None)
-    train_tasks, val_tasks = load_tasks(cfg.data)
-    if cfg.train.rest_after and (problem := check_rest_by(train_tasks, cfg.train.rest_by)):
-        raise ConfigError(problem)
-    references = references_of(train_tasks) if cfg.train.guidance else {}
-    if cfg.train.guidance and (problem := check_references(train_tasks)):
-        raise ConfigError(problem)
-    check_agent(cfg)  # importable, @lit.trace, (task, llm): before the model and vLLM load
-    if distributed.is_launch_main():  # the process that starts the services and whose tracker logs
-        check_ports(cfg)  # a busy fixed port
-        check_wandb_login(cfg.train.trackers)
-    base_dir = resolve_model(cfg.model)
-    check_model_folder(base_dir, weights=False)  # vLLM serves it with its tokenizer; the policy checks the weights
-    check_context(base_dir, cfg.inference.max_model_len)
-    if start is not None and (problem := ckpt.other_model(start, base_dir)):
-        raise ConfigError(problem)
-    return _Ready(start, train_tasks, val_tasks, references, base_dir)
-
-
-def check(cfg: TrainConfig, resume: bool = False) -> list[str]:
-    """``lit train --check``: the checks ``lit train`` makes before it loads the model and starts vLLM, alone (the
-    run folder is read, not created); what they found, one line each. A mistake raises as it would in ``lit
-    train``."""
-    out = RunFolder(cfg.train.output_dir)
-    ready = _preflight(cfg, resume, out)
-    if ready.base_dir is None:
-        return [f"run folder: {out.dir}, already trained to step {ready.start.step}: nothing to train"]
-    where = (f"resumes from step {ready.start.step} ({ready.start.path})" if ready.start else
-             "starts at step 1" + (" (what it holds of a run with no checkpoint is set aside)"
-                                   if out.metrics.exists() else ""))
-    lines = [f"tasks: {len(ready.train_tasks)} for training, {len(ready.val_tasks)} held out",
-             (f"agent: {cfg.agent.command} (a program run per rollout; found)" if cfg.agent.command else
-              f"agent: {cfg.agent.function} (imports; @lit.trace; takes (task, llm))"),
-             f"model: {ready.base_dir} (its config and tokenizer; vLLM's max_model_len fits it)",
-             f"run folder: {out.dir}: {where}",
-             f"addresses: the collector's {cfg.collector.endpoint}, the dispatcher's "
-             f"{cfg.dispatch_endpoint.endpoint}, vLLM's port {cfg.inference.port or '(a free one)'}: free now"]
-    if "wandb" in cfg.train.trackers:
-        lines.append("W&B: credentials found (or offline)")
-    return lines
-
-
 def _run(cfg: TrainConfig, resume: bool, out: RunFolder) -> dict[str, Any]:
-    from lit_trainer.learner.policy import Policy
-
-    ready = _preflight(cfg, resume, out)
-    start, train_tasks, val_tasks, references = ready.start, ready.train_tasks, ready.val_tasks, ready.references
+    ready = preflight(cfg, resume, out)
     if ready.base_dir is None:  # already trained to train.steps
         done = [r for r in read_metrics(out.metrics) if r["kind"] == "validation"]
         return done[-1] if done else {}
-    base_dir = ready.base_dir
     torch.manual_seed(cfg.train.seed)
-    # A LoRA policy resumes as the base model plus the checkpoint's adapter (ckpt.restore loads it).
-    policy_cfg = replace(cfg.policy, model=str(start.model_dir)) if start and not cfg.policy.lora_rank else cfg.policy
-    encode = reference_encoder(base_dir) if references else None
-    policy = Policy(policy_cfg, cfg.train.trackers, project_dir=str(out.dir),
-                    reference=str(base_dir) if cfg.loss.kl_beta > 0 else None)  # KL to the initial weights
-    room = ckpt.check_room(out, ckpt.size_estimate(policy.memory.parameters, policy.memory.trained),
-                           cfg.train.keep_checkpoints,
-                           ckpt.saves_left(start.step if start else 0, cfg.train.steps, cfg.train.checkpoint_every))
-    if room and policy.accelerator.is_main_process:  # before vLLM starts: one checkpoint fits, or it raised
-        print(f"lit: warning: {room}", file=sys.stderr)
-    state = ckpt.restore(start, policy) if start else {"step": 0, "minutes": 0.0}
-    if not policy.accelerator.is_main_process:
-        follow(policy)
-        distributed.leave()
+    trainers = Trainers(_policy(cfg, ready), SERVING_DTYPES.get(cfg.inference.dtype),
+                        "cpu" if cfg.weight_sync.transport == "shm" else None)
+    state = trainers.restore(ready.start)
+    if not trainers.main:
+        trainers.follow()
         return {}
+    trainers.gather()  # sharded: the main process keeps a copy, for a vLLM started again
     settings = cfg.to_dict()
-    if start and (changed := _changed_since(out, settings)):
+    if ready.start and (changed := _changed_since(out, settings)):
         print(f"lit: --resume with settings other than those of the run that stopped (its {out.config.name}): "
               f"{changed}", file=sys.stderr)
     out.save_config(settings)
-    # shm pushes from host memory: the gathered copy need not take room on the GPU
-    weights = Weights(policy, SERVING_DTYPES.get(cfg.inference.dtype),
-                      "cpu" if cfg.weight_sync.transport == "shm" else None)
-    with services(cfg, out.store, out.spool, out.keys, weights=weights.latest) as svc:
-        fleet, store = svc.fleet, svc.store
-        if start:
-            fleet.push_weights(weights.latest(), version=str(start.step))
-            print(f"lit: resumed from {start.path} (step {start.step})", file=sys.stderr)
-        if superseded := _supersede(out, store, start):
+    with services(cfg, out.store, out.spool, out.keys, weights=trainers.latest) as svc:
+        if ready.start:
+            svc.fleet.push_weights(trainers.latest(), version=state.weight_version)
+            print(f"lit: resumed from {ready.start.path} (step {state.step})", file=sys.stderr)
+        if superseded := _supersede(out, svc.store, ready.start):
             print(f"lit: {superseded}", file=sys.stderr)
-        log = MetricsLog(out.metrics, policy.accelerator, cfg.train.trackers, settings,
-                         first_step=start.step + 1 if start else 0,
-                         wandb_id=_wandb_run(out, go_on=start is not None and not superseded)
+        log = MetricsLog(out.metrics, trainers.policy.accelerator, cfg.train.trackers, settings,
+                         first_step=state.step + 1 if ready.start else 0,
+                         wandb_id=_wandb_run(out, go_on=ready.start is not None and not superseded)
                          if "wandb" in cfg.train.trackers else None)
-        step, minutes, last_val = state["step"], state["minutes"], {}
-        if step == 0 and cfg.train.val_every:
-            last_val = validate(svc.runner, val_tasks, log, step, minutes)
-        pad_id = _pad_id(policy)
-        curriculum = Curriculum(cfg.train.rest_by, cfg.train.rest_after, cfg.train.rest_steps,
-                                cfg.train.success_reward, cfg.train.min_group_size) if cfg.train.rest_after else None
-        if curriculum:
-            curriculum.load(state.get("curriculum"))  # what rested when the checkpoint was written
-        plan = StepPlan(cfg.train.steps, cfg.train.tasks_per_step, cfg.train.group_size, cfg.train.seed,
-                        cfg.agent.temperature, cfg.train.max_staleness, cfg.train.min_step_groups,
-                        cfg.train.extra_rollouts, cfg.train.min_group_size)
-        # leaving on an error, the rollouts running ahead end before the services stop under them (StepFeed.abort)
-        with StepFeed(svc.runner, train_tasks, plan, curriculum) as feed:
-            print(f"lit: {STEP_LINE_LEGEND}", file=sys.stderr)
-            while step < cfg.train.steps and not (cfg.train.max_minutes and minutes >= cfg.train.max_minutes):
-                t0, restarts = time.perf_counter(), fleet.restarts
-                batch = feed.take(step)
-                step += 1
-                nothing = batch.nothing_to_train()
-                if nothing:  # a broken agent, tasks it cannot run, a wrong agent.agents: stop now, not after N
-                    raise RolloutsFailed(f"step {step}: {nothing}. No step can train on that: fix the agent or the "
-                                         "config (run the agent on one task with lit_trainer.Playground: it shows the "
-                                         "error, or the spans and the episode), then start again; every rollout is in "
-                                         f"{out.store} (lit show --run {out.dir})")
-                episodes, guided = batch.episodes, {}
-                if encode:  # a reference for each failed group whose task has one
-                    more, guided = guide(episodes, references, encode, cfg.train.success_reward,
-                                         cfg.train.min_group_size)
-                    episodes = episodes + more
-                work = pipeline.prepare(episodes, cfg, step, batch.dispatched_version)
-                store.save_advantages(work.advantages)
-                metrics = {**batch.metrics, **guided, **work.metrics}
-                if work.trains:
-                    with fleet.hold():  # no server is started again with weights half updated (async rollouts)
-                        job = pipeline.UpdateJob(work.pairs, pad_id, seed=cfg.train.seed * 100_003 + step,
-                                                 learning_rate=pipeline.learning_rate(cfg, step))
-                        metrics.update(together(policy, pipeline.update, job, cfg, main_only={"store": store}))
-                        metrics.update(pipeline.push(fleet, weights.gather(), step))
-                    scorer = functools.partial(together, policy, pipeline.score)
-                    metrics.update(pipeline.check(fleet, policy, work.pairs, cfg, step, scorer))
-                metrics["engine/restarts"] = float(fleet.restarts - restarts)
-                minutes += (time.perf_counter() - t0) / 60
-                metrics["minutes"] = minutes
-                metrics.update(memory_gb(fleet.pids))
-                log.log(step, metrics)
-                print(step_line(step, cfg.train.steps, metrics), flush=True)
-                last_step = step >= cfg.train.steps or (cfg.train.max_minutes and minutes >= cfg.train.max_minutes)
-                if cfg.train.val_every and (step % cfg.train.val_every == 0 or last_step):
-                    feed.finish_ahead()  # validation needs the workers to itself
-                    last_val = validate(svc.runner, val_tasks, log, step, minutes)
-                if last_step or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0):
-                    together(policy, save_checkpoint, out.dir, step, base_dir, {
-                        "minutes": minutes, "data_position": step, "weight_version": str(step),
-                        "curriculum": curriculum.state() if curriculum else None}, cfg.train.keep_checkpoints)
+        last_val = _train(cfg, ready, state, trainers, svc, log)
         log.close()
-    distributed.broadcast(None)  # the other processes' follow() ends
-    distributed.leave()
+    trainers.finish()
+    _say_what_next(cfg, out)
+    return last_val
+
+
+def _policy(cfg: TrainConfig, ready: Ready) -> Policy:
+    """The policy the run trains: from the model, or a full fine-tune's checkpoint (a LoRA policy resumes as the
+    base model plus the checkpoint's adapter, which ``Trainers.restore`` loads); the KL reference is the initial
+    weights. Before vLLM starts: one checkpoint of it fits on the disk, or it raises."""
+    start = ready.start
+    policy_cfg = replace(cfg.policy, model=str(start.model_dir)) if start and not cfg.policy.lora_rank else cfg.policy
+    policy = Policy(policy_cfg, cfg.train.trackers, project_dir=str(ready.out.dir),
+                    reference=str(ready.base_dir) if cfg.loss.kl_beta > 0 else None)
+    room = ckpt.check_room(ready.out, ckpt.size_estimate(policy.memory.parameters, policy.memory.trained),
+                           cfg.train.keep_checkpoints,
+                           ckpt.saves_left(start.step if start else 0, cfg.train.steps, cfg.train.checkpoint_every))
+    if room and policy.accelerator.is_main_process:
+        print(f"lit: warning: {room}", file=sys.stderr)
+    return policy
+
+
+def _train(cfg: TrainConfig, ready: Ready, state: ckpt.TrainState, trainers: Trainers, svc: Services,
+           log: MetricsLog) -> dict[str, Any]:
+    """The steps from ``state`` to the end: rollouts, update, push, log, validation and checkpoints when due; the
+    last validation's metrics."""
+    train, last_val = cfg.train, {}
+    if state.step == 0 and train.val_every:
+        last_val = validate(svc.runner, ready.val_tasks, log, 0, state.minutes)
+    curriculum = Curriculum(train.rest_by, train.rest_after, train.rest_steps, train.success_reward,
+                            train.min_group_size) if train.rest_after else None
+    if curriculum:
+        curriculum.load(state.curriculum)  # what rested when the checkpoint was written
+    plan = StepPlan(train.steps, train.tasks_per_step, train.group_size, train.seed, cfg.agent.temperature,
+                    train.max_staleness, train.min_step_groups, train.extra_rollouts, train.min_group_size)
+    encode = reference_encoder(ready.base_dir) if ready.references else None
+    # leaving on an error, the rollouts running ahead end before the services stop under them (StepFeed.abort)
+    with StepFeed(svc.runner, ready.train_tasks, plan, curriculum) as feed:
+        print(f"lit: {STEP_LINE_LEGEND}", file=sys.stderr)
+        while not _done(train, state):
+            t0, restarts, step = time.perf_counter(), svc.fleet.restarts, state.step + 1
+            metrics = _step(cfg, step, feed.take(state.step), trainers, svc, ready, encode)
+            minutes = state.minutes + (time.perf_counter() - t0) / 60
+            state = ckpt.TrainState(step, minutes, str(step), curriculum.state() if curriculum else None)
+            metrics.update({"engine/restarts": float(svc.fleet.restarts - restarts), "minutes": minutes,
+                            **memory_gb(svc.fleet.pids)})
+            log.log(step, metrics)
+            print(step_line(step, train.steps, metrics), flush=True)
+            if train.val_every and (step % train.val_every == 0 or _done(train, state)):
+                feed.finish_ahead()  # validation needs the workers to itself
+                last_val = validate(svc.runner, ready.val_tasks, log, step, minutes)
+            if _done(train, state) or (train.checkpoint_every and step % train.checkpoint_every == 0):
+                trainers.save(ready.out.dir, ready.base_dir, state, train.keep_checkpoints)
+    return last_val
+
+
+def _step(cfg: TrainConfig, step: int, batch: RolloutBatch, trainers: Trainers, svc: Services, ready: Ready,
+          encode: Callable[[str], list[int]] | None) -> dict[str, float]:
+    """One step after its rollouts: the episodes prepared (LightningRL), the update, the push into vLLM and the
+    sync check when due; the step's metrics."""
+    nothing = batch.nothing_to_train()
+    if nothing:  # a broken agent, tasks it cannot run, a wrong agent.agents: stop now, not after N
+        raise RolloutsFailed(f"step {step}: {nothing}. No step can train on that: fix the agent or the config (run "
+                             "the agent on one task with lit_trainer.Playground: it shows the error, or the spans "
+                             f"and the episode), then start again; every rollout is in {ready.out.store} (lit show "
+                             f"--run {ready.out.dir})")
+    episodes, guided = batch.episodes, {}
+    if encode:  # a reference for each failed group whose task has one
+        more, guided = guide(episodes, ready.references, encode, cfg.train.success_reward, cfg.train.min_group_size)
+        episodes = episodes + more
+    work = pipeline.prepare(episodes, cfg, step, batch.dispatched_version)
+    svc.store.save_advantages(work.advantages)
+    metrics = {**batch.metrics, **guided, **work.metrics}
+    if work.trains:
+        with svc.fleet.hold():  # no server is started again with weights half updated (async rollouts)
+            job = pipeline.UpdateJob(work.pairs, _pad_id(trainers.policy), seed=cfg.train.seed * 100_003 + step,
+                                     learning_rate=pipeline.learning_rate(cfg, step))
+            metrics.update(trainers.update(job, cfg, svc.store))
+            metrics.update(pipeline.push(svc.fleet, trainers.gather(), step))
+        metrics.update(pipeline.check(svc.fleet, trainers.policy, work.pairs, cfg, step, trainers.score))
+    return metrics
+
+
+def _done(train: TrainLoopConfig, state: ckpt.TrainState) -> bool:
+    """Whether the run has trained to ``train.steps``, or for ``train.max_minutes``."""
+    return state.step >= train.steps or bool(train.max_minutes and state.minutes >= train.max_minutes)
+
+
+def _say_what_next(cfg: TrainConfig, out: RunFolder) -> None:
+    """The curve, and the commands that evaluate, show and go on with the trained run."""
     png = plot_curve(out.metrics, out.curve, title=f"{cfg.agent.function or cfg.agent.command} on {cfg.model}")
     if png:
         print(f"lit: curve written to {png}", file=sys.stderr)
@@ -292,7 +237,6 @@ def _run(cfg: TrainConfig, resume: bool, out: RunFolder) -> dict[str, Any]:
               f"`{_command(cfg, 'eval', '--checkpoint', str(out.dir))}` evaluates it, "
               f"`{shlex.join(['lit', 'show', '--run', str(out.dir)])}` shows its rollouts, "
               f"`{_command(cfg, 'train', '--resume', f'train.steps={final.step * 2}')}` trains on", file=sys.stderr)
-    return last_val
 
 
 def _supersede(out: RunFolder, store: Store, start: Checkpoint | None) -> str:
@@ -318,55 +262,7 @@ def _wandb_run(out: RunFolder, go_on: bool) -> str:
     return run_id
 
 
-def together(policy: Any, fn: Callable[..., T], *args: Any, main_only: dict[str, Any] | None = None) -> T:
-    """``fn(policy, *args)`` in the main process and, where the other processes must join, in each of them too
-    (they wait in ``follow``): always for the update (each takes its share), and for every use of the weights when
-    they are sharded (each holds a part of them). ``main_only``: keyword arguments for the main process's call
-    alone (the store)."""
-    if policy.accelerator.num_processes > 1 and (policy.sharded or fn is pipeline.update):
-        distributed.broadcast((fn, args))
-    return fn(policy, *args, **(main_only or {}))
-
-
-def follow(policy: Any) -> None:
-    """A process other than the main one (``torchrun --nproc_per_node N``): it runs what the main process asks of
-    every process (``together``: its share of each update; with the policy sharded, also the weights' gathering,
-    the sync check's scoring and the checkpoint), until the main process broadcasts None at the end of the run.
-    The main process alone runs the services and pushes the weights."""
-    while (call := distributed.broadcast()) is not None:
-        fn, args = call
-        fn(policy, *args)
-
-
-def save_checkpoint(policy: Any, output_dir: Path, step: int, base_dir: Path, extra: dict[str, Any],
-                    keep: int) -> None:
-    """``learner/checkpoint.save`` with the policy first, as ``together`` calls it."""
-    ckpt.save(output_dir, step, policy, base_dir, extra, keep)
-
-
-def _pad_id(policy: Any) -> int:
+def _pad_id(policy: Policy) -> int:
     config = policy.unwrapped().config
     pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
     return int(pad[0] if isinstance(pad, list) else pad or 0)
-
-
-class Weights:
-    """The policy's whole weights, for the main process to push into vLLM. Unsharded they are the policy's own
-    tensors. Sharded, every process takes part in gathering them (``gather``: at the start and for each push),
-    cast to vLLM's serving ``dtype`` and moved to ``device`` (the CPU for the ``shm`` transport) as they come, and
-    the main process keeps the last gathered: a vLLM started again between two pushes gets them (``latest``, from
-    whatever thread notices the death) without the other processes, which may be anywhere in their loop then.
-    That copy costs the main process one whole model in the serving dtype (learner/memory.py, ``gathered``)."""
-
-    def __init__(self, policy: Any, dtype: torch.dtype | None, device: str | None) -> None:
-        self.policy, self.dtype, self.device = policy, dtype, device
-        self._last = self.gather() if policy.sharded else None
-
-    def gather(self) -> dict[str, Any]:
-        if not self.policy.sharded:
-            return self.policy.state_dict()
-        self._last = together(self.policy, pipeline.weights, self.dtype, self.device)
-        return self._last
-
-    def latest(self) -> dict[str, Any]:
-        return self._last if self._last is not None else self.policy.state_dict()

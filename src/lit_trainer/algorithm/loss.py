@@ -230,6 +230,30 @@ def _is_weight(prox: torch.Tensor | None, behaviour: torch.Tensor, mask: torch.T
     return weight, metrics
 
 
+def _check_inputs(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                  mask: torch.Tensor, config: LossConfig, ref_logprobs: torch.Tensor | None,
+                  entropy: torch.Tensor | None, normalizer: float | None, prox_logprobs: torch.Tensor | None) -> None:
+    """``policy_loss``'s inputs have the shapes it documents, and what ``config`` asks for is given."""
+    assert new_logprobs.dim() == 2, f"new_logprobs must be (B, T), got {tuple(new_logprobs.shape)}"
+    shape = new_logprobs.shape
+    for name, t in (
+        ("old_logprobs", old_logprobs),
+        ("mask", mask),
+        ("ref_logprobs", ref_logprobs),
+        ("entropy", entropy),
+        ("prox_logprobs", prox_logprobs),
+    ):
+        assert t is None or t.shape == shape, f"{name} has shape {tuple(t.shape)}, want {tuple(shape)}"
+    assert advantages.shape == shape[:1], f"advantages has shape {tuple(advantages.shape)}, want ({shape[0]},)"
+    assert mask.dtype == torch.bool, f"mask must be bool, got {mask.dtype}"
+    assert normalizer is None or normalizer > 0, f"normalizer must be > 0, got {normalizer}"
+    if config.kl_beta > 0.0 and ref_logprobs is None:
+        raise ValueError("loss.kl_beta > 0 needs ref_logprobs (a reference model), or set kl_beta = 0")
+    if config.entropy_coef > 0.0 and entropy is None:
+        raise ValueError("loss.entropy_coef > 0 needs the entropy of the response tokens (Policy.update "
+                         "computes it when given with_entropy=True), or set entropy_coef = 0")
+
+
 def policy_loss(
     new_logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -249,25 +273,9 @@ def policy_loss(
     gradient), prox_logprobs (B, T) the recomputed π_old (None: π_old = μ).
     ``normalizer`` replaces the aggregation's denominator (see module docstring).
     """
-    assert new_logprobs.dim() == 2, f"new_logprobs must be (B, T), got {tuple(new_logprobs.shape)}"
+    _check_inputs(new_logprobs, old_logprobs, advantages, mask, config, ref_logprobs, entropy, normalizer,
+                  prox_logprobs)
     shape = new_logprobs.shape
-    for name, t in (
-        ("old_logprobs", old_logprobs),
-        ("mask", mask),
-        ("ref_logprobs", ref_logprobs),
-        ("entropy", entropy),
-        ("prox_logprobs", prox_logprobs),
-    ):
-        assert t is None or t.shape == shape, f"{name} has shape {tuple(t.shape)}, want {tuple(shape)}"
-    assert advantages.shape == shape[:1], f"advantages has shape {tuple(advantages.shape)}, want ({shape[0]},)"
-    assert mask.dtype == torch.bool, f"mask must be bool, got {mask.dtype}"
-    assert normalizer is None or normalizer > 0, f"normalizer must be > 0, got {normalizer}"
-    if config.kl_beta > 0.0 and ref_logprobs is None:
-        raise ValueError("LossConfig.kl_beta > 0 needs ref_logprobs (a reference model), or set kl_beta = 0")
-    if config.entropy_coef > 0.0 and entropy is None:
-        raise ValueError("LossConfig.entropy_coef > 0 needs the entropy of the response tokens (Policy.update "
-                         "computes it when given with_entropy=True), or set entropy_coef = 0")
-
     old = old_logprobs.detach() if prox_logprobs is None else prox_logprobs.detach()  # (B, T): π_old
     log_ratio = _masked_log_diff(new_logprobs, old, mask)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)

@@ -6,7 +6,7 @@ needs to continue exactly: the optimizer state, the step, the RNG states and the
         adapter/             LoRA only: adapter_config.json, adapter_model.safetensors (peft's format)
         optimizer/           the AdamW moments and step counts by parameter name (torch.distributed.checkpoint:
                              .metadata, *.distcp); the learning rate and the like come from the config
-        trainer_state.pt     step, rng, data position, weight version
+        trainer_state.pt     the training state (``TrainState``) and the RNG states
         DONE                 written last: a folder without it is an interrupted save and is ignored
 
 With LoRA (``policy.lora_rank > 0``) ``model/`` is the full model with the adapter merged in, so ``lit eval
@@ -35,6 +35,7 @@ import random
 import shutil
 import warnings
 from collections.abc import Iterator
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -55,17 +56,32 @@ TOKENIZER_FILES = (*models.TOKENIZER_FILES, "tokenizer_config.json", "special_to
 ``models.check_model_folder`` accepts, a sentencepiece one too), its settings, the chat template."""
 
 
-def save(output_dir: str | Path, step: int, policy: Policy, base_model_dir: Path, extra: dict[str, Any],
+@dataclass(frozen=True)
+class TrainState:
+    """Where a run stands, beside the weights and the optimizer: what a checkpoint saves and ``--resume`` reads."""
+
+    step: int = 0
+    """Steps trained. Also the data position: step s draws the tasks of (``train.seed``, s), so the same ones again
+    after a resume."""
+    minutes: float = 0.0
+    """Minutes the steps took, which ``train.max_minutes`` counts."""
+    weight_version: str = "0"
+    """The version of the weights in vLLM (the step that trained them); a resumed run pushes its weights under it."""
+    curriculum: dict[str, Any] | None = None
+    """What rested when the checkpoint was written (``rollouts/curriculum.py``); None without a curriculum."""
+
+
+def save(output_dir: str | Path, policy: Policy, base_model_dir: Path, state: TrainState,
          keep: int = 2) -> Checkpoint:
-    """Write the checkpoint of ``step`` atomically and delete all but the newest ``keep``. Called by the main
+    """Write the checkpoint of ``state.step`` atomically and delete all but the newest ``keep``. Called by the main
     process, or by every process when the policy is sharded (the weights and the optimizer state are gathered and
     written collectively); only the main process writes the model and renames the folder into place."""
-    run = RunFolder(output_dir)
+    run, step = RunFolder(output_dir), state.step
     checkpoint = run.checkpoint(step)
     staging = Checkpoint(checkpoint.path.with_name(f".tmp-{checkpoint.path.name}"), step)
     main = policy.accelerator.is_main_process
     try:
-        _write(staging, step, policy, base_model_dir, extra, main)
+        _write(staging, policy, base_model_dir, state, main)
     except BaseException as exc:  # torch.distributed.checkpoint's CheckpointException is a BaseException
         if main:  # an unfinished folder is of no use and may hold GBs
             shutil.rmtree(staging.path, ignore_errors=True)
@@ -93,8 +109,7 @@ def save(output_dir: str | Path, step: int, policy: Policy, base_model_dir: Path
     return checkpoint
 
 
-def _write(staging: Checkpoint, step: int, policy: Policy, base_model_dir: Path, extra: dict[str, Any],
-           main: bool) -> None:
+def _write(staging: Checkpoint, policy: Policy, base_model_dir: Path, state: TrainState, main: bool) -> None:
     """Everything of the checkpoint into ``staging``, ``DONE`` last (the main process's part, or another's)."""
     if main:  # before the first collective below: the other processes write into it only after that
         shutil.rmtree(staging.path, ignore_errors=True)
@@ -116,13 +131,9 @@ def _write(staging: Checkpoint, step: int, policy: Policy, base_model_dir: Path,
     for name in TOKENIZER_FILES:
         if (base_model_dir / name).exists():
             shutil.copy2(base_model_dir / name, staging.model_dir / name)
-    state = {
-        "step": step,
-        "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
-        **extra,
-    }
-    torch.save(state, staging.state_file)
-    staging.done_file.write_text(f"step {step}\n")  # last: the folder is complete
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    torch.save({**asdict(state), "rng": rng}, staging.state_file)
+    staging.done_file.write_text(f"step {state.step}\n")  # last: the folder is complete
 
 
 class NoRoomForCheckpoint(RuntimeError):
@@ -253,8 +264,8 @@ def other_model(checkpoint: Checkpoint, model_dir: Path) -> str | None:
             "resume with the model the run started from, or choose another train.output_dir for this one")
 
 
-def restore(checkpoint: Checkpoint, policy: Policy) -> dict[str, Any]:
-    """Load the training state into ``policy`` and the RNG states; the saved state.
+def restore(checkpoint: Checkpoint, policy: Policy) -> TrainState:
+    """Load the training state into ``policy`` and the RNG states; the saved ``TrainState``.
 
     The caller builds the policy first, with the run's ``PolicyConfig``:
     - full fine-tune: ``PolicyConfig.model = checkpoint.model_dir`` (the weights are loaded there);
@@ -266,15 +277,12 @@ def restore(checkpoint: Checkpoint, policy: Policy) -> dict[str, Any]:
     if checkpoint.adapter_dir is not None:
         lora.load_adapter(policy.unwrapped(), checkpoint.adapter_dir)
     # onto the CPU: under several GPU processes each would otherwise load it onto the device that saved it
-    state = torch.load(checkpoint.state_file, weights_only=False, map_location="cpu")
-    if "optimizer" in state:  # written before optimizer/ existed: by position, for an unsharded policy
-        policy.optimizer.load_state_dict(state.pop("optimizer"))
-    else:
-        _load_optimizer(checkpoint.optimizer_dir, policy)
-    random.setstate(state["rng"]["python"])
-    np.random.set_state(state["rng"]["numpy"])
-    torch.set_rng_state(state["rng"]["torch"])
-    return state
+    saved = torch.load(checkpoint.state_file, weights_only=False, map_location="cpu")
+    _load_optimizer(checkpoint.optimizer_dir, policy)
+    random.setstate(saved["rng"]["python"])
+    np.random.set_state(saved["rng"]["numpy"])
+    torch.set_rng_state(saved["rng"]["torch"])
+    return TrainState(**{f.name: saved[f.name] for f in fields(TrainState) if f.name in saved})
 
 
 def _load_optimizer(folder: Path, policy: Policy) -> None:

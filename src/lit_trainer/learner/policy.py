@@ -135,73 +135,38 @@ class Policy:
         ``config.shard``: with several processes, shard the decoder layers of the policy and of the reference
         across them (learner/sharding.py); ``state_dict``, ``token_logprobs`` and ``update`` are then collectives:
         every process calls them, in the same order."""
-        from accelerate import Accelerator
-        from accelerate.utils import InitProcessGroupKwargs
-
         self.config = config
-        # The other processes wait in a collective while the main one runs the rollouts and validation.
-        wait = InitProcessGroupKwargs(timeout=distributed.COLLECTIVE_TIMEOUT)
-        self.accelerator = Accelerator(log_with=list(trackers) or None, project_dir=project_dir,
-                                       kwargs_handlers=[wait], cpu=distributed.on_cpu_processes())
-        refused = distributed.unsupported_launch(self.accelerator.distributed_type.value,
-                                                 str(self.accelerator.mixed_precision))
-        if refused:
-            raise ValueError(refused)
-        self.precision = precision.resolve(config.precision, self.accelerator.device)
+        self.accelerator = _accelerator(trackers, project_dir)
+        device = self.accelerator.device
+        self.precision = precision.resolve(config.precision, device)
         """``fp32`` or ``bf16``: ``config.precision`` resolved for this device."""
-        precision.check(self.precision, self.accelerator.device)
-        if config.compile and (missing := compiling.missing_compiler(self.accelerator.device)):
-            raise ValueError(missing)
-        slow = precision.slow_on(self.precision, self.accelerator.device)
-        if slow and self.accelerator.is_main_process:
-            log.warning("lit: %s", slow)
+        _check_device(config, self.precision, device, self.accelerator.is_main_process)
         self.sharded = config.shard and self.accelerator.num_processes > 1
         """Whether the decoder layers are sharded across the processes (``config.shard``)."""
-        folder, model_config = _model_config(config.model)
-        self.memory = memory.plan(*memory.count(model_config, config.lora_rank, config.lora_target_modules),
-                                  precision=self.precision, lora=bool(config.lora_rank),
-                                  reference=reference is not None and not config.lora_rank,
-                                  processes=self.accelerator.num_processes, sharded=self.sharded)
+        self.memory = memory_plan(config, self.precision, reference is not None, self.accelerator.num_processes,
+                                  self.sharded)
         """What this process holds for the policy before activations (learner/memory.py)."""
-        free = memory.available(self.accelerator.device)
-        memory.check_fits(self.memory, free, self.accelerator.device)  # before any weight is read
+        free = memory.available(device)
+        memory.check_fits(self.memory, free, device)  # before any weight is read
         if self.accelerator.is_main_process:
-            room = f"; {free / memory.GB:.1f} GB free on {self.accelerator.device}" if free is not None else ""
+            room = f"; {free / memory.GB:.1f} GB free on {device}" if free is not None else ""
             print(f"lit: {self.memory.describe()}{room}", file=sys.stderr)
-        # trained weights are float32 masters; a LoRA policy's frozen base may live in bfloat16
-        model = _load(folder, precision.weights_dtype(self.precision, frozen=bool(config.lora_rank)))
-        model.config.use_cache = False  # no KV cache in training; gradient checkpointing refuses one
-        if config.lora_rank:
-            from peft import LoraConfig, get_peft_model
-
-            lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha,
-                              target_modules=list(config.lora_target_modules), task_type="CAUSAL_LM")
-            model = get_peft_model(model, lora)
-        if self.sharded:  # each layer goes to the device as it is sharded: the whole model never is there at once
-            sharding.shard(model)
-        trained = [p for p in model.parameters() if p.requires_grad]
-        # one group of shards, one of whole tensors: a fused step takes a group's tensors in one kernel call
-        params = [{"params": group} for group in ([p for p in trained if sharding.is_sharded(p)],
-                                                  [p for p in trained if not sharding.is_sharded(p)]) if group]
-        try:  # the fused kernel steps the weights several times faster on CPU than the default loop (bench/README.md)
-            optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay, fused=True)
-        except (RuntimeError, TypeError):  # a device or dtype without the fused kernel
-            optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
+        model = _build_model(config, self.precision, self.sharded)
         # Not wrapped in DDP: the processes sum their gradients themselves (learner/distributed.py says why).
         self.model = self.accelerator.prepare_model(model, evaluation_mode=self.accelerator.num_processes > 1)
-        self.optimizer = self.accelerator.prepare_optimizer(optimizer)
+        self.optimizer = self.accelerator.prepare_optimizer(_optimizer(model, config))
         if config.compile:
             compiled = compiling.compile_decoder(self.unwrapped())
             if self.accelerator.is_main_process:
                 print(f"lit: policy.compile: {compiled} decoder modules compile on their first use (torch.compile): "
                       "the first updates take longer", file=sys.stderr)
-        self.reference: torch.nn.Module | None = None
         self.has_reference = reference is not None
-        if reference is not None and not config.lora_rank:
+        self.reference: torch.nn.Module | None = None
+        if reference is not None and not config.lora_rank:  # LoRA's reference is the base under the adapter
             frozen = _load(_model_config(reference)[0], precision.weights_dtype(self.precision, frozen=True))
             if self.sharded:
                 sharding.shard(frozen)
-            self.reference = frozen.to(self.accelerator.device).eval().requires_grad_(False)
+            self.reference = frozen.to(device).eval().requires_grad_(False)
 
     @property
     def trainable(self) -> list[torch.nn.Parameter]:
@@ -369,6 +334,73 @@ def _cast_hook(params: list[torch.nn.Parameter], dtype: torch.dtype) -> Callable
         for p in params:
             p.data = p.data.to(dtype)
     return hook
+
+
+def memory_plan(config: PolicyConfig, used: str, reference: bool, processes: int = 1,
+                sharded: bool = False) -> memory.MemoryPlan:
+    """What one trainer process holds for a policy of ``config`` trained in ``used`` precision, before activations
+    (learner/memory.py), from the model's config alone: no weight is read. ``reference``: with a KL reference."""
+    _, model_config = _model_config(config.model)
+    return memory.plan(*memory.count(model_config, config.lora_rank, config.lora_target_modules), precision=used,
+                       lora=bool(config.lora_rank), reference=reference and not config.lora_rank,
+                       processes=processes, sharded=sharded)
+
+
+def _accelerator(trackers: Sequence[str], project_dir: str | None):
+    """accelerate's ``Accelerator`` for this process, refusing a launch lit does not support."""
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    # The other processes wait in a collective while the main one runs the rollouts and validation.
+    wait = InitProcessGroupKwargs(timeout=distributed.COLLECTIVE_TIMEOUT)
+    accelerator = Accelerator(log_with=list(trackers) or None, project_dir=project_dir, kwargs_handlers=[wait],
+                              cpu=distributed.on_cpu_processes())
+    refused = distributed.unsupported_launch(accelerator.distributed_type.value, str(accelerator.mixed_precision))
+    if refused:
+        raise ValueError(refused)
+    return accelerator
+
+
+def _check_device(config: PolicyConfig, used: str, device: torch.device, main: bool) -> None:
+    """Whether ``device`` can train in ``used`` precision (and compile, with ``config.compile``); a warning when it
+    would be slow."""
+    precision.check(used, device)
+    if config.compile and (missing := compiling.missing_compiler(device)):
+        raise ValueError(missing)
+    slow = precision.slow_on(used, device)
+    if slow and main:
+        log.warning("lit: %s", slow)
+
+
+def _build_model(config: PolicyConfig, used: str, sharded: bool) -> torch.nn.Module:
+    """The model to train: its trained weights are float32 masters (a LoRA policy's frozen base may live in
+    bfloat16), with LoRA adapters when ``config.lora_rank``; sharded as it is built when ``sharded`` (each layer
+    goes to the device as it is sharded: the whole model never is there at once)."""
+    folder, _ = _model_config(config.model)
+    model = _load(folder, precision.weights_dtype(used, frozen=bool(config.lora_rank)))
+    model.config.use_cache = False  # no KV cache in training; gradient checkpointing refuses one
+    if config.lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        lora_config = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha,
+                                 target_modules=list(config.lora_target_modules), task_type="CAUSAL_LM")
+        model = get_peft_model(model, lora_config)
+    if sharded:
+        sharding.shard(model)
+    return model
+
+
+def _optimizer(model: torch.nn.Module, config: PolicyConfig) -> torch.optim.Optimizer:
+    """AdamW over the trained weights: one group of shards, one of whole tensors (a fused step takes a group's
+    tensors in one kernel call); the fused kernel where the device has it (bench/README.md: several times faster
+    on CPU than the default loop)."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    params = [{"params": group} for group in ([p for p in trained if sharding.is_sharded(p)],
+                                              [p for p in trained if not sharding.is_sharded(p)]) if group]
+    try:
+        return torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay, fused=True)
+    except (RuntimeError, TypeError):  # a device or dtype without the fused kernel
+        return torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
 
 
 def _model_config(model: str) -> tuple[Path, object]:

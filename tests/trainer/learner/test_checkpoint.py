@@ -63,7 +63,7 @@ def test_lora_checkpoint_holds_the_merged_model_and_resumes_the_adapter(lora_con
     from transformers import AutoModelForCausalLM
 
     policy = trained(lora_config)
-    saved = ckpt.save(tmp_path, 2, policy, tiny_model, {"minutes": 1.5})
+    saved = ckpt.save(tmp_path, policy, tiny_model, ckpt.TrainState(step=2, minutes=1.5))
     found = resolve_checkpoint(tmp_path)
     assert found == saved and found.adapter_dir == found.path / "adapter"
     assert (found.adapter_dir / "adapter_config.json").exists()
@@ -79,7 +79,7 @@ def test_lora_checkpoint_holds_the_merged_model_and_resumes_the_adapter(lora_con
     torch.manual_seed(123)  # a different init: restore must overwrite it
     fresh = Policy(lora_config)
     state = ckpt.restore(found, fresh)
-    assert state["step"] == 2 and state["minutes"] == 1.5
+    assert state == ckpt.TrainState(step=2, minutes=1.5)
     adapters, restored = trainable(policy), trainable(fresh)
     assert sorted(adapters) == sorted(restored)
     assert all(torch.equal(adapters[n], restored[n]) for n in adapters)
@@ -97,7 +97,7 @@ def test_full_checkpoint_has_no_adapter_and_restores(tiny_model: Path, tmp_path:
     base.mkdir()
     (base / "tokenizer.model").write_bytes(b"sentencepiece model bytes")
     (base / "tokenizer_config.json").write_text("{}")
-    found = ckpt.save(tmp_path / "run", 1, policy, base, {})
+    found = ckpt.save(tmp_path / "run", policy, base, ckpt.TrainState(step=1))
     assert found.adapter_dir is None
     # the tokenizer goes with the weights, so that lit eval --checkpoint and vLLM can serve the folder
     assert (found.model_dir / "tokenizer.model").read_bytes() == b"sentencepiece model bytes"
@@ -111,9 +111,9 @@ def test_full_checkpoint_has_no_adapter_and_restores(tiny_model: Path, tmp_path:
 
 
 def test_lora_and_full_checkpoints_are_not_mixed_up(lora_config: PolicyConfig, tiny_model: Path, tmp_path: Path):
-    lora_ckpt = ckpt.save(tmp_path / "lora", 1, trained(lora_config, steps=1), tiny_model, {})
+    lora_ckpt = ckpt.save(tmp_path / "lora", trained(lora_config, steps=1), tiny_model, ckpt.TrainState(step=1))
     full_config = replace(lora_config, lora_rank=0)
-    full_ckpt = ckpt.save(tmp_path / "full", 1, trained(full_config, steps=1), tiny_model, {})
+    full_ckpt = ckpt.save(tmp_path / "full", trained(full_config, steps=1), tiny_model, ckpt.TrainState(step=1))
     with pytest.raises(ValueError, match="LoRA run's checkpoint .* policy.lora_rank = 0"):
         ckpt.restore(lora_ckpt, Policy(full_config))
     with pytest.raises(ValueError, match="full fine-tune's checkpoint .* policy.lora_rank = 4"):
@@ -161,11 +161,11 @@ from lit_trainer.learner import checkpoint as ckpt
 from lit_trainer.learner.policy import Policy, PolicyConfig
 out, model, limit = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
 policy = Policy(PolicyConfig(model=str(model)))
-ckpt.save(out, 1, policy, model, {})
+ckpt.save(out, policy, model, ckpt.TrainState(step=1))
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG instead of a kill
 resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
 try:
-    ckpt.save(out, 2, policy, model, {})
+    ckpt.save(out, policy, model, ckpt.TrainState(step=2))
 except ckpt.NoRoomForCheckpoint as exc:
     print(json.dumps({"error": str(exc)}))
 """
@@ -197,7 +197,8 @@ def test_a_resume_onto_another_model_stops_before_vllm_starts_naming_what_differ
                                                                                   prepared_model: Path):
     """A config whose ``model`` changed between a run and its ``--resume`` used to fail once vLLM was up, at the
     first weight push (full fine-tune) or the adapter's load (LoRA)."""
-    found = ckpt.save(tmp_path / "run", 1, trained(PolicyConfig(model=str(tiny_model)), steps=1), tiny_model, {})
+    policy = trained(PolicyConfig(model=str(tiny_model)), steps=1)
+    found = ckpt.save(tmp_path / "run", policy, tiny_model, ckpt.TrainState(step=1))
     assert ckpt.other_model(found, tiny_model) is None
     terse = tmp_path / "terse"  # the same model, its config written by hand without the keys it leaves at default
     terse.mkdir()

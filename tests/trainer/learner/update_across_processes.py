@@ -71,7 +71,7 @@ def main() -> None:
     weights = {k: v.clone() for k, v in policy.state_dict().items()}  # sharded: a collective
     served = policy.state_dict(torch.bfloat16)  # sharded: cast as gathered (vLLM's serving dtype)
     if args.save and (policy.sharded or policy.accelerator.is_main_process):  # as lit train calls it (loop.py)
-        checkpoint.save(args.save, 1, policy, Path(args.model), {})
+        checkpoint.save(args.save, policy, Path(args.model), checkpoint.TrainState(step=1))
     if policy.accelerator.is_main_process:
         torch.save({"grads": grads, "metrics": metrics, "logprobs": trained_logprobs,
                     "processes": policy.accelerator.num_processes, "weights": weights, "served": served,
