@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import contextlib
 import contextvars
-import importlib
 import inspect
 import logging
 import os
@@ -79,64 +78,17 @@ from lit_sdk.protocol.dispatch import (
     encode_dispatch,
 )
 from lit_sdk.resources import LLM
-from lit_sdk.trace import is_traced
+from lit_sdk.targets import load_agent
 
 log = logging.getLogger("lit.worker")
 DEFAULT_DISPATCH_ENDPOINT = "tcp://127.0.0.1:7374"
 WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "")
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 AGENT_THREADS = "lit-agent"
 """The name prefix of the threads that run sync agent functions."""
 NO_ANSWER_S = 10.0
 """A worker that no trainer has answered for this long says so (and again after twice as long, and so on)."""
-
-
-def load_target(target: str, what: str = "agent") -> Callable[..., Any]:
-    """``module:function`` → the function; the current directory is importable, as with ``python -m``. ``what``
-    the function is for the messages (``agent``, ``tasks``)."""
-    module_name, sep, attr = target.partition(":")
-    if not sep or not module_name or not attr:
-        example = "examples.calc.agent:calc_agent" if what == "agent" else "examples.calc.tasks:make_tasks"
-        raise ValueError(f"the {what} function must be given as module:function (e.g. {example}), got {target!r}")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"cannot import the {what} module {module_name!r}: {exc}") from exc
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"the {what} module {module_name!r} has no function {attr!r}")
-    return fn
-
-
-def load_agent(target: str) -> Callable[..., Any]:
-    """``load_target`` for the agent function, which must be marked by ``@lit.trace`` (without it a rollout
-    records no root span, and every one fails) and take ``(task, llm)``: ValueError naming the fix otherwise."""
-    fn = load_target(target, "agent")
-    if not is_traced(fn):
-        raise ValueError(f"the agent function {target} is not decorated with @lit.trace: its rollouts would record "
-                         "nothing the trainer can use, and every one would fail. Put @lit.trace on the line above "
-                         f"`def {getattr(fn, '__name__', target)}`")
-    check_takes(fn, ("task", "llm"), f"the agent function {target}")
-    return fn
-
-
-def check_takes(fn: Callable[..., Any], params: tuple[str, ...], subject: str, note: str = "") -> None:
-    """ValueError ``<subject> must take (<params>), as lit calls it; its signature is ...<note>`` unless ``fn`` can
-    be called with ``len(params)`` positional arguments; nothing when it has no signature to read (a builtin, a C
-    callable: the call will tell)."""
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return
-    try:
-        signature.bind(*params)
-    except TypeError:
-        raise ValueError(f"{subject} must take ({', '.join(params)}), as lit calls it; its signature is "
-                         f"{signature}{note}") from None
 
 
 def check_endpoint(endpoint: str) -> None:
@@ -160,9 +112,9 @@ def reachable(address: str, trainer_host: str) -> str:
     in ``address`` means "the trainer's machine", so it becomes the host this worker reached the trainer at."""
     parts = urlsplit(address)
     host = parts.hostname or ""
-    if host not in WILDCARD_HOSTS + LOOPBACK_HOSTS:
+    if host not in WILDCARD_HOSTS and not security.is_loopback_host(host):
         return address
-    target = "127.0.0.1" if trainer_host in LOOPBACK_HOSTS else trainer_host
+    target = "127.0.0.1" if security.is_loopback_host(trainer_host) else trainer_host
     netloc = f"{target}:{parts.port}" if parts.port else target
     return urlunsplit(parts._replace(netloc=netloc))
 

@@ -20,7 +20,8 @@ import zmq
 from lit_sdk.command_agent import check_command
 from lit_sdk.processes import interrupts_held, stop_children, wait_children
 from lit_sdk.protocol import security
-from lit_sdk.worker import load_agent, spawn
+from lit_sdk.targets import load_agent
+from lit_sdk.worker import spawn
 from lit_trainer.config import ConfigError, TrainConfig
 from lit_trainer.engine.fleet import Fleet, Weights
 from lit_trainer.engine.launch import InferenceError, pick_port, server_ports
@@ -49,7 +50,7 @@ class Services:
 
 def check_agent(cfg: TrainConfig) -> None:
     """ConfigError or ValueError, naming the fix, unless ``[agent] function`` names an importable ``@lit.trace``
-    function that takes ``(task, llm)`` (``lit_sdk.worker.load_agent``), or ``[agent] command`` a program that
+    function that takes ``(task, llm)`` (``lit_sdk.targets.load_agent``), or ``[agent] command`` a program that
     can be found (``lit_sdk.command_agent.check_command``): checked before any model or server starts."""
     if cfg.agent.command:
         check_command(cfg.agent.command, "agent.command")

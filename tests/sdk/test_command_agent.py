@@ -277,7 +277,8 @@ print(json.dumps({"reward": task["value"], "rollout": os.environ["LIT_ROLLOUT_ID
 
 def test_lit_worker_runs_a_command_in_several_processes_for_a_real_dispatcher(tmp_path):
     from lit_trainer.intake.collector import Collector
-    from lit_trainer.intake.store import RolloutStatus, SqliteStore
+    from lit_trainer.intake.rows import RolloutStatus
+    from lit_trainer.intake.store import SqliteStore
     from lit_trainer.rollouts.dispatcher import DispatchConfig, Dispatcher, RolloutRequest
     from lit_trainer.services import stop_workers
 

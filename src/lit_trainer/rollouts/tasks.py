@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lit_sdk.protocol import codec
-from lit_sdk.worker import check_takes, load_target
+from lit_sdk.targets import check_takes, load_target
 
 log = logging.getLogger("lit")
 

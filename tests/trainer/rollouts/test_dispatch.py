@@ -20,7 +20,8 @@ from lit_sdk.worker import spawn
 from lit_trainer.evaluation import accuracy_line
 from lit_trainer.intake.collector import Collector
 from lit_trainer.intake.gateway.server import Gateway
-from lit_trainer.intake.store import RolloutStatus, SqliteStore
+from lit_trainer.intake.rows import RolloutStatus
+from lit_trainer.intake.store import SqliteStore
 from lit_trainer.rollouts.dispatcher import DispatchConfig, Dispatcher, DispatchError, Outcome, RolloutRequest
 from lit_trainer.rollouts.gather import gather_episodes
 from lit_trainer.services import stop_workers
@@ -262,7 +263,7 @@ def test_a_busy_dispatch_port_is_a_clear_error(rig, tmp_path):
 
 
 def test_a_bad_agent_target_is_named(tmp_path, monkeypatch):
-    from lit_sdk.worker import load_agent, load_target
+    from lit_sdk.targets import load_agent, load_target
 
     with pytest.raises(ValueError, match="module:function"):
         load_target("no_colon")
