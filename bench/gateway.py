@@ -71,7 +71,8 @@ def stand_in(port_queue: mp.Queue) -> None:
 def gateway(upstreams: list[str], url_queue: mp.Queue, folder: str) -> None:
     """lit's gateway on a store of its own, with one running rollout handed out."""
     from lit_trainer.intake.gateway.server import Gateway
-    from lit_trainer.intake.store import RolloutRow, RolloutStatus, SqliteStore
+    from lit_trainer.intake.rows import RolloutRow, RolloutStatus
+    from lit_trainer.intake.store import SqliteStore
 
     store = SqliteStore(f"{folder}/lit.sqlite")
     store.add_rollouts([RolloutRow(ROLLOUT, "t", 0, secret=SECRET)])

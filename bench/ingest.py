@@ -39,7 +39,8 @@ from lit_sdk import semconv as sc
 from lit_sdk.sender import SpanSender
 from lit_trainer.intake.collector import Collector
 from lit_trainer.intake.episodes import Episode, build_episode
-from lit_trainer.intake.store import RolloutRow, SqliteStore
+from lit_trainer.intake.rows import RolloutRow
+from lit_trainer.intake.store import SqliteStore
 
 SPANS_PER_ROLLOUT = 10
 _DEADLINE_S = 300.0

@@ -60,7 +60,8 @@ from lit_trainer.algorithm.advantages import episode_advantages
 from lit_trainer.algorithm.loss import normalizer_of
 from lit_trainer.config import TrainConfig, from_dict
 from lit_trainer.intake.episodes import Episode, Transition
-from lit_trainer.intake.store import RolloutStatus, SqliteStore
+from lit_trainer.intake.rows import RolloutStatus
+from lit_trainer.intake.store import SqliteStore
 from lit_trainer.learner.batching import keep_usable
 from lit_trainer.learner.schedule import mask_overlong
 from lit_trainer.metrics import read as read_metrics

@@ -109,7 +109,8 @@ def run_load(rollouts: int, workers: int, concurrency: int, llm_url: str, work_d
     from lit_sdk.worker import spawn
     from lit_trainer.config import TrainConfig
     from lit_trainer.intake.collector import Collector
-    from lit_trainer.intake.store import RolloutStatus, SqliteStore
+    from lit_trainer.intake.rows import RolloutStatus
+    from lit_trainer.intake.store import SqliteStore
     from lit_trainer.rollouts.dispatcher import Dispatcher, RolloutRequest
     from lit_trainer.services import stop_workers, with_keys
 

@@ -3,7 +3,7 @@ real collector: the collector stores only spans of rollouts the trainer handed o
 
 from __future__ import annotations
 
-from lit_trainer.intake.store import RolloutRow, Store
+from lit_trainer.intake.rows import RolloutRow, Store
 
 
 def hand_out(store: Store, *rollout_ids: str, secret: str | None = None) -> None:

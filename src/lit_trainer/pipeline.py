@@ -31,7 +31,7 @@ from lit_trainer.engine import logprob_check
 from lit_trainer.engine.fleet import Fleet, Score
 from lit_trainer.engine.weight_sync import WeightSyncError
 from lit_trainer.intake.episodes import Episode, Transition, unsupported_sampling
-from lit_trainer.intake.store import AdvantageRow, Store
+from lit_trainer.intake.rows import AdvantageRow, Store
 from lit_trainer.learner.batching import SAMPLING_FIX, keep_usable
 from lit_trainer.learner.schedule import drop_stale, learning_rate_at, mask_overlong, run_update
 

@@ -36,7 +36,8 @@ from lit_trainer.engine.server import InferenceServer
 from lit_trainer.intake.collector import Collector
 from lit_trainer.intake.episodes import Episode, UnusableRollout, build_episode
 from lit_trainer.intake.gateway.server import Gateway
-from lit_trainer.intake.store import RolloutRow, SqliteStore
+from lit_trainer.intake.rows import RolloutRow
+from lit_trainer.intake.store import SqliteStore
 from lit_trainer.runs import Run, RunFolder
 
 STORED_TIMEOUT_S = 30.0

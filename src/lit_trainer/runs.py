@@ -44,7 +44,8 @@ from typing import Any
 
 from lit_trainer import steps
 from lit_trainer.intake.episodes import Episode, UnusableRollout, build_episode
-from lit_trainer.intake.store import RolloutRow, SqliteStore, Store
+from lit_trainer.intake.rows import RolloutRow, Store
+from lit_trainer.intake.store import SqliteStore
 from lit_trainer.metrics import plot_curve, supersede
 from lit_trainer.metrics import read as read_metrics
 from lit_trainer.viewer import RolloutView, view_rollout

@@ -32,7 +32,7 @@ from lit_sdk import semconv as sc
 from lit_sdk.protocol import STATUS_ERROR, SpanRecord
 from lit_trainer import steps
 from lit_trainer.intake.episodes import Episode, Transition, UnusableRollout, build_episode, merged_spans
-from lit_trainer.intake.store import RolloutRow, Store
+from lit_trainer.intake.rows import RolloutRow, Store
 
 Decode = Callable[[object], str | None]
 """A token id → its text, or None where it has none (the page shows the id)."""

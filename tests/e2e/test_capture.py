@@ -21,7 +21,8 @@ from lit_sdk.resources import LLM
 from lit_trainer.intake.collector import Collector
 from lit_trainer.intake.episodes import Episode, build_episode
 from lit_trainer.intake.gateway.server import Gateway
-from lit_trainer.intake.store import RolloutRow, RolloutStatus, SqliteStore
+from lit_trainer.intake.rows import RolloutRow, RolloutStatus
+from lit_trainer.intake.store import SqliteStore
 
 pytestmark = pytest.mark.vllm
 

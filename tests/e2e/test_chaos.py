@@ -82,7 +82,8 @@ def die():
 def when_rollouts_ended(step, then):
     # call then() right after the store records the second ended rollout of training step `step` (from 0), in the
     # thread that ends it: the step's other rollouts are still queued or running
-    from lit_trainer.intake.store import RolloutStatus, SqliteStore
+    from lit_trainer.intake.rows import RolloutStatus
+    from lit_trainer.intake.store import SqliteStore
     set_status, ended = SqliteStore.set_rollout_status, []
 
     def set_status_then(self, rollout_id, status, error=None):

@@ -268,7 +268,8 @@ def two_servers_served(store_path: Path, logs: Path) -> None:
     second) and answered every call of step s with the weights
     of step s (the version lit's route guard adds to its answers)."""
     from lit_sdk import semconv
-    from lit_trainer.intake.store import RolloutStatus, SqliteStore
+    from lit_trainer.intake.rows import RolloutStatus
+    from lit_trainer.intake.store import SqliteStore
 
     server_of, syncs = {}, {}
     for log in sorted(logs.glob("vllm-*.log")):

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 import lit_trainer as lt
-from lit_trainer.intake.store import RolloutRow, RolloutStatus, SqliteStore
+from lit_trainer.intake.rows import RolloutRow, RolloutStatus
+from lit_trainer.intake.store import SqliteStore
 from lit_trainer.runs import RunFolder
 
 SESSION = "0a1b2c3d"

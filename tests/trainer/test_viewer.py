@@ -18,7 +18,8 @@ from lit_trainer.algorithm.advantages import episode_advantages
 from lit_trainer.cli import main
 from lit_trainer.config import TrainConfig
 from lit_trainer.intake.episodes import Episode, Transition, build_episode
-from lit_trainer.intake.store import AdvantageRow, RolloutRow, RolloutStatus, SqliteStore
+from lit_trainer.intake.rows import AdvantageRow, RolloutRow, RolloutStatus
+from lit_trainer.intake.store import SqliteStore
 from lit_trainer.pipeline import prepare
 from lit_trainer.runs import Run, RunFolder
 

@@ -54,7 +54,7 @@ from lit_sdk.protocol import security
 from lit_trainer.intake import admission
 from lit_trainer.intake.connections import ConnectionLimit
 from lit_trainer.intake.parts import BUSY, PartAssembler
-from lit_trainer.intake.store import Store
+from lit_trainer.intake.rows import Store
 
 log = logging.getLogger("lit")
 

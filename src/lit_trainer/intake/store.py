@@ -1,4 +1,5 @@
-"""The trainer's durable store: spans, rollouts, tasks and episodes, behind a small ``Store`` interface.
+"""The trainer's durable store: spans, rollouts, tasks and episodes, behind a small ``Store`` interface
+(``rows.py``, with the rows it reads and writes).
 
 ``SqliteStore`` is the embedded default, one SQLite file in WAL mode. What it promises:
 
@@ -33,24 +34,29 @@ stored for the first time).
 
 from __future__ import annotations
 
-import enum
 import json
 import sqlite3
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from lit_sdk import semconv
 from lit_sdk.protocol import SPAN_FIELDS, PackedSpan, SpanRecord, codec, pack_span
 from lit_trainer.intake.admission import Admission, is_root
+from lit_trainer.intake.rows import (
+    ALLOWED_TRANSITIONS,
+    AdvantageRow,
+    BatchOutcome,
+    EpisodeRow,
+    RolloutRow,
+    RolloutStatus,
+    TaskRow,
+)
 
-SCHEMA_VERSION = 2
-"""1: spans in a rowid table with span-id and rollout indexes. 2: ``WITHOUT ROWID``, keyed by (rollout, span).
-Tables added since (``_ADDED``) are created on open when missing: a store of an earlier version 2 gains them, and an
-earlier lit ignores them, so they need no new version."""
+SCHEMA_VERSION = 3
+"""A store of another version is refused with both versions named (none was released before 3)."""
 _APP = "lit"
 _PAGE_SIZE = 16384
 _IN_CHUNK = 500
@@ -63,109 +69,6 @@ class StoreError(RuntimeError):
     """The store cannot do what was asked: not a lit store, another schema version, closed, a bad transition."""
 
 
-class RolloutStatus(str, enum.Enum):
-    QUEUED = "queued"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    TIMED_OUT = "timed_out"
-
-
-_ENDED = frozenset({RolloutStatus.SUCCEEDED, RolloutStatus.FAILED, RolloutStatus.TIMED_OUT})
-ALLOWED_TRANSITIONS: dict[RolloutStatus, frozenset[RolloutStatus]] = {
-    RolloutStatus.QUEUED: frozenset({RolloutStatus.RUNNING}) | _ENDED,
-    RolloutStatus.RUNNING: _ENDED,
-    **{status: frozenset() for status in _ENDED},
-}
-"""Which status each status may move to (see the module docstring)."""
-
-
-@dataclass(slots=True)
-class RolloutRow:
-    """One execution of the agent on one task. Times are Unix seconds; ``created_at`` is set on insert if None."""
-
-    rollout_id: str
-    task_id: str
-    step: int
-    attempt: int = 1
-    status: RolloutStatus = RolloutStatus.QUEUED
-    created_at: float | None = None
-    started_at: float | None = None
-    ended_at: float | None = None
-    error: str | None = None
-    secret: str | None = None
-    """What the attempt's root span must carry to be stored (intake/admission.py); None: a root without one."""
-
-
-@dataclass(slots=True)
-class TaskRow:
-    """One input of a dataset; ``payload`` is anything JSON can hold."""
-
-    task_id: str
-    split: str
-    payload: Any
-
-
-@dataclass(slots=True)
-class EpisodeRow:
-    rollout_id: str
-    data: dict[str, Any]
-    episode_return: float | None
-    built_at: float
-
-
-@dataclass(slots=True)
-class AdvantageRow:
-    """The advantage one transition (LLM call) got in the update of training step ``step`` (from 1)."""
-
-    rollout_id: str
-    index: int
-    """The transition's position in its episode, from 0 (``Transition.index``)."""
-    step: int
-    advantage: float
-
-
-@dataclass(slots=True)
-class BatchOutcome:
-    """What storing one batch of spans did."""
-
-    stored: int
-    duplicates: int
-    new_roots: list[str] = field(default_factory=list)
-    """Rollout ids of the rollout root spans this batch stored for the first time."""
-    refused: dict[str, int] = field(default_factory=dict)
-    """Spans not stored, by ``admission.EXPLAINED`` kind (not counted in ``duplicates``)."""
-
-
-class Store(Protocol):
-    """What the trainer needs from a database. ``SqliteStore`` is the default; another backend implements this."""
-
-    def add_spans(self, records: Sequence[SpanRecord]) -> tuple[int, int]: ...
-    def add_span_batches(self, batches: Sequence[Sequence[SpanRecord]]) -> list[BatchOutcome]: ...
-    def add_packed_span_batches(self, batches: Sequence[Sequence[PackedSpan]], admit: bool = False
-                                ) -> list[BatchOutcome]: ...
-    def spans_of_rollout(self, rollout_id: str) -> list[SpanRecord]: ...
-    def missing_spans(self, rollout_id: str) -> str | None: ...
-    def add_rollouts(self, rows: Iterable[RolloutRow]) -> None: ...
-    def set_rollout_status(self, rollout_id: str, status: RolloutStatus, error: str | None = None) -> None: ...
-    def end_unfinished(self, error: str) -> int: ...
-    def get_rollout(self, rollout_id: str) -> RolloutRow | None: ...
-    def rollouts_of_step(self, step: int) -> list[RolloutRow]: ...
-    def last_step(self) -> int | None: ...
-    def supersede(self, rollout_ids: Iterable[str], restart_step: int) -> int: ...
-    def superseded(self, rollout_ids: Sequence[str]) -> dict[str, int]: ...
-    def add_tasks(self, rows: Iterable[TaskRow]) -> int: ...
-    def get_task(self, task_id: str) -> TaskRow | None: ...
-    def save_episode(self, rollout_id: str, data: dict[str, Any], episode_return: float | None) -> None: ...
-    def get_episode(self, rollout_id: str) -> EpisodeRow | None: ...
-    def save_advantages(self, rows: Iterable[AdvantageRow]) -> None: ...
-    def advantages_of_rollout(self, rollout_id: str) -> dict[int, float]: ...
-    def save_trainer_logprobs(self, rows: Iterable[tuple[str, int, list[float]]]) -> None: ...
-    def trainer_logprobs_of_rollout(self, rollout_id: str) -> dict[int, list[float]]: ...
-    def counts(self) -> dict[str, int]: ...
-    def close(self) -> None: ...
-
-
 _SCHEMA = """
 CREATE TABLE lit_schema (app TEXT NOT NULL, version INTEGER NOT NULL);
 CREATE TABLE spans (
@@ -174,20 +77,17 @@ CREATE TABLE spans (
     attributes BLOB NOT NULL, events BLOB NOT NULL, PRIMARY KEY (rollout_id, span_id)) WITHOUT ROWID;
 CREATE TABLE rollouts (
     rollout_id TEXT PRIMARY KEY, task_id TEXT NOT NULL, attempt INTEGER NOT NULL, step INTEGER NOT NULL,
-    status TEXT NOT NULL, created_at REAL NOT NULL, started_at REAL, ended_at REAL, error TEXT);
+    status TEXT NOT NULL, created_at REAL NOT NULL, started_at REAL, ended_at REAL, error TEXT, secret TEXT);
 CREATE INDEX rollouts_of_step ON rollouts (step);
 CREATE TABLE tasks (task_id TEXT PRIMARY KEY, split TEXT NOT NULL, payload TEXT NOT NULL);
 CREATE TABLE episodes (
     rollout_id TEXT PRIMARY KEY, data BLOB NOT NULL, episode_return REAL, built_at REAL NOT NULL);
-"""
-_ADDED = """
-CREATE TABLE IF NOT EXISTS advantages (
+CREATE TABLE advantages (
     rollout_id TEXT NOT NULL, transition INTEGER NOT NULL, step INTEGER NOT NULL, advantage REAL NOT NULL,
     trainer_logprobs BLOB, PRIMARY KEY (rollout_id, transition)) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS superseded (
+CREATE TABLE superseded (
     rollout_id TEXT PRIMARY KEY, restart_step INTEGER NOT NULL, at REAL NOT NULL) WITHOUT ROWID;
 """
-"""Tables added to schema version 2 (see ``SCHEMA_VERSION``)."""
 _ROLLOUT_KEY_IN, _ROLLOUT_KEY_OUT = "coalesce(?, x'')", "nullif(rollout_id, x'')"
 """A span outside any rollout is keyed by the empty BLOB (key columns cannot be NULL) and read back as None."""
 _SPAN_COLUMNS = ", ".join(SPAN_FIELDS)
@@ -247,10 +147,9 @@ class SqliteStore:
     def _check_schema(self, conn: sqlite3.Connection) -> None:
         tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         if not tables:
-            for statement in filter(str.strip, (_SCHEMA + _ADDED).split(";")):
+            for statement in filter(str.strip, _SCHEMA.split(";")):
                 conn.execute(statement)
             conn.execute("INSERT INTO lit_schema VALUES (?, ?)", (_APP, SCHEMA_VERSION))
-            self._add_columns(conn)
             return
         if "lit_schema" not in tables:
             raise StoreError(f"{self.path} is an SQLite database but not a lit store (no lit_schema table; "
@@ -261,16 +160,6 @@ class SqliteStore:
         if row[1] != SCHEMA_VERSION:
             raise StoreError(f"the store at {self.path} has schema version {row[1]}; this lit reads version "
                              f"{SCHEMA_VERSION} only (use a new store file, or the lit version that wrote it)")
-        for statement in filter(str.strip, _ADDED.split(";")):
-            conn.execute(statement)
-        self._add_columns(conn)
-
-    @staticmethod
-    def _add_columns(conn: sqlite3.Connection) -> None:
-        """Columns added to schema version 2 since (an earlier lit reads the store without them)."""
-        columns = {row[1] for row in conn.execute("PRAGMA table_info(rollouts)")}
-        if "secret" not in columns:
-            conn.execute("ALTER TABLE rollouts ADD COLUMN secret TEXT")
 
     def close(self) -> None:
         """Close every thread's connection. Idempotent; later calls of any method raise StoreError."""

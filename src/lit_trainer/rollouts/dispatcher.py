@@ -60,7 +60,7 @@ from lit_sdk.protocol.dispatch import (
 )
 from lit_sdk.resources import LLM
 from lit_trainer.intake.connections import ConnectionLimit
-from lit_trainer.intake.store import RolloutRow, RolloutStatus, Store
+from lit_trainer.intake.rows import RolloutRow, RolloutStatus, Store
 
 if TYPE_CHECKING:
     from lit_trainer.intake.gateway.server import Gateway

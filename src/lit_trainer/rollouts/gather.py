@@ -7,7 +7,7 @@ import collections
 import logging
 
 from lit_trainer.intake.episodes import Episode, Unusable, UnusableRollout, build_episode
-from lit_trainer.intake.store import RolloutStatus, Store
+from lit_trainer.intake.rows import RolloutStatus, Store
 from lit_trainer.rollouts.dispatcher import Outcome
 
 log = logging.getLogger("lit")

@@ -23,7 +23,7 @@ from lit_trainer.engine.fleet import Fleet, first_line
 from lit_trainer.engine.server import ServerDiedError
 from lit_trainer.intake.collector import Collector
 from lit_trainer.intake.episodes import Episode
-from lit_trainer.intake.store import RolloutStatus, Store
+from lit_trainer.intake.rows import RolloutStatus, Store
 from lit_trainer.progress import progress_bar
 from lit_trainer.rollouts.dispatcher import Dispatcher, Outcome, RolloutRequest, group_of
 from lit_trainer.rollouts.gather import gather_episodes

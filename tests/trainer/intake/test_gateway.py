@@ -17,7 +17,8 @@ from lit_sdk.protocol import STATUS_ERROR, STATUS_OK
 from lit_trainer.intake.gateway import calls
 from lit_trainer.intake.gateway import server as gateway_module
 from lit_trainer.intake.gateway.server import Gateway
-from lit_trainer.intake.store import RolloutRow, RolloutStatus, SqliteStore
+from lit_trainer.intake.rows import RolloutRow, RolloutStatus
+from lit_trainer.intake.store import SqliteStore
 
 MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
 

@@ -15,15 +15,8 @@ import pytest
 
 from lit_sdk import semconv as sc
 from lit_sdk.protocol import STATUS_ERROR, STATUS_OK, SpanRecord, pack_span
-from lit_trainer.intake.store import (
-    ALLOWED_TRANSITIONS,
-    SCHEMA_VERSION,
-    RolloutRow,
-    RolloutStatus,
-    SqliteStore,
-    StoreError,
-    TaskRow,
-)
+from lit_trainer.intake.rows import ALLOWED_TRANSITIONS, RolloutRow, RolloutStatus, TaskRow
+from lit_trainer.intake.store import SCHEMA_VERSION, SqliteStore, StoreError
 
 TRACE = "0123456789abcdef" * 2
 
@@ -175,20 +168,6 @@ def test_reopening_keeps_everything(tmp_path):
         assert (mode, sync) == ("wal", 2)  # 2 is FULL
 
 
-def test_a_store_written_before_the_superseded_table_gains_it_and_keeps_its_rollouts(tmp_path):
-    """Stores of schema version 2 written before resumed runs set rollouts aside have no ``superseded`` table;
-    opened by this lit they gain it (an earlier lit ignores it)."""
-    with SqliteStore(tmp_path / "s.db") as s:
-        s.add_rollouts([RolloutRow("a", "t", step=0), RolloutRow("b", "t", step=1)])
-    with sqlite3.connect(tmp_path / "s.db") as conn:
-        conn.execute("DROP TABLE superseded")
-    with SqliteStore(tmp_path / "s.db") as s:
-        assert s.superseded(["a", "b"]) == {} and s.get_rollout("b").step == 1
-        assert s.supersede(["b", "b", "c"], restart_step=1) == 1  # once; "c" is no rollout of the store
-        assert s.supersede(["b"], restart_step=3) == 0  # marked once: the first restart is kept
-        assert s.superseded(["a", "b"]) == {"b": 1} and s.counts()["rollouts"] == 2
-
-
 def test_refuses_files_that_are_not_lit_stores_of_this_version(tmp_path):
     text = tmp_path / "notes.txt"
     text.write_text("hello, this is not a database at all\n" * 100)
@@ -223,8 +202,8 @@ def test_a_store_of_schema_version_1_is_refused_with_the_versions_named(tmp_path
     old = tmp_path / "v1.db"
     with sqlite3.connect(old) as conn:
         conn.executescript(_SCHEMA_1)
-    assert SCHEMA_VERSION == 2
-    with pytest.raises(StoreError, match="v1.db has schema version 1; this lit reads version 2 only .use a new store"):
+    with pytest.raises(StoreError, match=f"v1.db has schema version 1; this lit reads version {SCHEMA_VERSION} only "
+                                         ".use a new store"):
         SqliteStore(old)
     with sqlite3.connect(old) as conn:  # and it was left as it was
         assert conn.execute("SELECT version FROM lit_schema").fetchone() == (1,)

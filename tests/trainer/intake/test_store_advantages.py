@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import sqlite3
 
-from lit_trainer.intake.store import SCHEMA_VERSION, AdvantageRow, RolloutRow, SqliteStore
+from lit_trainer.intake.rows import AdvantageRow, RolloutRow
+from lit_trainer.intake.store import SCHEMA_VERSION, SqliteStore
 
 
 def test_advantages_round_trip_per_rollout_and_a_later_save_replaces(tmp_path):

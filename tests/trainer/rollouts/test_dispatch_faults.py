@@ -38,7 +38,8 @@ from lit_sdk.protocol.dispatch import (
 )
 from lit_sdk.resources import LLM
 from lit_sdk.worker import Worker
-from lit_trainer.intake.store import RolloutStatus, SqliteStore
+from lit_trainer.intake.rows import RolloutStatus
+from lit_trainer.intake.store import SqliteStore
 from lit_trainer.rollouts.dispatcher import DispatchConfig, Dispatcher, Outcome, RolloutRequest
 
 NO_LLM = LLM("http://127.0.0.1:9/v1", "none")

@@ -28,7 +28,7 @@ from lit_sdk.processes import stop_child
 from lit_sdk.protocol import security
 from lit_sdk.worker import spawn
 from lit_trainer.intake.connections import RESERVE_FDS
-from lit_trainer.intake.store import RolloutStatus
+from lit_trainer.intake.rows import RolloutStatus
 
 TESTS = Path(__file__).parents[2]
 NOFILE = 512

@@ -146,7 +146,7 @@ def test_a_group_still_running_carries_over_to_the_next_step_instead_of_stalling
     their fast group as soon as it ended (``min_step_groups = 1``) and their slow groups carry over, running (step
     1's through two steps); step 3, the last, gets both back with its own two groups: the last step waits for every
     group, so that none is left over, and its episodes count from the oldest group's dispatch."""
-    from lit_trainer.intake.store import RolloutStatus
+    from lit_trainer.intake.rows import RolloutStatus
 
     tasks = [{"id": 0, "value": 1.0, "seconds": 4.0}, {"id": 1, "value": 0.0, "seconds": 0.05}]
     with real_runner(tmp_path, "rollout_agents:returns_after_its_seconds", "carry") as (store, runner):
@@ -305,7 +305,7 @@ def test_a_loop_leaving_on_an_error_ends_the_rollouts_running_ahead_before_the_s
     the feed, leaving on an error, ends them (their attempts fail in the store) and waits for its thread."""
     from waiting import wait_until
 
-    from lit_trainer.intake.store import RolloutStatus
+    from lit_trainer.intake.rows import RolloutStatus
 
     with real_runner(tmp_path, "rollout_agents:hangs", "abort") as (store, runner):
         with pytest.raises(MemoryError, match="the update ran out"):

@@ -9,7 +9,8 @@ from pathlib import Path
 from lit_sdk import semconv as sc
 from lit_sdk.protocol import SpanRecord
 from lit_sdk.resources import LLM
-from lit_trainer.intake.store import RolloutStatus, SqliteStore
+from lit_trainer.intake.rows import RolloutStatus
+from lit_trainer.intake.store import SqliteStore
 from lit_trainer.rollouts.dispatcher import Outcome, RolloutRequest
 from lit_trainer.rollouts.gather import gather_episodes
 

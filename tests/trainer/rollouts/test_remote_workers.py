@@ -40,7 +40,8 @@ from lit_sdk.protocol import security
 from lit_sdk.resources import LLM
 from lit_trainer import cli
 from lit_trainer.intake.collector import Collector
-from lit_trainer.intake.store import RolloutStatus, SqliteStore
+from lit_trainer.intake.rows import RolloutStatus
+from lit_trainer.intake.store import SqliteStore
 from lit_trainer.rollouts.dispatcher import DispatchConfig, Dispatcher, DispatchError, RolloutRequest
 
 log = logging.getLogger(__name__)

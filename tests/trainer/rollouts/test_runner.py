@@ -15,7 +15,7 @@ import pytest
 
 from lit_trainer.engine.server import ServerDiedError
 from lit_trainer.intake.episodes import Episode
-from lit_trainer.intake.store import RolloutStatus
+from lit_trainer.intake.rows import RolloutStatus
 from lit_trainer.rollouts.dispatcher import Outcome, RolloutRequest
 from lit_trainer.rollouts.runner import AgentConfig, RolloutRunner, server_of
 

@@ -49,7 +49,7 @@ from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 from lit_trainer.intake import admission
 from lit_trainer.intake.gateway import calls, messages_api, responses_api
 from lit_trainer.intake.gateway.responses_api import TranslationError
-from lit_trainer.intake.store import RolloutStatus, Store
+from lit_trainer.intake.rows import RolloutStatus, Store
 
 log = logging.getLogger("lit")
 
