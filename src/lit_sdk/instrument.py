@@ -49,10 +49,11 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from lit_sdk import _agents, _context, _state, config
 from lit_sdk._processor import LitSpanProcessor
 from lit_sdk._spans import quietly
+from lit_sdk.delivery import DeliveryCounts
 from lit_sdk.install import pip_install
 from lit_sdk.openai_instrumentor import LitOpenAIInstrumentor
 from lit_sdk.protocol import security
-from lit_sdk.sender import DeliveryCounts, SpanSender
+from lit_sdk.sender import SpanSender
 
 log = logging.getLogger("lit")
 _lock = threading.Lock()

@@ -10,20 +10,8 @@ answers ``busy`` (no room for it now) is sent again after a shorter back-off, it
 the trainer is away, spans wait in memory (``max_memory_spans``, ``max_memory_bytes``) and beyond that on disk
 alone, read back from the spool when the trainer comes back.
 
-What is promised. Once ``submit()`` has returned, the span is in the spool file (in the kernel's page cache), so it
-survives the death of the process, ``kill -9`` included: the next lit process to open the same spool directory
-adopts the files of senders that are gone and delivers them. It survives a power loss or a kernel crash only if the
-kernel wrote it back first: nothing is fsynced but what ``shutdown()`` leaves in the spool. A span the spool could
-not take (a full or unwritable disk, ``max_spool_bytes``) is kept in memory only, and survives only as long as the
-process. A span is never split across frames: one that does not fit in a frame of ``protocol.MAX_FRAME_BYTES`` is
-dropped at ``submit()`` (counted and logged), since the collector could never take it.
-
-Delivery guarantee: at least once. A span leaves the sender's care only when the collector acknowledges its batch,
-refuses it for good with a ``nack`` (counted as rejected), or it can be kept neither in memory nor on disk (counted
-as dropped and logged: a full or unwritable spool, a span too large for a frame or that cannot be encoded, one
-submitted after shutdown). A batch whose ack was lost is sent again, and a process killed after sending leaves its
-spans in the spool to be sent again, so the collector may receive a span twice; it keeps the first copy by
-(rollout id, span id) and reports the others as duplicates, so that each span is stored exactly once.
+What is promised (a span survives the agent's ``kill -9`` once ``submit()`` returned, not a power loss; delivery at
+least once, each span stored once) is stated in docs/reliability.md, section 1, with the tests that check it.
 
 With ``keys`` (``security.ClientKeys``) the socket is a CURVE client of a collector holding the server key; without
 them it reaches only a collector on this machine (``security.check_connect``).
@@ -36,11 +24,9 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import struct
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +34,7 @@ import zmq
 
 from lit_sdk import protocol
 from lit_sdk._spool import Entry, LostRecord, Spool, owner_name
+from lit_sdk.delivery import Batch, DeliveryCounts, frame_head
 from lit_sdk.protocol import codec, security
 
 log = logging.getLogger("lit")
@@ -65,59 +52,6 @@ _TURN_BATCHES = 256
 _DROP_LOG_S = 5.0
 """Drops of one kind are logged at most this often (with the count since the last line)."""
 _JOIN_S = 30.0
-
-
-@dataclass(frozen=True, slots=True)
-class DeliveryCounts:
-    """What a sender did with the spans in its charge, counted in spans (not batches), since it started."""
-
-    submitted: int
-    """Spans it took charge of: given to ``submit()`` (after shutdown too), plus those adopted from the spool of
-    a process that died (damaged ones too, counted dropped). Always ``acknowledged + rejected + dropped +
-    pending``."""
-    sent: int
-    """Spans whose batch was sent for the first time; resends are not counted again."""
-    acknowledged: int
-    """Spans the collector acknowledged, whether it stored them now or had them already."""
-    duplicates: int
-    """Of the acknowledged spans, those the collector already had (a resend whose first ack was lost)."""
-    spooled: int
-    """Spans left on disk alone, no longer held in memory: beyond ``max_memory_spans`` or ``max_memory_bytes``,
-    or still undelivered at ``shutdown()``. (Every span is also written to the spool when it is submitted, so that
-    it survives the process being killed; that is not counted here.)"""
-    rejected: int
-    """Spans of batches the collector refused for good (``nack``)."""
-    dropped: int
-    """Spans lost and logged: kept neither in memory nor in the spool (disk full, write error,
-    ``max_spool_bytes``), too large for one frame, impossible to encode, or submitted after ``shutdown()``."""
-    pending: int
-    """Spans neither acknowledged, rejected nor dropped yet: in memory, on the wire or in the spool."""
-    timed_out: bool = False
-    """From ``flush(timeout)``: True when it returned because ``timeout`` passed before every span submitted
-    before the call was settled (some may still be pending). False from ``counts``, ``shutdown()``, and a flush
-    that finished."""
-    corrupt: int = 0
-    """Of the dropped spans, those whose record in the spool was damaged (a checksum failed: a flipped bit, a file
-    changed by someone else) or gone when it was read back; the records around a damaged one are still delivered.
-    A record torn by a writer killed mid-write is not counted: no one was told it was kept."""
-
-
-@dataclass(eq=False, slots=True)
-class Batch:
-    """Spans sent (or to be sent) in one frame, as the MessagePack bytes each encodes to."""
-
-    batch_id: str
-    payloads: list[bytes]
-    entries: list[Entry]
-    nbytes: int
-    first_seq: int
-    """The smallest sequence number of its spans (0 for adopted ones)."""
-    attempts: int = 0
-    resend_at: float = 0.0
-
-    @property
-    def n(self) -> int:
-        return len(self.payloads)
 
 
 class SpanSender:
@@ -154,7 +88,8 @@ class SpanSender:
         owner = owner_name(self._token)
         self.sender_id = sender_id or owner
         # What a frame holds besides its spans (batch ids grow; this one is longer than any we make).
-        self._max_span_bytes = protocol.MAX_FRAME_BYTES - len(self._frame_head(f"{self._token}-{1 << 64}", 1 << 20))
+        longest_head = frame_head(self.sender_id, f"{self._token}-{1 << 64}", 1 << 20)
+        self._max_span_bytes = protocol.MAX_FRAME_BYTES - len(longest_head)
         if max_batch_bytes > self._max_span_bytes:
             raise ValueError(f"SpanSender: max_batch_bytes must leave room in a frame of protocol.MAX_FRAME_BYTES "
                              f"({protocol.MAX_FRAME_BYTES}): at most {self._max_span_bytes}, got {max_batch_bytes}")
@@ -308,16 +243,6 @@ class SpanSender:
         with self._lock:
             for name, n in counts.items():
                 self._tally[name] += n
-
-    def _frame_head(self, batch_id: str, n: int) -> bytes:
-        """A ``spans`` frame up to its spans: ``protocol.encode_span_dicts`` of ``n`` spans is this followed by
-        their encodings (spans are encoded once, in ``submit``, and kept so)."""
-        head = codec.packb({"v": protocol.VERSION, "t": protocol.SPANS, "batch": batch_id, "sender": self.sender_id,
-                            "spans": []})
-        # "spans" is the last key and [] its last byte; MessagePack array headers: fixarray, array 16, array 32.
-        count = bytes([0x90 | n]) if n < 16 else (b"\xdc" + struct.pack(">H", n) if n < 1 << 16
-                                                  else b"\xdd" + struct.pack(">I", n))
-        return head[:-1] + count
 
     def _run(self) -> None:
         sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -497,7 +422,7 @@ class SpanSender:
         """Send a batch (in parts if it is long: ``protocol.encode_parts``) and count it in flight; False (and the
         trainer taken as away) if it cannot go now. A frame cut off half-way is sent again whole: the collector
         drops the parts it got."""
-        frame = b"".join([self._frame_head(batch.batch_id, batch.n), *batch.payloads])
+        frame = b"".join([frame_head(self.sender_id, batch.batch_id, batch.n), *batch.payloads])
         try:
             for message in protocol.encode_parts(batch.batch_id, frame):
                 sock.send(message, zmq.NOBLOCK)

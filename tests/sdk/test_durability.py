@@ -16,7 +16,8 @@ import pytest
 from ack_server import AckServer
 
 from lit_sdk import protocol
-from lit_sdk.sender import DeliveryCounts, SpanSender
+from lit_sdk.delivery import DeliveryCounts
+from lit_sdk.sender import SpanSender
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -17,7 +17,8 @@ from ack_server import NACK, NACK_REASON, SILENT, AckServer
 
 from lit_sdk import protocol
 from lit_sdk._spool_files import scan
-from lit_sdk.sender import DeliveryCounts, SpanSender
+from lit_sdk.delivery import DeliveryCounts
+from lit_sdk.sender import SpanSender
 
 pytestmark = pytest.mark.timeout(30)
 
