@@ -54,6 +54,16 @@ _DROP_LOG_S = 5.0
 _JOIN_S = 30.0
 
 
+def _check_limits(**limits: float) -> None:
+    """ValueError naming the first of a sender's ``limits`` that is not positive, or a batch larger than a frame."""
+    for name, value in limits.items():
+        if value <= 0:
+            raise ValueError(f"SpanSender: {name} must be positive, got {value!r}")
+    if limits["max_batch_spans"] > codec.MAX_SPANS_PER_FRAME:
+        raise ValueError(f"SpanSender: max_batch_spans must be at most {codec.MAX_SPANS_PER_FRAME} (spans in one "
+                         f"frame), got {limits['max_batch_spans']}")
+
+
 class SpanSender:
     """Delivers span wire dicts to the collector at ``endpoint`` (see the module docstring)."""
 
@@ -73,14 +83,9 @@ class SpanSender:
         max_memory_bytes: int = 256 << 20,
         keys: security.ClientKeys | None = None,
     ):
-        for name, value in (("max_batch_spans", max_batch_spans), ("max_memory_spans", max_memory_spans),
-                            ("max_inflight_batches", max_inflight_batches), ("ack_timeout_s", ack_timeout_s),
-                            ("max_batch_bytes", max_batch_bytes), ("max_memory_bytes", max_memory_bytes)):
-            if value <= 0:
-                raise ValueError(f"SpanSender: {name} must be positive, got {value!r}")
-        if max_batch_spans > codec.MAX_SPANS_PER_FRAME:
-            raise ValueError(f"SpanSender: max_batch_spans must be at most {codec.MAX_SPANS_PER_FRAME} (spans in "
-                             f"one frame), got {max_batch_spans}")
+        _check_limits(max_batch_spans=max_batch_spans, max_memory_spans=max_memory_spans,
+                      max_inflight_batches=max_inflight_batches, ack_timeout_s=ack_timeout_s,
+                      max_batch_bytes=max_batch_bytes, max_memory_bytes=max_memory_bytes)
         security.check_connect(endpoint, keys, "lit.instrument()")
         self.endpoint, self._keys = endpoint, keys
         self.spool_dir = Path(spool_dir)

@@ -101,9 +101,8 @@ class Playground:
         """What an agent gets as ``llm``: the served model's URL, name and key, and the sampling settings."""
         if self.server is None:
             raise RuntimeError("use the Playground in a with-block: `with Playground(cfg) as pg: ...`")
-        return LLM(self.server.openai_url, self.server.model_name, api_key=self.server.api_key or "EMPTY",
-                   temperature=self.cfg.agent.temperature if temperature is None else temperature,
-                   max_tokens=self.cfg.agent.max_tokens)
+        return self.server.llm(self.cfg.agent.temperature if temperature is None else temperature,
+                               self.cfg.agent.max_tokens)
 
     def run(self, agent: Callable[..., Any], task: dict[str, Any], temperature: float | None = None) -> Attempt:
         """One rollout of ``agent`` (an ``@lit.trace`` function ``fn(task, llm)``) on ``task``; raises nothing

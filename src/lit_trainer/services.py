@@ -109,8 +109,8 @@ def services(cfg: TrainConfig, store_path: Path, spool_dir: Path, keys_dir: Path
     """Start everything rollouts need, and stop it all (workers, dispatcher, vLLM, collector, store) on the way
     out. ``weights``: what gives the policy's current weights when the fleet takes them (training); None:
     the fleet only serves (``lit eval``). Local workers spool undelivered spans into ``spool_dir``. The
-    channels' keys: ``[security] keys_dir``, or the run's own in ``keys_dir`` (``with_keys``)."""
-    check_agent(cfg)  # a typo fails here, not in a worker's log
+    channels' keys: ``[security] keys_dir``, or the run's own in ``keys_dir`` (``with_keys``). The caller has
+    checked the agent (``check_agent``: ``preflight``, ``evaluate``)."""
     folder, cfg = with_keys(cfg, keys_dir)
     keys = security.load_server_keys(folder)
     with contextlib.ExitStack() as stack:

@@ -279,7 +279,8 @@ def test_lit_worker_runs_a_command_in_several_processes_for_a_real_dispatcher(tm
     from lit_trainer.intake.collector import Collector
     from lit_trainer.intake.rows import RolloutStatus
     from lit_trainer.intake.store import SqliteStore
-    from lit_trainer.rollouts.dispatcher import DispatchConfig, Dispatcher, RolloutRequest
+    from lit_trainer.rollouts.attempts import RolloutRequest
+    from lit_trainer.rollouts.dispatcher import DispatchConfig, Dispatcher
     from lit_trainer.services import stop_workers
 
     command = shlex.join(program(tmp_path, "rollouts.py", ROLLOUTS))

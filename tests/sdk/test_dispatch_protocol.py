@@ -35,7 +35,8 @@ from lit_sdk.resources import LLM
 from lit_sdk.worker import Worker
 from lit_trainer.intake.rows import RolloutStatus
 from lit_trainer.intake.store import SqliteStore
-from lit_trainer.rollouts.dispatcher import DispatchConfig, Dispatcher, RolloutRequest
+from lit_trainer.rollouts.attempts import RolloutRequest
+from lit_trainer.rollouts.dispatcher import DispatchConfig, Dispatcher
 
 LLM_DICT = LLM("http://127.0.0.1:9/v1", "m", temperature=0.0, max_tokens=16).to_dict()
 MESSAGES = [

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lit_sdk.processes import interrupts_held, start_child, stop_child
+from lit_sdk.resources import LLM
 from lit_trainer.engine._shm import free_orphan_segments
 from lit_trainer.engine.config import InferenceConfig
 from lit_trainer.engine.launch import (
@@ -114,6 +115,11 @@ class InferenceServer:
     @property
     def model_name(self) -> str:
         return self.config.served_model_name
+
+    def llm(self, temperature: float, max_tokens: int | None) -> LLM:
+        """What an agent gets as ``llm`` to call this server: its URL, model name and key, the sampling settings."""
+        return LLM(self.openai_url, self.model_name, api_key=self.api_key or "EMPTY", temperature=temperature,
+                   max_tokens=max_tokens)
 
     def __enter__(self) -> Self:
         return self.start()

@@ -32,13 +32,11 @@ carried over.
 
 from __future__ import annotations
 
-import collections
 import logging
-import secrets
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -58,9 +56,18 @@ from lit_sdk.protocol.dispatch import (
     decode_dispatch,
     encode_dispatch,
 )
-from lit_sdk.resources import LLM
 from lit_trainer.intake.connections import ConnectionLimit
 from lit_trainer.intake.rows import RolloutRow, RolloutStatus, Store
+from lit_trainer.rollouts.attempts import (
+    UNCONFIRMED_BEATS,
+    Attempt,
+    Outcome,
+    RolloutRequest,
+    Round,
+    WorkerState,
+    ended_groups,
+    group_of,
+)
 
 if TYPE_CHECKING:
     from lit_trainer.intake.gateway.server import Gateway
@@ -110,102 +117,6 @@ class DispatchConfig:
                                  f"{getattr(self, name)}")
 
 
-@dataclass(frozen=True)
-class RolloutRequest:
-    """One rollout the trainer wants: ``key`` is unique in the run (attempt ids derive from it)."""
-
-    key: str
-    task_id: str
-    task: Any
-    llm: LLM
-    step: int
-    version: int = 0
-    """The weight version the engine held when the trainer asked for this rollout."""
-
-
-@dataclass
-class Outcome:
-    """What became of one request: the attempt that succeeded, or the last failure."""
-
-    request: RolloutRequest
-    status: RolloutStatus
-    rollout_id: str
-    attempts: int
-    reward: float | None = None
-    errors: list[str] = field(default_factory=list)
-
-
-UNCONFIRMED_BEATS = 3
-"""Heartbeats of a worker, received after a ``Run`` was sent to it, that may leave the rollout out before the ``Run``
-is taken as lost (the first may have been on the way when the ``Run`` was sent)."""
-
-
-@dataclass
-class _Worker:
-    identity: bytes
-    slots: int
-    last_seen: float
-    label: str = ""
-    worker_id: str | None = None
-    pid: int = 0
-    """The process id its hello gave (on its own host)."""
-    fd: int = -1
-    """The descriptor of its connection, from its last ``hello`` (``ConnectionLimit.doubt`` when it goes silent)."""
-    running: set[str] = field(default_factory=set)
-    listed: set[str] | None = None
-    """The rollout ids its last heartbeat listed; None while it has not listed any (a worker that does not say)."""
-
-    @property
-    def busy(self) -> int:
-        """Its slots in use: the attempts it runs, and what it still lists that is not one of them (a timed-out
-        sync call whose thread has not ended)."""
-        return len(self.running) + (len(self.listed - self.running) if self.listed else 0)
-
-
-@dataclass
-class _Attempt:
-    request: RolloutRequest
-    number: int
-    worker: _Worker | None = None
-    deadline: float = 0.0
-    confirmed: bool = False
-    """Whether a heartbeat of its worker listed it."""
-    unlisted: int = 0
-    """Heartbeats of its worker since its ``Run`` that did not list it."""
-    secret: str = field(default_factory=lambda: secrets.token_hex(16))
-    """Handed out with its ``Run`` and stored with the rollout: its root span must carry it (intake/admission.py)."""
-
-    @property
-    def rollout_id(self) -> str:
-        return f"{self.request.key}-a{self.number}"
-
-
-@dataclass
-class _Round:
-    """What ``run`` tracks: the requests it has to return (its own, and those an earlier ``run`` carried over),
-    attempts waiting and running, and the requests that ended."""
-
-    on_progress: Callable[[Outcome], None] | None = None
-    requests: list[RolloutRequest] = field(default_factory=list)
-    queue: collections.deque[_Attempt] = field(default_factory=collections.deque)
-    running: dict[str, _Attempt] = field(default_factory=dict)
-    outcomes: dict[str, Outcome] = field(default_factory=dict)
-    errors: dict[str, list[str]] = field(default_factory=lambda: collections.defaultdict(list))
-
-
-def group_of(request: RolloutRequest) -> tuple[int, str]:
-    """The group of a request: its step and task."""
-    return request.step, request.task_id
-
-
-def _ended_groups(round_: _Round) -> set[tuple[int, str]]:
-    """The groups of ``round_`` all of whose requests ended."""
-    groups: dict[tuple[int, str], bool] = {}
-    for r in round_.requests:
-        groups[group_of(r)] = groups.get(group_of(r), True) and r.key in round_.outcomes
-    return {key for key, ended in groups.items() if ended}
-
-
 class Dispatcher:
     def __init__(self, store: Store, endpoint: str, spans_endpoint: str, llm_base_urls: Sequence[str],
                  config: DispatchConfig | None = None, keys: security.ServerKeys | None = None,
@@ -221,10 +132,10 @@ class Dispatcher:
         self.spans_endpoint = spans_endpoint
         self.gateway = gateway
         self.llm_base_urls = list(llm_base_urls) + ([gateway.url] if gateway is not None else [])
-        self.workers: dict[bytes, _Worker] = {}
+        self.workers: dict[bytes, WorkerState] = {}
         self.rejected: dict[str, int] = {}
         """Messages from workers refused (malformed, wrong version, a stale ``Done``...), by ``ProtocolError.kind``."""
-        self._round = _Round()
+        self._round = Round()
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
@@ -278,7 +189,7 @@ class Dispatcher:
         if self._round.requests:
             self._abandon(self._round, "the trainer stopped before it ended (its group was carried over to a "
                                        "step that did not come)")
-            self._round = _Round()
+            self._round = Round()
         for identity in list(self.workers):
             self._send(identity, Stop())
         self.sock.close()
@@ -322,11 +233,11 @@ class Dispatcher:
         round_ = self._round
         round_.on_progress = on_progress
         round_.requests += requests
-        self._enqueue([_Attempt(r, 1) for r in requests])
+        self._enqueue([Attempt(r, 1) for r in requests])
         idle_since = time.monotonic()
         try:
             while len(round_.outcomes) < len(round_.requests):
-                if enough is not None and enough(len(_ended_groups(round_))):
+                if enough is not None and enough(len(ended_groups(round_))):
                     break
                 if check is not None:
                     check()
@@ -342,20 +253,20 @@ class Dispatcher:
                 self._assign()
         except BaseException as exc:
             self._abandon(round_, f"the trainer stopped waiting for it ({type(exc).__name__}: {exc})"[:2000])
-            self._round = _Round()
+            self._round = Round()
             for worker in self.workers.values():  # its attempts are given up
                 worker.running.clear()
             raise
-        ended = _ended_groups(round_)
+        ended = ended_groups(round_)
         returned = [r for r in round_.requests if group_of(r) in ended]
         round_.requests = [r for r in round_.requests if group_of(r) not in ended]
         outcomes = [round_.outcomes.pop(r.key) for r in returned]
         round_.on_progress = None
         if not round_.requests:
-            self._round = _Round()
+            self._round = Round()
         return outcomes
 
-    def _abandon(self, round_: _Round, reason: str) -> None:
+    def _abandon(self, round_: Round, reason: str) -> None:
         """``run`` is raising, or ``close`` gives up what was carried over: the attempts left queued or running end
         ``failed`` in the store with the reason, so that none stays "running" there for ever (a late ``done`` for
         one is counted as stale)."""
@@ -365,7 +276,7 @@ class Dispatcher:
             except Exception as exc:  # the store may be what failed: the original error is the one to raise
                 log.warning("lit: could not mark rollout %s failed: %s", attempt.rollout_id, exc)
 
-    def _finish(self, attempt: _Attempt, status: RolloutStatus, error: str | None, reward: float | None = None) -> None:
+    def _finish(self, attempt: Attempt, status: RolloutStatus, error: str | None, reward: float | None = None) -> None:
         """End an attempt: record it, then retry it or give its request an outcome."""
         r = self._round
         r.running.pop(attempt.rollout_id, None)
@@ -384,7 +295,7 @@ class Dispatcher:
                 r.on_progress(r.outcomes[key])
         else:
             log.info("lit: rollout %s %s (%s); retrying", attempt.rollout_id, status.value, error)
-            self._enqueue([_Attempt(attempt.request, attempt.number + 1)])
+            self._enqueue([Attempt(attempt.request, attempt.number + 1)])
 
     def _expire(self, now: float) -> None:
         """Time out attempts past their deadline; fail those of workers silent for ``worker_timeout_s``."""
@@ -400,7 +311,7 @@ class Dispatcher:
                 for attempt in self._attempts_of(worker):
                     self._finish(attempt, RolloutStatus.FAILED, f"worker {worker.label} died or went silent")
 
-    def _on_bye(self, worker: _Worker, bye: Bye) -> None:
+    def _on_bye(self, worker: WorkerState, bye: Bye) -> None:
         """A worker leaves (Ctrl-C, SIGTERM, its own error): its attempts fail now and are retried elsewhere, not
         after ``worker_timeout_s`` of silence, and it gets no more."""
         log.warning("lit: worker %s stopped (%s); its %d rollouts will be retried", worker.label, bye.reason,
@@ -411,12 +322,12 @@ class Dispatcher:
             self._finish(attempt, RolloutStatus.FAILED, f"worker {worker.label} stopped before it ended "
                                                         f"({bye.reason})")
 
-    def _attempts_of(self, worker: _Worker) -> list[_Attempt]:
+    def _attempts_of(self, worker: WorkerState) -> list[Attempt]:
         """The attempts of this round running on ``worker`` (forgetting those of a round that ended)."""
         worker.running &= self._round.running.keys()
         return [self._round.running[rid] for rid in sorted(worker.running)]
 
-    def _enqueue(self, attempts: list[_Attempt]) -> None:
+    def _enqueue(self, attempts: list[Attempt]) -> None:
         self.store.add_rollouts(RolloutRow(a.rollout_id, a.request.task_id, a.request.step, a.number,
                                            secret=a.secret) for a in attempts)
         self._round.queue.extend(attempts)
@@ -485,7 +396,7 @@ class Dispatcher:
                 del self.workers[worker.identity]
                 log.info("lit: worker %s reconnected; its %d rollouts go on", label, len(worker.running))
         if worker is None:
-            worker = _Worker(identity, hello.slots, 0.0)
+            worker = WorkerState(identity, hello.slots, 0.0)
             log.info("lit: worker %s connected (%d slots)", label, hello.slots)
         worker.identity, worker.slots, worker.label, worker.worker_id = identity, hello.slots, label, hello.worker_id
         worker.pid = hello.pid
@@ -494,7 +405,7 @@ class Dispatcher:
         self.workers[identity] = worker
         self._send(identity, Welcome(self.spans_endpoint, self.llm_base_urls))
 
-    def _on_done(self, worker: _Worker, done: Done) -> None:
+    def _on_done(self, worker: WorkerState, done: Done) -> None:
         attempt = self._round.running.get(done.rollout_id)
         if attempt is None or attempt.worker is not worker or attempt.number != done.attempt:
             self._reject(ProtocolError("stale", f"worker {worker.label} reported rollout {done.rollout_id!r} done, "
@@ -514,7 +425,7 @@ class Dispatcher:
         check = getattr(self.store, "missing_spans", None)  # a store without the check trusts the worker
         return check(rollout_id) if check is not None else None
 
-    def _on_heartbeat(self, worker: _Worker, beat: Heartbeat) -> None:
+    def _on_heartbeat(self, worker: WorkerState, beat: Heartbeat) -> None:
         """Fail at once the attempts the worker no longer runs, or never received (a lost ``Run``)."""
         if beat.rollouts is None:
             return

@@ -8,7 +8,7 @@ import logging
 
 from lit_trainer.intake.episodes import Episode, Unusable, UnusableRollout, build_episode
 from lit_trainer.intake.rows import RolloutStatus, Store
-from lit_trainer.rollouts.dispatcher import Outcome
+from lit_trainer.rollouts.attempts import Outcome
 
 log = logging.getLogger("lit")
 

@@ -18,14 +18,14 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from lit_sdk.resources import LLM
 from lit_trainer.engine.fleet import Fleet, first_line
 from lit_trainer.engine.server import ServerDiedError
 from lit_trainer.intake.collector import Collector
 from lit_trainer.intake.episodes import Episode
 from lit_trainer.intake.rows import RolloutStatus, Store
 from lit_trainer.progress import progress_bar
-from lit_trainer.rollouts.dispatcher import Dispatcher, Outcome, RolloutRequest, group_of
+from lit_trainer.rollouts.attempts import Outcome, RolloutRequest, group_of
+from lit_trainer.rollouts.dispatcher import Dispatcher
 from lit_trainer.rollouts.gather import gather_episodes
 
 
@@ -172,8 +172,7 @@ class RolloutRunner:
 
     def _run(self, tasks: list[dict], group: int, temperature: float, step: int, label: str, version: int,
              enough: Callable[[int], bool] | None) -> RolloutBatch:
-        llms = [LLM(s.openai_url, s.model_name, api_key=s.api_key or "EMPTY", temperature=temperature,
-                    max_tokens=self.agent.max_tokens) for s in self.fleet.servers]
+        llms = [s.llm(temperature, self.agent.max_tokens) for s in self.fleet.servers]
         requests = [RolloutRequest(f"{self.session}-{label}-t{t['id']}-g{g}", str(t["id"]), t,
                                    llms[server_of(k, len(tasks), step, len(llms))], step, version)
                     for k, t in enumerate(tasks) for g in range(group)]

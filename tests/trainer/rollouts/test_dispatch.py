@@ -22,7 +22,8 @@ from lit_trainer.intake.collector import Collector
 from lit_trainer.intake.gateway.server import Gateway
 from lit_trainer.intake.rows import RolloutStatus
 from lit_trainer.intake.store import SqliteStore
-from lit_trainer.rollouts.dispatcher import DispatchConfig, Dispatcher, DispatchError, Outcome, RolloutRequest
+from lit_trainer.rollouts.attempts import Outcome, RolloutRequest
+from lit_trainer.rollouts.dispatcher import DispatchConfig, Dispatcher, DispatchError
 from lit_trainer.rollouts.gather import gather_episodes
 from lit_trainer.services import stop_workers
 

@@ -40,7 +40,8 @@ from lit_sdk.resources import LLM
 from lit_sdk.worker import Worker
 from lit_trainer.intake.rows import RolloutStatus
 from lit_trainer.intake.store import SqliteStore
-from lit_trainer.rollouts.dispatcher import DispatchConfig, Dispatcher, Outcome, RolloutRequest
+from lit_trainer.rollouts.attempts import Outcome, RolloutRequest
+from lit_trainer.rollouts.dispatcher import DispatchConfig, Dispatcher
 
 NO_LLM = LLM("http://127.0.0.1:9/v1", "none")
 FAST = 5.0

@@ -47,7 +47,8 @@ _CHILD = textwrap.dedent("""
     from lit_sdk.resources import LLM
     from lit_trainer.intake.collector import Collector
     from lit_trainer.intake.store import SqliteStore
-    from lit_trainer.rollouts.dispatcher import DispatchConfig, Dispatcher, RolloutRequest
+    from lit_trainer.rollouts.attempts import RolloutRequest
+    from lit_trainer.rollouts.dispatcher import DispatchConfig, Dispatcher
     db, keys_dir, config = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     keys = security.load_server_keys(keys_dir) if keys_dir else None
     llm = LLM("http://127.0.0.1:9/v1", "none")

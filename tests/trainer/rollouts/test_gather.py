@@ -11,7 +11,7 @@ from lit_sdk.protocol import SpanRecord
 from lit_sdk.resources import LLM
 from lit_trainer.intake.rows import RolloutStatus
 from lit_trainer.intake.store import SqliteStore
-from lit_trainer.rollouts.dispatcher import Outcome, RolloutRequest
+from lit_trainer.rollouts.attempts import Outcome, RolloutRequest
 from lit_trainer.rollouts.gather import gather_episodes
 
 GOLDEN = Path(__file__).parents[1] / "intake" / "golden" / "autogen_assistant_agent.json"

@@ -42,7 +42,8 @@ from lit_trainer import cli
 from lit_trainer.intake.collector import Collector
 from lit_trainer.intake.rows import RolloutStatus
 from lit_trainer.intake.store import SqliteStore
-from lit_trainer.rollouts.dispatcher import DispatchConfig, Dispatcher, DispatchError, RolloutRequest
+from lit_trainer.rollouts.attempts import RolloutRequest
+from lit_trainer.rollouts.dispatcher import DispatchConfig, Dispatcher, DispatchError
 
 log = logging.getLogger(__name__)
 NO_NETNS_ENV = "LIT_TEST_NO_NETNS"

@@ -13,10 +13,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from lit_sdk.resources import LLM
 from lit_trainer.engine.server import ServerDiedError
 from lit_trainer.intake.episodes import Episode
 from lit_trainer.intake.rows import RolloutStatus
-from lit_trainer.rollouts.dispatcher import Outcome, RolloutRequest
+from lit_trainer.rollouts.attempts import Outcome, RolloutRequest
 from lit_trainer.rollouts.runner import AgentConfig, RolloutRunner, server_of
 
 
@@ -29,12 +30,21 @@ def test_tasks_are_dealt_round_robin_going_on_from_the_previous_step():
     assert {server_of(k, 7, 3, 1) for k in range(7)} == {0}
 
 
+class Server:
+    """A stand-in for one vLLM server: its port, its URL, and whether it is dead."""
+
+    def __init__(self, port: int):
+        self.port, self.dead = port, False
+
+    def llm(self, temperature: float, max_tokens: int | None) -> LLM:
+        return LLM(f"http://127.0.0.1:{self.port}/v1", "policy", temperature=temperature, max_tokens=max_tokens)
+
+
 class Fleet:
-    """A stand-in for the vLLM fleet: its servers' URLs, a server that can be dead, and the restarts asked."""
+    """A stand-in for the vLLM fleet: its servers, a server that can be dead, and the restarts asked."""
 
     def __init__(self, servers: int):
-        self.servers = [SimpleNamespace(openai_url=f"http://127.0.0.1:{8000 + i}/v1", model_name="policy",
-                                        api_key=None, port=8000 + i, dead=False) for i in range(servers)]
+        self.servers = [Server(8000 + i) for i in range(servers)]
         self.restarts, self.restarted = 0, []
 
     def check(self) -> None:
