@@ -169,7 +169,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _model_prepare(args: argparse.Namespace) -> int:
-    from lit_trainer.models import prepare_default_model
+    from lit_trainer.default_model import prepare_default_model
 
     prepared = prepare_default_model(cache=args.cache_dir, force=args.force)
     if not prepared.created:

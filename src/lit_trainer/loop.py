@@ -35,8 +35,10 @@ from lit_trainer.intake.rows import Store
 from lit_trainer.learner import checkpoint as ckpt
 from lit_trainer.learner import distributed
 from lit_trainer.learner.policy import Policy
-from lit_trainer.metrics import STEP_LINE_LEGEND, MetricsLog, memory_gb, plot_curve, step_line
+from lit_trainer.memory_usage import memory_gb
+from lit_trainer.metrics import STEP_LINE_LEGEND, MetricsLog, step_line
 from lit_trainer.metrics import read as read_metrics
+from lit_trainer.plots import plot_curve
 from lit_trainer.preflight import Ready, preflight
 from lit_trainer.progress import quiet_library_bars
 from lit_trainer.rollouts.curriculum import Curriculum

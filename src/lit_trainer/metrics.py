@@ -1,99 +1,18 @@
 """Where a run's numbers go: one JSON line per record in ``metrics.jsonl`` (the source of truth, appended and
 flushed as it goes, so a killed run keeps what it measured), accelerate's trackers when asked (TensorBoard or W&B,
-both under the run's output folder), one summary line per step on the terminal, and a PNG of the reward/accuracy
-curve at the end.
+both under the run's output folder: ``trackers.py`` checks them), and one summary line per step on the terminal.
+``plots.py`` draws the curves from the file.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
-import resource
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-from lit_sdk.install import pip_install
-
-
-def memory_gb(server_pids: Sequence[int] = ()) -> dict[str, float]:
-    """``memory/trainer_peak_gb``: the peak resident set of this process so far; ``memory/vllm_gb``: over the vLLM
-    servers ``server_pids``, the sum of each one's largest process now (its engine core) among it and its children.
-    GiB."""
-    out = {"memory/trainer_peak_gb": _peak_rss() / 2**30}
-    if server_pids:
-        import psutil
-
-        total = 0
-        for pid in server_pids:
-            try:
-                server = psutil.Process(pid)
-                total += max(p.memory_info().rss for p in [server, *server.children(recursive=True)])
-            except psutil.Error:
-                pass  # the server is gone: the loop's health checks say so
-        out["memory/vllm_gb"] = total / 2**30
-    return out
-
-
-def _peak_rss() -> float:
-    """This process's peak resident set in bytes: Linux's VmHWM (ru_maxrss may carry a parent's peak over a fork),
-    else ru_maxrss (bytes on macOS)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return float(line.split()[1]) * 1024  # kB
-    except OSError:
-        pass
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return float(peak if sys.platform == "darwin" else peak * 1024)
-
-
-TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb"}
-"""The ``train.trackers`` lit offers, each with the package it needs; lit's extra that installs it has the
-tracker's name."""
-
-
-def check_trackers(trackers: Sequence[str]) -> None:
-    """Raise ValueError for a tracker lit does not offer or whose package is missing: accelerate would leave such a
-    tracker out without a word, and the run would log nowhere but metrics.jsonl."""
-    setting = "train.trackers = " + json.dumps(list(trackers))
-    for name in trackers:
-        if name not in TRACKERS:
-            raise ValueError(f"{setting}: unknown tracker {name!r}; lit supports {', '.join(TRACKERS)}")
-        if importlib.util.find_spec(TRACKERS[name]) is None:
-            raise ValueError(f"{setting} needs the {TRACKERS[name]} package: {pip_install(name)}")
-
-
-WANDB_LOCAL_MODES = ("offline", "disabled", "dryrun")
-"""W&B's modes that log nowhere online, and need no account."""
-
-
-def check_wandb_login(trackers: Sequence[str]) -> None:
-    """With ``"wandb"`` in ``trackers`` and W&B online (its default), raise ValueError naming the fix when W&B has
-    no credentials: wandb.init would stop the run with "No API key configured" only once the tracker starts, after
-    vLLM has. In a terminal, W&B asks for a key here instead. Offline, disabled: nothing to check."""
-    if "wandb" not in trackers:
-        return
-    import wandb
-
-    setting = 'train.trackers = ["wandb"]'
-    try:
-        mode = wandb.setup().settings.mode
-    except Exception as exc:  # a WANDB_MODE it does not know, say: pydantic's words, first line
-        raise ValueError(f"{setting}: W&B cannot read its settings ({str(exc).splitlines()[0]}): set WANDB_MODE to "
-                         "online, offline or disabled") from None
-    if mode in WANDB_LOCAL_MODES:
-        return
-    try:
-        wandb.login(verify=False)
-    except wandb.errors.UsageError as exc:
-        raise ValueError(f"{setting} logs to W&B online, which has no API key here ({exc}): run `wandb login` or set "
-                         "WANDB_API_KEY, or log offline with WANDB_MODE=offline (`wandb sync` uploads the run "
-                         "later)") from None
 
 
 class MetricsLog:
@@ -231,65 +150,6 @@ def step_line(step: int, steps: int, m: dict[str, float]) -> str:
             f"clip {f('loss/clip_frac')}  gap {f('policy/vllm_logprob_gap', '.4f')}  "
             f"time rollout {f('time/rollout', '.0f')}s update {f('time/update', '.0f')}s "
             f"sync {f('time/sync', '.1f')}s")
-
-
-def plot_curve(metrics_path: Path, png: Path, title: str = "") -> Path | None:
-    """Training reward per step and held-out accuracy against minutes of training; None without data."""
-    records = read(metrics_path)
-    train = [r for r in records if r["kind"] == "train"]
-    val = [r for r in records if r["kind"] == "validation"]
-    if not train and not val:
-        return None
-    fig, ax = _figure()
-    if train:
-        ax.plot([r["minutes"] for r in train], [r.get("accuracy", math.nan) for r in train], ".-", alpha=0.6,
-                label="training accuracy (sampled rollouts)")
-    if val:
-        ax.plot([r["minutes"] for r in val], [r["accuracy"] for r in val], "o-", linewidth=2,
-                label="held-out accuracy (greedy)")
-    ax.set_ylabel("accuracy")
-    ax.set_ylim(0, 1)
-    return _save(fig, ax, png, title)
-
-
-def plot_comparison(runs: dict[str, Path], png: Path, metric: str = "accuracy", title: str = "") -> Path:
-    """The held-out ``metric`` of several runs against minutes of training, one line per run (label → metrics
-    file): the figure for comparing options trained for the same minutes. Raises ValueError for a run without
-    validation records of ``metric``."""
-    curves = {}
-    for label, path in runs.items():
-        val = [r for r in read(path) if r["kind"] == "validation" and metric in r]
-        if not val:
-            raise ValueError(f"{path}: no validation records with {metric!r}")
-        curves[label] = ([r["minutes"] for r in val], [r[metric] for r in val])
-    fig, ax = _figure()
-    for label, (minutes, values) in curves.items():
-        ax.plot(minutes, values, "o-", linewidth=2, label=label)
-    ax.set_ylabel(f"held-out {metric} (greedy)")
-    return _save(fig, ax, png, title)
-
-
-def _figure() -> tuple[Any, Any]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt.subplots(figsize=(7, 4), dpi=120)
-
-
-def _save(fig: Any, ax: Any, png: Path, title: str) -> Path:
-    """Minutes on x, a grid, the legend and the title; written to ``png`` and closed."""
-    import matplotlib.pyplot as plt
-
-    ax.set_xlabel("minutes of training (rollouts + updates + syncs)")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(png)
-    plt.close(fig)
-    return png
 
 
 def _flat(config: dict, prefix: str = "") -> dict[str, Any]:

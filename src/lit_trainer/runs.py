@@ -46,8 +46,9 @@ from lit_trainer import steps
 from lit_trainer.intake.episodes import Episode, UnusableRollout, build_episode
 from lit_trainer.intake.rows import RolloutRow, Store
 from lit_trainer.intake.store import SqliteStore
-from lit_trainer.metrics import plot_curve, supersede
 from lit_trainer.metrics import read as read_metrics
+from lit_trainer.metrics import supersede
+from lit_trainer.plots import plot_curve
 from lit_trainer.viewer import RolloutView, view_rollout
 
 log = logging.getLogger("lit")

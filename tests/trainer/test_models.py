@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lit_trainer import models
+from lit_trainer import default_model, models
 from lit_trainer.models import DEFAULT_MODEL, MARKER, ModelError, resolve_model
 
 
@@ -28,7 +28,7 @@ def test_prepared_model_is_a_complete_hf_folder(prepared_model: Path):
 @pytest.mark.slow
 def test_second_prepare_is_a_no_op(prepared_model: Path):
     before = {p.name: p.stat().st_mtime_ns for p in prepared_model.iterdir()}
-    again = models.prepare_default_model()
+    again = default_model.prepare_default_model()
     assert again.created is False
     assert again.path == prepared_model
     assert {p.name: p.stat().st_mtime_ns for p in prepared_model.iterdir()} == before
