@@ -177,7 +177,7 @@ def build_command(
 ONE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 """On CPU, one server is one process: the API server runs the engine in-process, and the engine runs the model in
 its own process (``--distributed-executor-backend uni``), instead of three processes that each import vLLM and
-torch before the next starts: a start about 20 s shorter, and no fewer tokens/s (``bench/vllm_start.py``; the
+torch before the next starts: a shorter start, and no fewer tokens/s (measured by ``bench/vllm_start.py``; the
 weight sync and the sync check land the same). A value in the trainer's environment wins."""
 
 

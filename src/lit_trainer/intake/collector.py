@@ -116,8 +116,8 @@ class Collector:
         commit that stored it (so every span the agent sent before its root is readable from the store by then).
     max_frames, max_spans, max_turn_bytes: bounds on one transaction: frames drained per turn, spans in them and
         their bytes (checked after each frame, so one large frame still goes in whole). A few thousand spans per
-        transaction make the fsync negligible while the decoded spans stay few: holding tens of thousands at once
-        made decoding 2-3x slower per span (fresh memory and garbage-collector passes over them).
+        transaction make the fsync negligible while the decoded spans stay few (holding tens of thousands at once
+        slows decoding: bench/ingest.py).
     max_partial_bytes: memory for frames coming in parts, all peers together (at least one frame of
         ``protocol.MAX_FRAME_BYTES``).
     max_peers: connections at once (one per agent process); fewer if the open-files limit leaves fewer beside the

@@ -70,7 +70,7 @@ def check(precision: str, device: torch.device) -> None:
 
 def slow_on(precision: str, device: torch.device) -> str | None:
     """A warning when ``precision`` runs but slowly on ``device``: bf16 on an x86 CPU without AVX512-BF16 or AMX,
-    where torch emulates bfloat16 matmuls (measured here: 56 times slower than float32 on an AVX2 CPU)."""
+    where torch emulates bfloat16 matmuls (many times slower than float32: bench/README.md)."""
     if precision != "bf16" or device.type != "cpu" or not torch.cpu._is_avx2_supported():
         return None  # not an x86 CPU (Arm CPUs have their own bf16 paths): nothing known to warn about
     if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
