@@ -23,7 +23,7 @@ import functools
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lit_trainer.algorithm.advantages import episode_advantages
 from lit_trainer.config import ConfigError, TrainConfig
@@ -34,6 +34,9 @@ from lit_trainer.intake.episodes import Episode, Transition, unsupported_samplin
 from lit_trainer.intake.rows import AdvantageRow, Store
 from lit_trainer.learner.batching import SAMPLING_FIX, keep_usable
 from lit_trainer.learner.schedule import drop_stale, learning_rate_at, mask_overlong, run_update
+
+if TYPE_CHECKING:
+    from lit_trainer.learner.policy import Policy
 
 Pairs = list[tuple[Transition, float]]
 """Transitions with their advantages."""
@@ -109,7 +112,7 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
     return learning_rate_at(step, cfg.train.steps, p.learning_rate, p.lr_schedule, p.warmup_steps, p.min_lr_ratio)
 
 
-def update(policy: Any, job: UpdateJob, cfg: TrainConfig, store: Store | None = None) -> dict[str, float]:
+def update(policy: Policy, job: UpdateJob, cfg: TrainConfig, store: Store | None = None) -> dict[str, float]:
     """This process's share of the update's optimizer steps; their metrics. ``store`` (the main process's): keeps
     the trainer's logprobs of the response tokens it trained on, taken before the first optimizer step (the
     viewer's trainer-vs-engine gap)."""
@@ -126,7 +129,7 @@ def update(policy: Any, job: UpdateJob, cfg: TrainConfig, store: Store | None = 
     return metrics
 
 
-def weights(policy: Any, dtype: Any = None, device: Any = None) -> dict[str, Any]:
+def weights(policy: Policy, dtype: Any = None, device: Any = None) -> dict[str, Any]:
     """The policy's whole weights, as vLLM gets them (sharded: gathered into the main process, {} elsewhere, cast
     to vLLM's serving ``dtype`` and moved to ``device`` as they are gathered)."""
     return policy.state_dict(dtype, device)
@@ -140,14 +143,14 @@ def push(fleet: Fleet, state: Mapping[str, Any], step: int) -> dict[str, float]:
     return {"time/sync": report.total_s if report is not None else time.perf_counter() - t0}
 
 
-def score(policy: Any, samples: Sequence[logprob_check.Sample]) -> list[Any]:
+def score(policy: Policy, samples: Sequence[logprob_check.Sample]) -> list[Any]:
     """The trainer's logprobs of vLLM's ``samples``, computed in float32 whatever the policy's precision: the
     weights vLLM was given."""
     with policy.in_float32() as model:
         return logprob_check.score(model, samples)
 
 
-def check(fleet: Fleet, policy: Any, pairs: Pairs, cfg: TrainConfig, step: int,
+def check(fleet: Fleet, policy: Policy, pairs: Pairs, cfg: TrainConfig, step: int,
           scorer: Score | None = None) -> dict[str, float]:
     """After the push of step 1 and of every ``train.check_sync_every`` steps, every server's logprobs of two of
     the step's prompts against the trainer's (each server got its own push); WeightSyncError when one is off by

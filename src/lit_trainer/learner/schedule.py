@@ -25,7 +25,7 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,6 +34,9 @@ from lit_trainer.intake.episodes import Transition
 from lit_trainer.learner import distributed
 from lit_trainer.learner.batching import BatchingConfig, MicroBatch, budget_for, make_micro_batches
 from lit_trainer.progress import progress_bar
+
+if TYPE_CHECKING:
+    from lit_trainer.learner.policy import Policy
 
 OVERLONG = ("train", "mask")
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -133,7 +136,7 @@ def learning_rate_at(step: int, steps: int, peak: float, schedule: str = "consta
     return peak * (min_ratio + (1.0 - min_ratio) * (1.0 + math.cos(math.pi * progress)) / 2.0)
 
 
-def run_update(policy: Any, pairs: Sequence[tuple[Transition, float]], update: UpdateConfig, loss: LossConfig,
+def run_update(policy: Policy, pairs: Sequence[tuple[Transition, float]], update: UpdateConfig, loss: LossConfig,
                batching: BatchingConfig, pad_id: int, seed: int,
                trainer_logprobs: dict[int, list[float]] | None = None) -> dict[str, float]:
     """Every optimizer step of one training step (module docstring) on ``policy``; their metrics, averaged over
@@ -187,7 +190,7 @@ def run_update(policy: Any, pairs: Sequence[tuple[Transition, float]], update: U
     return out
 
 
-def fill_guided_logprobs(policy: Any, pairs: Sequence[tuple[Transition, float]], batching: BatchingConfig,
+def fill_guided_logprobs(policy: Policy, pairs: Sequence[tuple[Transition, float]], batching: BatchingConfig,
                          pad_id: int) -> list[tuple[Transition, float]]:
     """``pairs`` with every guided transition's (``Transition.guided``: a task's reference, not sampled) missing
     behaviour logprobs replaced by the trainer's own under its current weights, at the call's temperature: the
@@ -206,7 +209,7 @@ def fill_guided_logprobs(policy: Any, pairs: Sequence[tuple[Transition, float]],
 
 
 @torch.no_grad()
-def _old_logprobs(policy: Any, pairs: Sequence[tuple[Transition, float]], batching: BatchingConfig, pad_id: int
+def _old_logprobs(policy: Policy, pairs: Sequence[tuple[Transition, float]], batching: BatchingConfig, pad_id: int
                   ) -> list[list[float]]:
     """The trainer's logprobs of every pair's response tokens under its current weights, in ``pairs``' order (each
     process computes its share of the micro-batches, and every process gets them all)."""
