@@ -22,7 +22,8 @@ The question reaches the model with its numbers listed on a line after it (``wit
 questions too): "...then uses 65. How many marbles does the class still have?\nNumbers: 58, 19, 65". The trained
 model's commonest mistake on problems in wordings never trained on had been to leave a number out (``58+19``); in
 15-minute runs from the same seed on the same day, they went from 68.8 % right without the line to 87.5-93.8 % in
-three runs with it, and held-out accuracy from 81.2 % to 87.5-93.8 % (examples/README.md has the runs).
+three runs with it, and held-out accuracy from 81.2 % to 87.5-93.8 %
+(docs/experiments/2026-11-27-calc-numbers-line.md has the runs).
 
 A tool call that fails (bad expression, unknown tool, bad JSON) or a reply without a number is a wrong answer
 (reward 0). Errors of the infrastructure (connection refused, HTTP errors from the server) propagate, so the

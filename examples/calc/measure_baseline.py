@@ -66,7 +66,8 @@ The question with its numbers listed on a line after it (``agent.with_numbers``,
 agent does so since 2026-11-27, so every variant above now runs with it), same machine and settings, one after the
 other on one server, against ``all_forms`` without the line: greedy 25.0% -> 29.7% (in-template 31.2%, out of
 template 18.8% -> 28.1%; two-step 12.5% for both), sampled at T=0.7 9.4% -> 12.9% right, mixed groups 41% -> 47%.
-Trained 15 minutes from the same seed it makes the larger difference (examples/README.md).
+Trained 15 minutes from the same seed it makes the larger difference
+(docs/experiments/2026-11-27-calc-prompt-and-training-data.md).
 
 Two more worked examples after the five, a division and ``(a+b)/c`` again (``all_forms`` since the night of
 2026-11-27; ``five_shots`` is the agent before), same machine and settings, one after the other on one server:
@@ -76,7 +77,7 @@ Two more worked examples after the five, a division and ``(a+b)/c`` again (``all
     all_forms     56.2%   72.9%    6.2%   65.6% | 46.9%          23.0%     69%      12%        797
 
 The five examples had no division but ``(28+14)/6``, and sampled one-step divisions were right 0-2% of the time.
-Trained, two-step problems are where it counts: examples/README.md, "Seven worked examples".
+Trained, two-step problems are where it counts: docs/experiments/2026-11-27-calc-seven-examples.md.
 """
 
 from __future__ import annotations
