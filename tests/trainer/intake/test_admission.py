@@ -5,7 +5,6 @@ sends roots and calls for the same rollout."""
 from __future__ import annotations
 
 import dataclasses
-import sqlite3
 
 import pytest
 from fake_llm import FakeLLM
@@ -157,17 +156,13 @@ def test_the_share_of_a_rollout_counts_bytes_and_what_the_store_holds_already(mo
     assert asked == [["r1"]]
 
 
-def test_the_secret_round_trips_and_an_older_store_gains_its_column(tmp_path):
+def test_the_secret_round_trips(tmp_path):
     with SqliteStore(tmp_path / "lit.db") as store:
         hand_out(store, "r1", secret=SECRET)
         hand_out(store, "r2")
         assert store.get_rollout("r1").secret == SECRET and store.get_rollout("r2").secret is None
-    with sqlite3.connect(tmp_path / "lit.db") as conn:  # a store written before #27
-        conn.execute("ALTER TABLE rollouts DROP COLUMN secret")
-    with SqliteStore(tmp_path / "lit.db") as store:
-        assert store.get_rollout("r1").secret is None  # its attempts had no secret
-        hand_out(store, "r3", secret=SECRET)
-        assert store.get_rollout("r3").secret == SECRET
+    with SqliteStore(tmp_path / "lit.db") as store:  # and after the store is opened again
+        assert store.get_rollout("r1").secret == SECRET
 
 
 def test_a_batch_asks_the_store_once_for_all_its_new_rollouts():

@@ -3,10 +3,8 @@ before the table existed gaining it on open."""
 
 from __future__ import annotations
 
-import sqlite3
-
 from lit_trainer.intake.rows import AdvantageRow, RolloutRow
-from lit_trainer.intake.store import SCHEMA_VERSION, SqliteStore
+from lit_trainer.intake.store import SqliteStore
 
 
 def test_advantages_round_trip_per_rollout_and_a_later_save_replaces(tmp_path):
@@ -29,18 +27,6 @@ def test_trainer_logprobs_round_trip_for_transitions_with_a_saved_advantage(tmp_
         store.save_trainer_logprobs([("r1", 0, [-0.25, -1.5]), ("r9", 0, [-1.0])])  # r9 has no advantage: ignored
         assert store.trainer_logprobs_of_rollout("r1") == {0: [-0.25, -1.5]}
         assert store.trainer_logprobs_of_rollout("r9") == {}
-
-
-def test_a_store_made_before_the_advantages_table_gains_it_on_open(tmp_path):
-    path = tmp_path / "lit.sqlite"
-    SqliteStore(path).close()
-    with sqlite3.connect(path) as conn:  # what an earlier lit wrote: the same schema version, no such table
-        conn.execute("DROP TABLE advantages")
-    with SqliteStore(path) as store:
-        store.save_advantages([AdvantageRow("r1", 0, 1, 1.0)])
-        assert store.advantages_of_rollout("r1") == {0: 1.0}
-    with sqlite3.connect(path) as conn:
-        assert conn.execute("SELECT version FROM lit_schema").fetchone()[0] == SCHEMA_VERSION == 2
 
 
 def test_last_step_is_the_latest_step_of_any_rollout(tmp_path):

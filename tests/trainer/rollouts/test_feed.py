@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from lit_sdk.resources import LLM
 from lit_trainer.intake.episodes import Episode
 from lit_trainer.rollouts.curriculum import Curriculum
 from lit_trainer.rollouts.feed import MAX_ENGINE_RESTARTS, StepFeed, StepPlan, groups_in_order, groups_with_signal
@@ -110,7 +111,10 @@ class UnusedFleet:
     """Stands in for the vLLM fleet: the address the agents are given, which ``returns_after_its_seconds`` never
     calls (real vLLM is in the ``ppo_schedule`` run of tests/e2e/test_train_options.py)."""
 
-    servers = [SimpleNamespace(openai_url="http://127.0.0.1:9/v1", model_name="none", api_key=None)]
+    servers = [SimpleNamespace(openai_url="http://127.0.0.1:9/v1",
+                               llm=lambda temperature, max_tokens: LLM("http://127.0.0.1:9/v1", "none",
+                                                                       temperature=temperature,
+                                                                       max_tokens=max_tokens))]
     restarts = 0
 
     def check(self) -> None:
