@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import math
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +35,7 @@ from lit_trainer.learner.schedule import UpdateConfig
 from lit_trainer.rollouts.dispatcher import DispatchConfig
 from lit_trainer.rollouts.runner import AgentConfig
 from lit_trainer.rollouts.tasks import DataConfig
+from lit_trainer.settings import at_least, check, finite
 from lit_trainer.trackers import check_trackers
 
 
@@ -44,6 +45,15 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class TrainLoopConfig:
+    SECTION = "train"
+    RULES = {"steps": at_least(1), "tasks_per_step": at_least(1), "min_group_size": at_least(1),
+             "group_size": at_least(2, "(GRPO compares the rollouts of a group: one alone has no advantage)"),
+             "val_every": at_least(0, "(0: never)"), "checkpoint_every": at_least(0, "(0: only after the last step)"),
+             "keep_checkpoints": at_least(0, "(0: keep all)"), "check_sync_every": at_least(0, "(0: never)"),
+             "success_reward": finite(), "max_minutes": at_least(0, "(0: no limit)"),
+             "max_staleness": at_least(0, "(0: synchronous)"), "extra_rollouts": at_least(0, "(0: off)"),
+             "rest_after": at_least(0, "(0: off)"), "rest_steps": at_least(1)}
+
     steps: int = 20
     """Training steps (each: rollouts, the optimizer steps of ``[update]`` (one by default), one weight sync)."""
     tasks_per_step: int = 8
@@ -121,25 +131,12 @@ class TrainLoopConfig:
 
     def __post_init__(self) -> None:
         check_trackers(self.trackers)
-        at_least = {"steps": 1, "tasks_per_step": 1, "group_size": 2, "min_group_size": 1, "val_every": 0,
-                    "checkpoint_every": 0, "keep_checkpoints": 0, "check_sync_every": 0, "extra_rollouts": 0,
-                    "rest_after": 0, "rest_steps": 1}
-        for name, least in at_least.items():
-            if getattr(self, name) < least:
-                why = " (GRPO compares the rollouts of a group: one alone has no advantage)" if name == "group_size" \
-                    else ""
-                raise ValueError(f"train.{name} must be >= {least}{why}, got {getattr(self, name)}")
+        check(self)
         if self.min_group_size > self.group_size:
             raise ValueError(f"train.min_group_size = {self.min_group_size} is more than train.group_size = "
                              f"{self.group_size}: no group could ever be trained on")
-        if not math.isfinite(self.success_reward):
-            raise ValueError(f"train.success_reward must be a finite number, got {self.success_reward}")
         if not self.output_dir.strip():
             raise ValueError("train.output_dir is empty: name the run's folder (e.g. \"runs/calc\")")
-        if not (math.isfinite(self.max_minutes) and self.max_minutes >= 0):
-            raise ValueError(f"train.max_minutes must be >= 0 (0: no limit), got {self.max_minutes}")
-        if self.max_staleness < 0:
-            raise ValueError(f"train.max_staleness must be >= 0 (0: synchronous), got {self.max_staleness}")
         if not 0 <= self.min_step_groups <= self.tasks_per_step:
             raise ValueError(f"train.min_step_groups must be between 0 (wait for every group) and "
                              f"train.tasks_per_step = {self.tasks_per_step}, got {self.min_step_groups}")
@@ -164,6 +161,8 @@ class TrainLoopConfig:
 
 @dataclass(frozen=True)
 class EndpointConfig:
+    SECTION = "endpoint"  # serves [collector] and [dispatch_endpoint]: the loader names the one a value came from
+
     endpoint: str = "tcp://127.0.0.1:0"
     """ZeroMQ endpoint to bind; port 0 picks a free one. Bind ``tcp://0.0.0.0:PORT`` for workers on other hosts,
     which needs ``[security] keys_dir``."""
@@ -171,6 +170,8 @@ class EndpointConfig:
 
 @dataclass(frozen=True)
 class SecurityConfig:
+    SECTION = "security"
+
     keys_dir: str = ""
     """The folder ``lit keys generate`` wrote: with it, the span and dispatch channels use CURVE (encrypted, and
     only peers holding its client key get in, on loopback too) and vLLM the folder's ``api_key`` (unless
@@ -332,7 +333,7 @@ def _apply_override(table: dict[str, Any], item: str) -> None:
     node[last] = value
 
 
-def _build(cls: type, table: dict[str, Any], where: str) -> Any:
+def _build(cls: type, table: dict[str, Any], where: str, section: str = "") -> Any:
     if not isinstance(table, dict):
         raise ConfigError(f"{where}: expected a section (a TOML table), got {table!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -341,19 +342,23 @@ def _build(cls: type, table: dict[str, Any], where: str) -> Any:
         known = sorted(set(fields) - set(NOT_KEYS))
         close = {name: difflib.get_close_matches(name, known, n=1) for name in unknown}
         hint = "".join(f"; did you mean {near[0]!r} for {name!r}?" for name, near in close.items() if near)
-        raise ConfigError(f"{where}: unknown key(s) {unknown}{hint} ({cls.__name__} has {known})")
+        raise ConfigError(f"{where}: unknown key(s) {unknown}{hint} ({f'[{section}]' if section else 'the top level'} "
+                          f"has {known})")
     kwargs = {}
     for name, value in table.items():
         default = _default(fields[name])
         key = f"{where}: {name}"
         if dataclasses.is_dataclass(default):
-            kwargs[name] = _build(type(default), value, f"{where} [{name}]")
+            kwargs[name] = _build(type(default), value, f"{where} [{name}]", name)
         else:
             kwargs[name] = _coerce(value, default, key)
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as exc:
-        raise ConfigError(f"{where}: {exc}") from None
+        message, named = str(exc), getattr(cls, "SECTION", section)
+        if section and named != section:  # a class serving several sections: name the one the value came from
+            message = re.sub(rf"(?<![\w.]){re.escape(named)}\.", f"{section}.", message)
+        raise ConfigError(f"{where}: {message}") from None
 
 
 def _default(f: dataclasses.Field) -> Any:

@@ -231,7 +231,7 @@ def test_train_check_makes_the_checks_before_the_model_loads_says_what_they_foun
                  f"the run cannot listen on tcp://127.0.0.1:{port} ([collector] endpoint): another process listens "
                  "there"),
                 ([f"dispatch_endpoint.endpoint=tcp://127.0.0.1:{port}"], "([dispatch_endpoint] endpoint)"),
-                ([f"inference.port={port}"], f"port {port} on 127.0.0.1 is in use (InferenceConfig.port)")):
+                ([f"inference.port={port}"], f"port {port} on 127.0.0.1 is in use (inference.port)")):
             busy = check(*overrides)
             assert busy.returncode == 1 and message in busy.stderr, (overrides, busy.stderr[-3000:])
     same = check(f"collector.endpoint=tcp://127.0.0.1:{port}", f"dispatch_endpoint.endpoint=tcp://127.0.0.1:{port}")

@@ -35,7 +35,7 @@ def test_loopback_endpoints_need_no_keys(tmp_path: Path):
 
 def test_the_keys_folder_gives_vllm_its_api_key(tmp_path: Path):
     path = _config(tmp_path, '[inference]\nhost = "0.0.0.0"\n')
-    with pytest.raises(ConfigError, match=r"InferenceConfig.api_key .*lit keys generate"):
+    with pytest.raises(ConfigError, match=r"inference.api_key .*lit keys generate"):
         load(path)
     cfg = load(path, ["security.keys_dir=~/keys"])
     assert cfg.inference.api_key_file == str(Path("~/keys").expanduser() / "api_key")

@@ -38,7 +38,6 @@ Credits (or Episodes) in, one float64 tensor (n_j,) per rollout out.
 from __future__ import annotations
 
 import collections
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,6 +45,7 @@ import torch
 
 from lit_trainer.algorithm.credit import CreditConfig, assign_credits
 from lit_trainer.intake.episodes import Episode
+from lit_trainer.settings import check, one_of, positive
 
 ESTIMATORS = ("grpo", "rloo")
 
@@ -53,6 +53,9 @@ ESTIMATORS = ("grpo", "rloo")
 @dataclass(frozen=True, slots=True)
 class AdvantageConfig:
     """How credits are normalised within a task's group of rollouts."""
+
+    SECTION = "advantages"
+    RULES = {"estimator": one_of(ESTIMATORS), "eps": positive()}
 
     estimator: str = "grpo"
     """``grpo`` (baseline: the group mean) or ``rloo`` (baseline: the mean of the other rollouts of the group)."""
@@ -62,10 +65,7 @@ class AdvantageConfig:
     """Added to the group standard deviation before dividing; > 0."""
 
     def __post_init__(self) -> None:
-        if self.estimator not in ESTIMATORS:
-            raise ValueError(f"AdvantageConfig.estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
-        if not (math.isfinite(self.eps) and self.eps > 0.0):
-            raise ValueError(f"AdvantageConfig.eps must be finite and > 0, got {self.eps}")
+        check(self)
 
 
 def group_statistics(

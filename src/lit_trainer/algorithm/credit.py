@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from lit_trainer.intake.episodes import Episode
+from lit_trainer.settings import at_least, between, check, one_of
 
 CREDIT_MODES = ("identical", "discounted", "intermediate")
 
@@ -43,6 +44,9 @@ CREDIT_MODES = ("identical", "discounted", "intermediate")
 @dataclass(frozen=True, slots=True)
 class CreditConfig:
     """How an episode's reward becomes one scalar per LLM call."""
+
+    SECTION = "credit"
+    RULES = {"mode": one_of(CREDIT_MODES), "gamma": between(0, 1), "auto_reward_weight": at_least(0, "(0: off)")}
 
     mode: str = "identical"
     """``identical`` (every call gets the episode return, as in the paper), ``discounted`` (turn-level return to go
@@ -54,12 +58,7 @@ class CreditConfig:
     0 turns automatic intermediate rewards off."""
 
     def __post_init__(self) -> None:
-        if self.mode not in CREDIT_MODES:
-            raise ValueError(f"CreditConfig.mode must be one of {CREDIT_MODES}, got {self.mode!r}")
-        if not 0.0 <= self.gamma <= 1.0:
-            raise ValueError(f"CreditConfig.gamma must be in [0, 1], got {self.gamma}")
-        if not (math.isfinite(self.auto_reward_weight) and self.auto_reward_weight >= 0.0):
-            raise ValueError(f"CreditConfig.auto_reward_weight must be finite and ≥ 0, got {self.auto_reward_weight}")
+        check(self)
 
 
 def _check_episode(episode: Episode) -> None:

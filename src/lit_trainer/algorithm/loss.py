@@ -52,12 +52,13 @@ importance-sampling correction and the choice of aggregation are lit's options.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from lit_trainer.settings import above, at_least, between, check, one_of, positive
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_sum")
 NORMALIZERS = ("batch", "kept")
@@ -68,6 +69,12 @@ LOG_RATIO_LIMIT = 20.0
 @dataclass(frozen=True, slots=True)
 class LossConfig:
     """The clipped policy-gradient objective's settings."""
+
+    SECTION = "loss"
+    RULES = {"clip_eps_low": between(0, 1, low_open=True, high_open=True), "clip_eps_high": positive(),
+             "kl_beta": at_least(0, "(0: no KL term)"), "entropy_coef": at_least(0, "(0: no entropy bonus)"),
+             "aggregation": one_of(AGGREGATIONS), "normalizer": one_of(NORMALIZERS),
+             "is_correction": one_of(IS_CORRECTIONS), "is_threshold": above(1)}
 
     clip_eps_low: float = 0.2
     """ε_low: the ratio is clipped below at 1 − ε_low (acts on negative advantages); in (0, 1)."""
@@ -94,27 +101,10 @@ class LossConfig:
     """C_is > 1 of ``is_correction``."""
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.clip_eps_low < 1.0:
-            raise ValueError(f"LossConfig.clip_eps_low must be in (0, 1), got {self.clip_eps_low}")
-        if not (math.isfinite(self.clip_eps_high) and self.clip_eps_high > 0.0):
-            raise ValueError(f"LossConfig.clip_eps_high must be finite and > 0, got {self.clip_eps_high}")
+        check(self)
         if self.ratio_cap is not None and not self.ratio_cap > 1.0 + self.clip_eps_high:
-            raise ValueError(
-                f"LossConfig.ratio_cap must be > 1 + clip_eps_high = {1.0 + self.clip_eps_high} or None, "
-                f"got {self.ratio_cap}"
-            )
-        if not (math.isfinite(self.kl_beta) and self.kl_beta >= 0.0):
-            raise ValueError(f"LossConfig.kl_beta must be finite and ≥ 0, got {self.kl_beta}")
-        if not (math.isfinite(self.entropy_coef) and self.entropy_coef >= 0.0):
-            raise ValueError(f"LossConfig.entropy_coef must be finite and ≥ 0, got {self.entropy_coef}")
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"LossConfig.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
-        if self.normalizer not in NORMALIZERS:
-            raise ValueError(f"LossConfig.normalizer must be one of {NORMALIZERS}, got {self.normalizer!r}")
-        if self.is_correction not in IS_CORRECTIONS:
-            raise ValueError(f"LossConfig.is_correction must be one of {IS_CORRECTIONS}, got {self.is_correction!r}")
-        if not (math.isfinite(self.is_threshold) and self.is_threshold > 1.0):
-            raise ValueError(f"LossConfig.is_threshold must be finite and > 1, got {self.is_threshold}")
+            raise ValueError(f"loss.ratio_cap must be > 1 + loss.clip_eps_high = {1.0 + self.clip_eps_high} "
+                             f"(or None), got {self.ratio_cap}")
 
     @property
     def trains_every_transition(self) -> bool:

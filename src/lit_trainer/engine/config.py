@@ -7,10 +7,10 @@ pushing weights into it), never the whole tree. This module imports nothing heav
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from lit_sdk.protocol.security import HOW_TO_MAKE, is_loopback_host
+from lit_trainer.settings import at_least, between, check, one_of, positive
 
 _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
@@ -29,6 +29,14 @@ def is_loopback(host: str) -> bool:
 @dataclass
 class InferenceConfig:
     """The vLLM OpenAI-compatible server that the agents call and the trainer pushes weights into."""
+
+    SECTION = "inference"
+    RULES = {"port": between(0, 65535, "(0: pick a free port)"), "servers": at_least(1),
+             "tensor_parallel_size": at_least(1), "device": one_of(_DEVICES),
+             "dtype": one_of(_DTYPES, "(vLLM's --dtype)"), "max_model_len": at_least(16),
+             "cpu_kv_cache_gb": at_least(1, "(GiB)"), "gpu_memory_utilization": between(0, 1, low_open=True),
+             "startup_timeout_s": positive("(seconds)"), "shutdown_timeout_s": positive("(seconds)"),
+             "weight_transfer_backend": one_of(("", "nccl", "ipc"))}
 
     model: str = "smollm2-135m"
     """A Hugging Face causal-LM folder, or ``smollm2-135m`` for the embedded default model."""
@@ -108,77 +116,54 @@ class InferenceConfig:
     """Folder for the server log (``vllm-<port>.log``); empty means ``<lit cache>/logs``."""
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"InferenceConfig.port must be 0 (pick a free port) or 1-65535, got {self.port}")
-        if self.servers < 1:
-            raise ValueError(f"InferenceConfig.servers must be at least 1, got {self.servers}")
+        check(self)
         if self.port and self.port + self.servers - 1 > 65535:
-            raise ValueError(f"InferenceConfig.port {self.port} + servers {self.servers} runs past port 65535: "
+            raise ValueError(f"inference.port {self.port} + inference.servers {self.servers} runs past port 65535: "
                              "lower the port, or set port = 0")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(
-                f"InferenceConfig.tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if any(a in _PARALLEL_FLAGS or a.startswith(tuple(f + "=" for f in _PARALLEL_FLAGS)) for a in self.extra_args):
-            raise ValueError("InferenceConfig.extra_args may not set --tensor-parallel-size (-tp): set "
-                             "InferenceConfig.tensor_parallel_size, which also places each server on its GPUs")
+            raise ValueError("inference.extra_args may not set --tensor-parallel-size (-tp): set "
+                             "inference.tensor_parallel_size, which also places each server on its GPUs")
         if self.servers > 1 and self.cpu_threads_bind != "all" and self.device != "cuda":
-            raise ValueError(f"InferenceConfig.cpu_threads_bind = {self.cpu_threads_bind!r} would bind all "
-                             f"{self.servers} servers (InferenceConfig.servers) to the same cores: set it to 'all' "
+            raise ValueError(f"inference.cpu_threads_bind = {self.cpu_threads_bind!r} would bind all "
+                             f"{self.servers} servers (inference.servers) to the same cores: set it to 'all' "
                              "(each server then binds its own share of the cores), or run one server")
         if not is_loopback(self.host) and not (self.api_key or self.api_key_file):
             raise ValueError(
-                f"InferenceConfig.api_key is required when InferenceConfig.host is not loopback (got host "
+                f"inference.api_key is required when inference.host is not loopback (got host "
                 f"{self.host!r}): anyone reaching the port could use the model. {HOW_TO_MAKE} and set "
                 "[security] keys_dir to that folder (its api_key is then used), or set inference.api_key_file, "
                 "or bind to 127.0.0.1"
             )
-        if self.device not in _DEVICES:
-            raise ValueError(f"InferenceConfig.device must be one of {_DEVICES}, got {self.device!r}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"InferenceConfig.dtype must be one of {_DTYPES} (vLLM's --dtype), got {self.dtype!r}")
-        if self.max_model_len < 16:
-            raise ValueError(f"InferenceConfig.max_model_len must be at least 16, got {self.max_model_len}")
         if self.cpu_block_size < 0 or self.cpu_block_size % 32:
-            raise ValueError(f"InferenceConfig.cpu_block_size must be 0 (vLLM's default) or a multiple of 32 (vLLM's "
+            raise ValueError(f"inference.cpu_block_size must be 0 (vLLM's default) or a multiple of 32 (vLLM's "
                              f"CPU kernels need one), got {self.cpu_block_size}")
-        if self.cpu_kv_cache_gb < 1:
-            raise ValueError(f"InferenceConfig.cpu_kv_cache_gb must be at least 1 (GiB), got {self.cpu_kv_cache_gb}")
-        for name in ("startup_timeout_s", "shutdown_timeout_s"):
-            if not 0 < getattr(self, name) < math.inf:  # NaN fails too: it would never time out
-                raise ValueError(f"InferenceConfig.{name} must be a positive number of seconds, got "
-                                 f"{getattr(self, name)}")
         if self.api_key is not None and not isinstance(self.api_key, str):
-            raise ValueError(f"InferenceConfig.api_key must be text (in quotes), got {self.api_key!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"InferenceConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
-        if self.weight_transfer_backend not in ("", "nccl", "ipc"):
-            raise ValueError(
-                f"InferenceConfig.weight_transfer_backend must be '', 'nccl' or 'ipc', got "
-                f"{self.weight_transfer_backend!r}"
-            )
+            raise ValueError(f"inference.api_key must be text (in quotes), got {self.api_key!r}")
         if self.weight_transfer_backend and self.device == "cpu":
-            raise ValueError(
-                f"InferenceConfig.weight_transfer_backend={self.weight_transfer_backend!r} needs a CUDA GPU; "
-                "leave it empty on CPU (weights then go through shared memory)"
-            )
+            raise ValueError(f"inference.weight_transfer_backend = {self.weight_transfer_backend!r} needs a CUDA GPU; "
+                             "leave it empty on CPU (weights then go through shared memory)")
         if self.enable_lora and self.max_lora_rank < 1:
-            raise ValueError(f"InferenceConfig.max_lora_rank must be positive, got {self.max_lora_rank}")
+            raise ValueError(f"inference.max_lora_rank must be >= 1 with inference.enable_lora, got "
+                             f"{self.max_lora_rank}")
 
 
 @dataclass
 class WeightSyncConfig:
     """How new weights reach the running vLLM server after each update."""
 
+    SECTION = "weight_sync"
+    RULES = {"mode": one_of(_SYNC_MODES), "transport": one_of(_TRANSPORTS), "in_flight": one_of(_IN_FLIGHT),
+             "request_timeout_s": between(0, 86400, "(seconds: at most a day)", low_open=True),
+             "logprob_tolerance": positive(), "nccl_master_port": between(1, 65535)}
+
     mode: str = "full"
     """``full``: every weight of the model, the only mode ``lit train`` and ``lit eval`` take (a LoRA policy is
     pushed as merged weights). ``lora``, hot-loading an adapter into a server started with
-    ``InferenceConfig.enable_lora``, is for library use of ``WeightSync`` only."""
+    ``inference.enable_lora``, is for library use of ``WeightSync`` only."""
     transport: str = "shm"
     """``shm``: safetensors in shared memory + ``reload_weights`` (trainer and server on one host, CPU or GPU);
     ``nccl``: vLLM's NCCL weight transfer (GPU, any host); ``ipc``: CUDA IPC (GPU, same device). The GPU
-    transports need the server's ``InferenceConfig.weight_transfer_backend`` set to the same name."""
+    transports need the server's ``inference.weight_transfer_backend`` set to the same name."""
     in_flight: str = "keep"
     """What happens to requests running during a sync. ``keep``: they are frozen, their KV cache is recomputed
     with the new weights and they go on (tokens already sampled stay); ``wait``: the sync waits until they
@@ -198,21 +183,7 @@ class WeightSyncConfig:
     """Largest |vLLM logprob - trainer logprob| (nats) the consistency check accepts for one token."""
 
     def __post_init__(self) -> None:
-        if self.mode not in _SYNC_MODES:
-            raise ValueError(f"WeightSyncConfig.mode must be one of {_SYNC_MODES}, got {self.mode!r}")
-        if self.transport not in _TRANSPORTS:
-            raise ValueError(f"WeightSyncConfig.transport must be one of {_TRANSPORTS}, got {self.transport!r}")
-        if self.in_flight not in _IN_FLIGHT:
-            raise ValueError(f"WeightSyncConfig.in_flight must be one of {_IN_FLIGHT}, got {self.in_flight!r}")
+        check(self)
         if self.mode == "lora" and self.transport != "shm":
-            raise ValueError(
-                f"WeightSyncConfig.mode='lora' loads adapters from files: set transport='shm' (got {self.transport!r})"
-            )
-        if not 0 < self.request_timeout_s <= 86400:  # NaN fails too; requests cannot wait past the clock's range
-            raise ValueError(f"WeightSyncConfig.request_timeout_s must be positive and at most a day (86400 s), got "
-                             f"{self.request_timeout_s}")
-        if not (math.isfinite(self.logprob_tolerance) and self.logprob_tolerance > 0):
-            raise ValueError(f"WeightSyncConfig.logprob_tolerance must be a positive number, got "
-                             f"{self.logprob_tolerance}")
-        if not 1 <= self.nccl_master_port <= 65535:
-            raise ValueError(f"WeightSyncConfig.nccl_master_port must be 1-65535, got {self.nccl_master_port}")
+            raise ValueError(f"weight_sync.mode = 'lora' loads adapters from files: set weight_sync.transport = "
+                             f"'shm' (got {self.transport!r})")

@@ -95,7 +95,7 @@ def vllm_env() -> Path:
 
 
 def vllm_python(config: InferenceConfig) -> str:
-    """The interpreter that runs vLLM: ``InferenceConfig.python``; else that of ``vllm_env()`` when it exists;
+    """The interpreter that runs vLLM: ``inference.python``; else that of ``vllm_env()`` when it exists;
     else this interpreter. vLLM keeps an environment of its own because it needs mcp 2 and the agent frameworks'
     MCP tools need mcp 1."""
     if config.python:
@@ -282,10 +282,10 @@ def pick_port(config: InferenceConfig) -> int:
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
                 raise PortBusyError(
-                    f"port {config.port} on {config.host} is in use (InferenceConfig.port): stop what listens "
+                    f"port {config.port} on {config.host} is in use (inference.port): stop what listens "
                     "there, or set port = 0 to pick a free one"
                 ) from exc
-            raise InferenceError(f"cannot bind {config.host}:{config.port} (InferenceConfig.host): {exc}") from exc
+            raise InferenceError(f"cannot bind {config.host}:{config.port} (inference.host): {exc}") from exc
         return sock.getsockname()[1]
 
 
@@ -308,10 +308,10 @@ def check_vllm_importable(python: str) -> None:
     try:
         found = subprocess.run([python, "-c", probe], check=False, capture_output=True, timeout=60).returncode == 0
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise InferenceError(f"cannot run the Python for vLLM '{python}' (InferenceConfig.python): {exc}") from exc
+        raise InferenceError(f"cannot run the Python for vLLM '{python}' (inference.python): {exc}") from exc
     if not found:
         raise VLLMNotInstalledError(
             f"vLLM is not installed for {python}: give it an environment of its own, "
-            f"{install_vllm_hint()}; or point InferenceConfig.python at one that has it"
+            f"{install_vllm_hint()}; or point inference.python at one that has it"
         )
 

@@ -39,7 +39,7 @@ def chat_template_for(config: InferenceConfig, model_dir: Path) -> Path | None:
         return None if model_has_tool_template(model_dir) else TOOL_TEMPLATE
     path = Path(config.chat_template).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"InferenceConfig.chat_template: no file at '{path}' (or use 'auto' / 'model')")
+        raise FileNotFoundError(f"inference.chat_template: no file at '{path}' (or use 'auto' / 'model')")
     return path
 
 

@@ -73,7 +73,7 @@ _OOM_MARKERS = (
 
 
 class StartupTimeoutError(InferenceError):
-    """``/health`` did not answer within ``InferenceConfig.startup_timeout_s``."""
+    """``/health`` did not answer within ``inference.startup_timeout_s``."""
 
 
 class ServerDiedError(InferenceError):
@@ -199,7 +199,7 @@ class InferenceServer:
                 if elapsed > self.config.startup_timeout_s:
                     raise StartupTimeoutError(
                         f"vLLM did not answer /health within {self.config.startup_timeout_s:.0f} s "
-                        f"(InferenceConfig.startup_timeout_s); log {self.log_path}:\n{self.log_tail()}"
+                        f"(inference.startup_timeout_s); log {self.log_path}:\n{self.log_tail()}"
                     )
                 bar.set_postfix_str(self._last_log_line()[:80], refresh=False)
                 bar.update(0)  # redraws the elapsed time
@@ -237,7 +237,7 @@ class InferenceServer:
         tail = self.log_tail()
         lowered = tail.lower()
         if "address already in use" in lowered:
-            hint = f"port {self.port} got taken (InferenceConfig.port): set port = 0 or free the port"
+            hint = f"port {self.port} got taken (inference.port): set port = 0 or free the port"
         elif "no module named 'vllm" in lowered or 'no module named "vllm' in lowered:
             hint = f"vLLM is not installed there: {install_vllm_hint()}"
         elif "greater than the derived max_model_len" in lowered:  # what lit's check_context leaves to vLLM
@@ -252,7 +252,7 @@ class InferenceServer:
             )
         elif code == -signal.SIGKILL or any(marker in lowered for marker in _OOM_MARKERS):
             hint = (
-                "it looks out of memory: lower InferenceConfig.max_model_len, cpu_kv_cache_gb (CPU) or "
+                "it looks out of memory: lower inference.max_model_len, cpu_kv_cache_gb (CPU) or "
                 "gpu_memory_utilization (GPU), or free memory"
             )
         else:

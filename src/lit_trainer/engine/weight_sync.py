@@ -4,22 +4,22 @@ One sync, whatever the transport: pause generation -> move the weights -> reset 
 version -> resume. The prefix cache must go: it would otherwise serve KV states computed with the old weights.
 ``/resume`` is sent even when a step fails, so a failed sync never leaves the agents hanging on a paused server.
 
-In-flight requests (``WeightSyncConfig.in_flight``), default ``keep``: ``/pause?mode=keep`` freezes them, and
+In-flight requests (``weight_sync.in_flight``), default ``keep``: ``/pause?mode=keep`` freezes them, and
 ``/reset_prefix_cache?reset_running_requests=true`` preempts them, so on resume vLLM recomputes their KV cache with
 the new weights and they go on. Tokens sampled before the sync keep the logprobs of the old weights (the behaviour
 policy that really produced them, which is what the loss needs); later tokens come from the new weights. ``wait``
 finishes them on the old weights first (a sync then lasts as long as the longest request); ``abort`` drops them.
 
-Transports (``WeightSyncConfig.transport``):
+Transports (``weight_sync.transport``):
 - ``shm`` (CPU, or a GPU server on the trainer's host): the weights go into one safetensors file in shared memory
   (``/dev/shm``), written once and afterwards updated in place through a memory map (a memcpy, not a
   re-serialisation), then ``POST /collective_rpc {"method": "reload_weights", ...}`` (vLLM dev mode) loads it.
 - ``nccl`` / ``ipc`` (GPU): vLLM's weight-transfer engines (``vllm.distributed.weight_transfer``): a broadcast over
   an NCCL group the trainer joins as rank 0, or CUDA IPC handles when trainer and vLLM share a GPU. The server needs
-  ``InferenceConfig.weight_transfer_backend`` set to the same name. UNTESTED: no GPU was available when this was
+  ``inference.weight_transfer_backend`` set to the same name. UNTESTED: no GPU was available when this was
   written; only its CPU-side wiring is tested.
 - ``mode = "lora"``: the adapter is saved into shared memory and hot-loaded with ``/v1/load_lora_adapter``
-  (``load_inplace``) under ``WeightSyncConfig.lora_name``; the server needs ``InferenceConfig.enable_lora``.
+  (``load_inplace``) under ``weight_sync.lora_name``; the server needs ``inference.enable_lora``.
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ class WeightSync:
         transports send the named tensors of the latest push (a model's: its parameters).
         """
         if self.config.mode == "lora":
-            raise WeightSyncError("WeightSyncConfig.mode is 'lora': call push_lora(adapter) instead")
+            raise WeightSyncError("weight_sync.mode is 'lora': call push_lora(adapter) instead")
         report = self._start_report(version)
         clock = _Clock(report)
         if self.config.transport == "shm":
@@ -198,7 +198,7 @@ class WeightSync:
     def push_lora(self, adapter: Any, version: str | None = None) -> SyncReport:
         """Hot-load a LoRA adapter (a PEFT model, or a folder holding ``adapter_config.json``) under ``lora_name``."""
         if self.config.mode != "lora":
-            raise WeightSyncError("WeightSyncConfig.mode is 'full': set mode = 'lora' to push adapters")
+            raise WeightSyncError("weight_sync.mode is 'full': set mode = 'lora' to push adapters")
         report = self._start_report(version)
         clock = _Clock(report)
         if isinstance(adapter, (str, os.PathLike)):
@@ -241,15 +241,15 @@ class WeightSync:
             response = self.session.post(url, params=params, json=json, timeout=self.config.request_timeout_s)
         except requests.Timeout as exc:
             raise WeightSyncError(
-                f"{route} took longer than {self.config.request_timeout_s:.0f} s (WeightSyncConfig.request_timeout_s)"
+                f"{route} took longer than {self.config.request_timeout_s:.0f} s (weight_sync.request_timeout_s)"
             ) from exc
         except requests.ConnectionError as exc:
             raise WeightSyncError(f"cannot reach vLLM at {self.base_url} for {route}: is the server running?") from exc
         if response.status_code == 404:
             raise WeightSyncError(
-                f"vLLM has no route {route}: start it with VLLM_SERVER_DEV_MODE=1 (InferenceConfig.weight_sync)"
+                f"vLLM has no route {route}: start it with VLLM_SERVER_DEV_MODE=1 (inference.weight_sync)"
                 + (
-                    " and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (InferenceConfig.enable_lora)"
+                    " and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (inference.enable_lora)"
                     if "lora" in route
                     else ""
                 )
@@ -307,7 +307,7 @@ def open_transfer_engine(base_url: str, config: WeightSyncConfig, latest: Callab
         ) from exc
     response = session.get(f"{base_url}/get_world_size", timeout=config.request_timeout_s)
     if response.status_code == 404:
-        raise WeightSyncError("vLLM has no /get_world_size: start it with InferenceConfig.weight_sync = true")
+        raise WeightSyncError("vLLM has no /get_world_size: start it with inference.weight_sync = true")
     response.raise_for_status()
     init_info = transfer_init_info(config, int(response.json()["world_size"]))
     client = HTTPVLLMWeightSyncClient(base_url, timeout=config.request_timeout_s)

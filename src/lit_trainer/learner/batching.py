@@ -39,12 +39,17 @@ from dataclasses import dataclass, field
 import torch
 
 from lit_trainer.intake.episodes import Transition
+from lit_trainer.settings import Rule, at_least, check
 
 log = logging.getLogger("lit")
 
 
 @dataclass(frozen=True)
 class BatchingConfig:
+    SECTION = "batching"
+    RULES = {"max_tokens_per_micro_batch": Rule(low=2, or_zero=True, why="(0: chosen for the device)"),
+             "max_prompt_tokens": at_least(1)}
+
     max_tokens_per_micro_batch: int = 0
     """Budget of one micro-batch: its prompt groups x the longest group's tokens (the prompt once plus every row's
     response) stays at or under it; a group over the budget is split, and a group or a row that cannot be split to
@@ -56,11 +61,7 @@ class BatchingConfig:
     """Drop the oldest prompt tokens beyond ``max_prompt_tokens`` instead of rejecting the transition."""
 
     def __post_init__(self) -> None:
-        if self.max_tokens_per_micro_batch < 2 and self.max_tokens_per_micro_batch != 0:
-            raise ValueError("BatchingConfig.max_tokens_per_micro_batch must be at least 2, or 0 (chosen for the "
-                             f"device), got {self.max_tokens_per_micro_batch}")
-        if self.max_prompt_tokens < 1:
-            raise ValueError("BatchingConfig.max_prompt_tokens must be at least 1")
+        check(self)
 
 
 DEFAULT_BUDGETS = {"cpu": 2048, "cuda": 4096}
@@ -76,7 +77,7 @@ def budget_for(config: BatchingConfig, device_type: str) -> BatchingConfig:
 
 
 class PromptTooLong(ValueError):
-    """A transition's prompt is over ``BatchingConfig.max_prompt_tokens``."""
+    """A transition's prompt is over ``batching.max_prompt_tokens``."""
 
 
 @dataclass
@@ -253,7 +254,7 @@ def explain(t: Transition, reason: str, config: BatchingConfig) -> str:
                        "check that the agent's calls go to the lit-managed server)",
         "logprobs_length": f"{where} has {len(t.logprobs or [])} behaviour logprobs for {len(t.response_ids)} "
                            "response tokens",
-        "prompt_too_long": f"{where} has a {len(t.prompt_ids)}-token prompt, over BatchingConfig.max_prompt_tokens="
+        "prompt_too_long": f"{where} has a {len(t.prompt_ids)}-token prompt, over batching.max_prompt_tokens="
                            f"{config.max_prompt_tokens}; raise it, or set truncate_prompt_left = true to drop the "
                            "oldest tokens",
     }[reason]

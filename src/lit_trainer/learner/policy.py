@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from lit_trainer.learner import compiling, distributed, logprobs, lora, memory, 
 from lit_trainer.learner.batching import MicroBatch
 from lit_trainer.learner.schedule import LR_SCHEDULES
 from lit_trainer.models import check_model_folder, resolve_model
+from lit_trainer.settings import at_least, between, check, one_of, positive
 
 log = logging.getLogger("lit")
 
@@ -42,6 +42,12 @@ step_normalizer(...))``): the terms of all micro-batches add up to the step's lo
 
 @dataclass(frozen=True)
 class PolicyConfig:
+    SECTION = "policy"
+    RULES = {"learning_rate": positive(), "lr_schedule": one_of(LR_SCHEDULES), "warmup_steps": at_least(0),
+             "min_lr_ratio": between(0, 1), "weight_decay": at_least(0),
+             "max_grad_norm": at_least(0, "(0 disables clipping)"), "precision": one_of(precision.PRECISIONS),
+             "lora_rank": at_least(0, "(0: full fine-tune)")}
+
     model: str = "smollm2-135m"
     """A Hugging Face causal-LM folder, or ``smollm2-135m`` for the prepared default."""
     learning_rate: float = 1e-6
@@ -93,31 +99,15 @@ class PolicyConfig:
     entropy bonus (``loss.entropy_coef`` > 0) computes it whatever this says."""
 
     def __post_init__(self) -> None:
-        if not 0 < self.learning_rate < math.inf:  # NaN fails too
-            raise ValueError(f"PolicyConfig.learning_rate must be a positive number, got {self.learning_rate}")
-        if not 0 <= self.weight_decay < math.inf:
-            raise ValueError(f"PolicyConfig.weight_decay must be a number >= 0, got {self.weight_decay}")
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"PolicyConfig.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"PolicyConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"PolicyConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if not 0 <= self.max_grad_norm < math.inf:  # NaN would turn clipping off without a word
-            raise ValueError(f"PolicyConfig.max_grad_norm must be a number >= 0 (0 disables clipping), got "
-                             f"{self.max_grad_norm}")
-        if self.lora_rank < 0:
-            raise ValueError("PolicyConfig.lora_rank must be >= 0 (0 = full fine-tune)")
+        check(self)
         if self.lora_rank and self.lora_alpha <= 0:
-            raise ValueError(f"PolicyConfig.lora_alpha must be positive with lora_rank > 0 (the adapter's update is "
+            raise ValueError(f"policy.lora_alpha must be positive with policy.lora_rank > 0 (the adapter's update is "
                              f"scaled by alpha / rank: 0 trains nothing), got {self.lora_alpha}")
         if self.lora_rank and not self.lora_target_modules:
-            raise ValueError("PolicyConfig.lora_target_modules names no layer for the LoRA adapters (lora_rank > 0): "
+            raise ValueError("policy.lora_target_modules names no layer for the LoRA adapters (policy.lora_rank > 0): "
                              "name some, e.g. [\"q_proj\", \"v_proj\"]")
-        if self.precision not in precision.PRECISIONS:
-            raise ValueError(f"PolicyConfig.precision must be one of {precision.PRECISIONS}, got {self.precision!r}")
         if self.shard and self.lora_rank:
-            raise ValueError("PolicyConfig.shard shards a full fine-tune; a LoRA policy (lora_rank > 0) is not "
+            raise ValueError("policy.shard shards a full fine-tune; a LoRA policy (lora_rank > 0) is not "
                              "sharded: its trained part is small, and every process holds the frozen base whole "
                              "(in bf16 under policy.precision = \"bf16\"). Set shard = false, or lora_rank = 0")
 

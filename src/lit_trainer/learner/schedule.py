@@ -34,6 +34,7 @@ from lit_trainer.intake.episodes import Transition
 from lit_trainer.learner import distributed
 from lit_trainer.learner.batching import BatchingConfig, MicroBatch, budget_for, make_micro_batches
 from lit_trainer.progress import progress_bar
+from lit_trainer.settings import at_least, check, one_of
 
 if TYPE_CHECKING:
     from lit_trainer.learner.policy import Policy
@@ -47,6 +48,9 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 class UpdateConfig:
     """How a training step's transitions become optimizer steps."""
 
+    SECTION = "update"
+    RULES = {"ppo_epochs": at_least(1), "mini_batches": at_least(1), "overlong": one_of(OVERLONG)}
+
     ppo_epochs: int = 1
     """Passes over the step's transitions; each pass reshuffles them (seeded by ``train.seed`` and the step)."""
     mini_batches: int = 1
@@ -59,12 +63,7 @@ class UpdateConfig:
     (counted as ``update/overlong_masked``)."""
 
     def __post_init__(self) -> None:
-        if self.ppo_epochs < 1:
-            raise ValueError(f"UpdateConfig.ppo_epochs must be at least 1, got {self.ppo_epochs}")
-        if self.mini_batches < 1:
-            raise ValueError(f"UpdateConfig.mini_batches must be at least 1, got {self.mini_batches}")
-        if self.overlong not in OVERLONG:
-            raise ValueError(f"UpdateConfig.overlong must be one of {OVERLONG}, got {self.overlong!r}")
+        check(self)
 
 
 def split(n: int, parts: int, seed: int) -> list[list[int]]:

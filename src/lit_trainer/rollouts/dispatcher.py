@@ -68,6 +68,7 @@ from lit_trainer.rollouts.attempts import (
     ended_groups,
     group_of,
 )
+from lit_trainer.settings import at_least, between, check
 
 if TYPE_CHECKING:
     from lit_trainer.intake.gateway.server import Gateway
@@ -89,6 +90,12 @@ workers: a ``Run``'s timeout must be finite)."""
 
 @dataclass(frozen=True)
 class DispatchConfig:
+    SECTION = "dispatch"
+    RULES = {"max_attempts": at_least(1), "max_peers": at_least(1),
+             "handshake_s": between(0.001, 86400, "(seconds: at least a millisecond, at most a day)"),
+             **dict.fromkeys(("rollout_timeout_s", "worker_timeout_s", "no_worker_timeout_s"),
+                             between(0, _LONGEST_S, "(seconds: at most a year)", low_open=True))}
+
     rollout_timeout_s: float = 300.0
     """An attempt running longer is ``timed_out`` (the worker cancels it too) and retried."""
     max_attempts: int = 2
@@ -105,16 +112,7 @@ class DispatchConfig:
     ``handshake``)."""
 
     def __post_init__(self) -> None:
-        for name in ("max_attempts", "max_peers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if not 0.001 <= self.handshake_s <= 86400:  # ZeroMQ takes it in milliseconds, below 2**31
-            raise ValueError(f"handshake_s must be at least a millisecond and at most a day (86400 s), got "
-                             f"{self.handshake_s}")
-        for name in ("rollout_timeout_s", "worker_timeout_s", "no_worker_timeout_s"):
-            if not 0 < getattr(self, name) <= _LONGEST_S:  # NaN fails too: it would never time out
-                raise ValueError(f"{name} must be positive and at most {_LONGEST_S:.0f} s (a year), got "
-                                 f"{getattr(self, name)}")
+        check(self)  # handshake_s: ZeroMQ takes it in milliseconds, below 2**31
 
 
 class Dispatcher:

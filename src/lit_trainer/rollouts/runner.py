@@ -13,7 +13,6 @@ of it is trained on), up to ``restarts`` times.
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,10 +26,16 @@ from lit_trainer.progress import progress_bar
 from lit_trainer.rollouts.attempts import Outcome, RolloutRequest, group_of
 from lit_trainer.rollouts.dispatcher import Dispatcher
 from lit_trainer.rollouts.gather import gather_episodes
+from lit_trainer.settings import at_least, check
 
 
 @dataclass(frozen=True)
 class AgentConfig:
+    SECTION = "agent"
+    RULES = {"local_workers": at_least(0, "(0: only workers started with `lit worker`)"),
+             "concurrency": at_least(1, "(rollouts at once per worker)"), "temperature": at_least(0, "(0: greedy)"),
+             "val_temperature": at_least(0, "(0: greedy)"), "max_tokens": at_least(1)}
+
     function: str = ""
     """The ``@lit.trace`` agent function as ``module:function``; it is called as ``fn(task, llm)``."""
     command: str = ""
@@ -55,17 +60,7 @@ class AgentConfig:
         if self.function and self.command:
             raise ValueError("agent.function and agent.command are both set: give one (agent.function: a @lit.trace "
                              "function as module:function; agent.command: a program to run per rollout)")
-        if self.local_workers < 0:
-            raise ValueError(f"agent.local_workers must be >= 0 (0: only workers started with `lit worker`), got "
-                             f"{self.local_workers}")
-        if self.concurrency < 1:
-            raise ValueError(f"agent.concurrency must be >= 1 (rollouts at once per worker), got {self.concurrency}")
-        for name in ("temperature", "val_temperature"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"agent.{name} must be >= 0 (0: greedy), got {value}")
-        if self.max_tokens < 1:
-            raise ValueError(f"agent.max_tokens must be >= 1, got {self.max_tokens}")
+        check(self)
 
 
 class RolloutsFailed(RuntimeError):

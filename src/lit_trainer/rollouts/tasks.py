@@ -12,12 +12,16 @@ from pathlib import Path
 
 from lit_sdk.protocol import codec
 from lit_sdk.targets import check_takes, load_target
+from lit_trainer.settings import at_least, check
 
 log = logging.getLogger("lit")
 
 
 @dataclass(frozen=True)
 class DataConfig:
+    SECTION = "data"
+    RULES = dict.fromkeys(("train_size", "val_size"), at_least(1, "(how many tasks of the split to load)"))
+
     tasks: str = ""
     """``module:function`` called as ``fn(split, n)`` returning a list of tasks (dicts with an ``id``), or a folder
     with ``train.jsonl`` and ``validation.jsonl``."""
@@ -27,10 +31,7 @@ class DataConfig:
     """Held-out tasks to validate on."""
 
     def __post_init__(self) -> None:
-        for name in ("train_size", "val_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"data.{name} must be at least 1 (how many tasks of the split to load), got "
-                                 f"{getattr(self, name)}")
+        check(self)
 
 
 def sample_tasks(tasks: list[dict], seed: int, step: int, n: int, draw: int = 0) -> list[dict]:

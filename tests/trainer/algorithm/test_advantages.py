@@ -128,9 +128,9 @@ def test_failed_rollouts_are_excluded_not_counted_as_zero():
 def test_empty_input_and_config_validation():
     adv, metrics = group_advantages([], [], AdvantageConfig())
     assert adv == [] and metrics["adv/groups"] == 0 and all(math.isfinite(v) for v in metrics.values())
-    with pytest.raises(ValueError, match="AdvantageConfig.estimator"):
+    with pytest.raises(ValueError, match="advantages.estimator"):
         AdvantageConfig(estimator="ppo")
-    with pytest.raises(ValueError, match="AdvantageConfig.eps"):
+    with pytest.raises(ValueError, match="advantages.eps"):
         AdvantageConfig(eps=0.0)
 
 

@@ -159,5 +159,5 @@ def test_unusable_rollouts_and_missing_returns_are_rejected():
     [({"mode": "gae"}, "mode"), ({"gamma": 1.5}, "gamma"), ({"auto_reward_weight": -0.1}, "auto_reward_weight")],
 )
 def test_credit_config_names_the_bad_field(kwargs, field):
-    with pytest.raises(ValueError, match=f"CreditConfig.{field}"):
+    with pytest.raises(ValueError, match=f"credit.{field}"):
         CreditConfig(**kwargs)

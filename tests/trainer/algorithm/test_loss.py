@@ -242,7 +242,7 @@ def test_normalizer_makes_micro_batches_add_up_to_the_batch(aggregation):
     ],
 )
 def test_loss_config_names_the_bad_field(kwargs, field):
-    with pytest.raises(ValueError, match=f"LossConfig.{field}"):
+    with pytest.raises(ValueError, match=f"loss.{field}"):
         LossConfig(**kwargs)
 
 

@@ -101,7 +101,7 @@ def test_the_key_comes_from_the_config_or_a_private_file(keys_dir: Path):
 
 
 def test_a_non_loopback_server_without_a_key_says_how_to_make_one():
-    with pytest.raises(ValueError, match=r"InferenceConfig.api_key .*lit keys generate.*\[security\] keys_dir"):
+    with pytest.raises(ValueError, match=r"inference.api_key .*lit keys generate.*\[security\] keys_dir"):
         InferenceConfig(host="0.0.0.0")
 
 

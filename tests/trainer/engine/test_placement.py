@@ -143,15 +143,15 @@ def test_ports_of_several_servers(monkeypatch):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"servers": 0}, "InferenceConfig.servers must be at least 1, got 0"),
-        ({"tensor_parallel_size": 0}, "InferenceConfig.tensor_parallel_size must be at least 1, got 0"),
-        ({"extra_args": ["--tensor-parallel-size", "2"]}, "InferenceConfig.extra_args may not set "
+        ({"servers": 0}, "inference.servers must be >= 1, got 0"),
+        ({"tensor_parallel_size": 0}, "inference.tensor_parallel_size must be >= 1, got 0"),
+        ({"extra_args": ["--tensor-parallel-size", "2"]}, "inference.extra_args may not set "
                                                           "--tensor-parallel-size"),
-        ({"extra_args": ["-tp", "2"]}, "set InferenceConfig.tensor_parallel_size"),
-        ({"extra_args": ["--tensor-parallel-size=2"]}, "InferenceConfig.extra_args"),
-        ({"port": 65535, "servers": 2}, "InferenceConfig.port 65535 \\+ servers 2 runs past port 65535"),
+        ({"extra_args": ["-tp", "2"]}, "set inference.tensor_parallel_size"),
+        ({"extra_args": ["--tensor-parallel-size=2"]}, "inference.extra_args"),
+        ({"port": 65535, "servers": 2}, "inference.port 65535 \\+ inference.servers 2 runs past port 65535"),
         ({"device": "cpu", "servers": 2, "cpu_threads_bind": "0-1"}, "would bind all 2 servers "
-                                                                     "\\(InferenceConfig.servers\\) to the same cores"),
+                                                                     "\\(inference.servers\\) to the same cores"),
     ],
 )
 def test_inference_config_refuses_bad_parallel_settings(kwargs: dict, message: str):

@@ -121,7 +121,7 @@ def _kill_the_parent_and_find_no_orphan(config: dict, how: str, tmp_path: Path, 
 
 
 def test_non_loopback_host_needs_an_api_key():
-    with pytest.raises(ValueError, match="InferenceConfig.api_key"):
+    with pytest.raises(ValueError, match="inference.api_key"):
         InferenceConfig(host="0.0.0.0")
     assert InferenceConfig(host="0.0.0.0", api_key="k").api_key == "k"
     assert InferenceConfig(host="::1").api_key is None
@@ -130,13 +130,13 @@ def test_non_loopback_host_needs_an_api_key():
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        ({"port": 70000}, "InferenceConfig.port"),
-        ({"device": "tpu"}, "InferenceConfig.device"),
-        ({"max_model_len": 0}, "InferenceConfig.max_model_len"),
-        ({"cpu_kv_cache_gb": 0}, "InferenceConfig.cpu_kv_cache_gb"),
-        ({"gpu_memory_utilization": 1.5}, "InferenceConfig.gpu_memory_utilization"),
-        ({"device": "cpu", "weight_transfer_backend": "nccl"}, "InferenceConfig.weight_transfer_backend"),
-        ({"startup_timeout_s": 0}, "InferenceConfig.startup_timeout_s"),
+        ({"port": 70000}, "inference.port"),
+        ({"device": "tpu"}, "inference.device"),
+        ({"max_model_len": 0}, "inference.max_model_len"),
+        ({"cpu_kv_cache_gb": 0}, "inference.cpu_kv_cache_gb"),
+        ({"gpu_memory_utilization": 1.5}, "inference.gpu_memory_utilization"),
+        ({"device": "cpu", "weight_transfer_backend": "nccl"}, "inference.weight_transfer_backend"),
+        ({"startup_timeout_s": 0}, "inference.startup_timeout_s"),
     ],
 )
 def test_inference_config_names_the_bad_field(kwargs: dict, field: str):
@@ -147,11 +147,11 @@ def test_inference_config_names_the_bad_field(kwargs: dict, field: str):
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        ({"mode": "delta"}, "WeightSyncConfig.mode"),
-        ({"transport": "rdma"}, "WeightSyncConfig.transport"),
-        ({"in_flight": "drop"}, "WeightSyncConfig.in_flight"),
-        ({"mode": "lora", "transport": "nccl"}, "WeightSyncConfig.mode"),
-        ({"logprob_tolerance": 0}, "WeightSyncConfig.logprob_tolerance"),
+        ({"mode": "delta"}, "weight_sync.mode"),
+        ({"transport": "rdma"}, "weight_sync.transport"),
+        ({"in_flight": "drop"}, "weight_sync.in_flight"),
+        ({"mode": "lora", "transport": "nccl"}, "weight_sync.mode"),
+        ({"logprob_tolerance": 0}, "weight_sync.logprob_tolerance"),
     ],
 )
 def test_weight_sync_config_names_the_bad_field(kwargs: dict, field: str):
@@ -164,7 +164,7 @@ def test_busy_port_is_refused_with_the_setting_to_change():
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        with pytest.raises(PortBusyError, match="InferenceConfig.port"):
+        with pytest.raises(PortBusyError, match="inference.port"):
             pick_port(InferenceConfig(port=port))
     assert pick_port(InferenceConfig(port=0)) > 0
 
@@ -287,7 +287,7 @@ def test_cpu_servers_cache_prompts_in_small_blocks():
     assert block_sizes(InferenceConfig(device="cpu", extra_args=["--block-size", "64"])) == ["32", "64"]
     assert block_sizes(InferenceConfig(device="cuda")) == []
     for bad in (16, -32):
-        with pytest.raises(ValueError, match="InferenceConfig.cpu_block_size must be 0"):
+        with pytest.raises(ValueError, match="inference.cpu_block_size must be 0"):
             InferenceConfig(cpu_block_size=bad)
 
 
@@ -430,7 +430,7 @@ def test_startup_timeout_names_the_setting_and_kills_the_server(tmp_path: Path):
         startup_timeout_s=1.0,
     )
     server = InferenceServer(config)
-    with pytest.raises(StartupTimeoutError, match="InferenceConfig.startup_timeout_s"):
+    with pytest.raises(StartupTimeoutError, match="inference.startup_timeout_s"):
         server.start()
     assert server.process is None
     assert "sleep 600" not in subprocess.run(["ps", "-eo", "args"], check=True, capture_output=True, text=True).stdout

@@ -68,7 +68,7 @@ def test_missing_behaviour_logprobs_and_bad_inputs_are_clear_errors():
         make_micro_batches([no_lp], [1.0], BatchingConfig(), PAD)
     with pytest.raises(ValueError, match="empty prompt or response"):
         make_micro_batches([tr([], [2])], [1.0], BatchingConfig(), PAD)
-    with pytest.raises(ValueError, match="max_tokens_per_micro_batch must be at least 2, or 0"):
+    with pytest.raises(ValueError, match=r"batching.max_tokens_per_micro_batch must be 0 or >= 2 \(0: chosen for"):
         BatchingConfig(max_tokens_per_micro_batch=1)
 
 
@@ -85,7 +85,7 @@ def test_transitions_that_cannot_be_trained_on_are_skipped_and_counted_by_reason
     # One line per reason, with the first transition's words, however many were skipped.
     assert sorted(r.getMessage().split("(update/skipped_")[1].split(")")[0] for r in caplog.records) == [
         "empty", "logprobs_length", "no_logprobs", "prompt_too_long"]
-    assert any("r#2 has a 9-token prompt, over BatchingConfig.max_prompt_tokens=8" in r.getMessage()
+    assert any("r#2 has a 9-token prompt, over batching.max_prompt_tokens=8" in r.getMessage()
                for r in caplog.records)
     (mb,) = make_micro_batches([t for t, _ in kept], [a for _, a in kept], config, PAD)  # the rest trains
     assert mb.n_response_tokens == 3
