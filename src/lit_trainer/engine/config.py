@@ -84,7 +84,8 @@ class InferenceConfig:
     cpu_block_size: int = 32
     """KV-cache block size on CPU (``--block-size``; vLLM's own CPU default is 128). The prefix cache shares whole
     blocks, so smaller ones reuse more of what prompts have in common (a task's group of rollouts, worked examples
-    in the chat history; measured on the calc agent: docs/architecture.md, "Inference and weight sync"). A multiple of 32 (vLLM's CPU kernels refuse 16), or 0 for vLLM's default; a
+    in the chat history; measured on the calc agent: docs/architecture.md, "Inference and weight sync"). A
+    multiple of 32 (vLLM's CPU kernels refuse 16), or 0 for vLLM's default; a
     ``--block-size`` in ``extra_args`` wins. Not used on CUDA, where vLLM's default is 16."""
     cpu_threads_bind: str = "all"
     """CPU cores for vLLM's OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``), e.g. ``0-7``; ``all``: every core
