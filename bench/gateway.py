@@ -135,9 +135,9 @@ def streamed_rate(direct: str, through: str, model: str, streams: int, tokens: i
 
 
 def start_vllm():
-    from lit_trainer.default_model import prepare_default_model
     from lit_trainer.engine.config import InferenceConfig
     from lit_trainer.engine.server import InferenceServer
+    from lit_trainer.models.embedded import prepare_default_model
 
     server = InferenceServer(InferenceConfig(model=str(prepare_default_model().path), cpu_kv_cache_gb=1))
     return server.__enter__()

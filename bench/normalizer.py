@@ -64,7 +64,7 @@ from lit_trainer.intake.rows import RolloutStatus
 from lit_trainer.intake.store import SqliteStore
 from lit_trainer.learner.batching import keep_usable
 from lit_trainer.learner.schedule import mask_overlong
-from lit_trainer.metrics import read as read_metrics
+from lit_trainer.results.metrics import read as read_metrics
 
 TRAIN_ROLLOUT = re.compile(r"^(?P<session>[^-]+)-s(?P<step>\d+)-t(?P<task>.*)-g(?P<g>\d+)-a(?P<attempt>\d+)$")
 """A training rollout's id: ``<session>-s<step from 0>-t<task>-g<index in group>-a<attempt>`` (``RolloutRunner.run``
@@ -188,7 +188,7 @@ def initial_grad_norms(cfg: TrainConfig, steps: list[Step], recompute: bool, use
 
     from lit_trainer.learner.policy import Policy
     from lit_trainer.learner.schedule import UpdateConfig, run_update
-    from lit_trainer.models import resolve_model
+    from lit_trainer.models.folders import resolve_model
 
     policy = Policy(replace(cfg.policy, max_grad_norm=0.0, compute_entropy=False),
                     reference=str(resolve_model(cfg.model)) if cfg.loss.kl_beta > 0 else None)

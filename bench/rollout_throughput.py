@@ -113,7 +113,7 @@ def run_load(rollouts: int, workers: int, concurrency: int, llm_url: str, work_d
     from lit_trainer.intake.store import SqliteStore
     from lit_trainer.rollouts.attempts import RolloutRequest
     from lit_trainer.rollouts.dispatcher import Dispatcher
-    from lit_trainer.services import stop_workers, with_keys
+    from lit_trainer.run.services import stop_workers, with_keys
 
     # as lit train runs them: both channels with the run's own CURVE keys, every span admitted by the collector
     keys_dir, _ = with_keys(TrainConfig(), work_dir / "keys")

@@ -78,7 +78,7 @@ def make_calc_batch(seed: int = 0) -> list[Transition]:
     from examples.calc.agent import SHOTS, SYSTEM_MESSAGE, calculator, tool_call_text, with_numbers
     from examples.calc.tasks import make_tasks
     from lit_trainer.engine.served_model import TOOL_TEMPLATE
-    from lit_trainer.models import resolve_model
+    from lit_trainer.models.folders import resolve_model
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
     tool = {"type": "function", "function": {  # as AutoGen sends the agent's CompactTool

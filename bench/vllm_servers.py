@@ -35,10 +35,10 @@ def measure(layout: str, rounds: int, requests_n: int, tokens: int) -> dict:
     import contextlib
     from unittest import mock
 
-    from lit_trainer.default_model import prepare_default_model
     from lit_trainer.engine import server as server_module
     from lit_trainer.engine.config import InferenceConfig
     from lit_trainer.engine.fleet import Fleet
+    from lit_trainer.models.embedded import prepare_default_model
 
     servers, placed = LAYOUTS[layout]
     config = InferenceConfig(model=str(prepare_default_model().path), cpu_kv_cache_gb=1, servers=servers,

@@ -39,11 +39,11 @@ LAYOUTS = {
 def measure(layout: str, tokens: int, requests_n: int, concurrency: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lit_trainer.default_model import prepare_default_model
     from lit_trainer.engine.config import InferenceConfig, WeightSyncConfig
     from lit_trainer.engine.logprob_check import check_logprobs
     from lit_trainer.engine.server import InferenceServer
     from lit_trainer.engine.weight_sync import WeightSync
+    from lit_trainer.models.embedded import prepare_default_model
 
     env, extra = LAYOUTS[layout]
     os.environ.update(env)

@@ -32,7 +32,7 @@ from lit_trainer.engine.config import InferenceConfig, WeightSyncConfig
 from lit_trainer.engine.launch import build_env, pick_port, vllm_python
 from lit_trainer.engine.server import InferenceServer
 from lit_trainer.engine.weight_sync import WeightSync
-from lit_trainer.models import resolve_model
+from lit_trainer.models.folders import resolve_model
 
 PROMPT = "Write a long story about a robot who learns to paint."
 

@@ -80,7 +80,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 @pytest.fixture(scope="session")
 def prepared_model():
     """The default model's folder, prepared once in the user's cache (later runs find it ready)."""
-    from lit_trainer.default_model import prepare_default_model
+    from lit_trainer.models.embedded import prepare_default_model
 
     return prepare_default_model().path
 

@@ -34,22 +34,22 @@ def test_the_contracts_hold():
     ("module", "line", "contract"),
     [
         ("lit_sdk/semconv.py", "import torch", "lit_sdk stays light"),
-        ("lit_sdk/trace.py", "import lit_trainer.loop", "lit_sdk stays light"),
+        ("lit_sdk/trace.py", "import lit_trainer.run.loop", "lit_sdk stays light"),
         ("lit_sdk/_context.py", "import lit_sdk.instrument", "lit_sdk is layered"),
         ("lit_trainer/intake/episodes.py", "import lit_trainer.learner.policy", "lit_trainer is layered"),
         ("lit_trainer/engine/weight_sync.py", "import lit_trainer.learner.policy", "lit_trainer is layered"),
         ("lit_trainer/algorithm/loss.py", "import zmq", "The algorithm is pure math"),
         ("lit_trainer/intake/store.py", "import torch", "Intake turns bytes into episodes"),
         # boxes side by side in the layers, and the independence contracts beside them
-        ("lit_trainer/runs.py", "import lit_trainer.engine.fleet", "lit_trainer is layered"),
-        ("lit_trainer/evaluation.py", "import lit_trainer.pipeline", "lit_trainer is layered"),
+        ("lit_trainer/results/runs.py", "import lit_trainer.engine.fleet", "lit_trainer is layered"),
+        ("lit_trainer/run/evaluation.py", "import lit_trainer.run.pipeline", "The run is layered"),
         ("lit_trainer/engine/server.py", "import lit_trainer.intake.store", "vLLM and the spans"),
         ("lit_trainer/intake/collector.py", "import lit_trainer.engine.server", "vLLM and the spans"),
         ("lit_trainer/learner/policy.py", "import lit_trainer.engine.logprob_check", "The engine and the learner"),
-        ("lit_trainer/rollouts/runner.py", "import lit_trainer.runs", "Collecting rollouts, the math"),
+        ("lit_trainer/rollouts/runner.py", "import lit_trainer.results.runs", "Collecting rollouts, the math"),
         ("lit_trainer/rollouts/gather.py", "import lit_trainer.algorithm.advantages", "Collecting rollouts, the math"),
-        ("lit_trainer/engine/fleet.py", "import lit_trainer.viewer", "Serving, the math and the viewer"),
-        ("lit_trainer/viewer.py", "import lit_trainer.algorithm.credit", "Serving, the math and the viewer"),
+        ("lit_trainer/engine/fleet.py", "import lit_trainer.results.viewer", "Serving, the math and the viewer"),
+        ("lit_trainer/results/viewer.py", "import lit_trainer.algorithm.credit", "Serving, the math and the viewer"),
     ],
 )
 def test_a_forbidden_import_breaks_a_contract(tmp_path: Path, module: str, line: str, contract: str):

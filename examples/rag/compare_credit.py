@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lit_trainer.plots import plot_comparison
+from lit_trainer.results.plots import plot_comparison
 
 MODES = ("identical", "discounted", "intermediate")
 HERE = Path(__file__).resolve().parent

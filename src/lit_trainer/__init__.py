@@ -26,7 +26,7 @@ __all__ = ["Playground", "Run", "evaluate", "load_config", "make_config", "open_
 if TYPE_CHECKING:
     from lit_trainer.config import TrainConfig
     from lit_trainer.playground import Playground
-    from lit_trainer.runs import Run
+    from lit_trainer.results.runs import Run
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
@@ -48,8 +48,8 @@ def make_config(**sections: Any) -> TrainConfig:
 def train(config: TrainConfig | str | Path, resume: bool = False) -> Run:
     """Train as ``config`` says (a config, or the path of a TOML file); the run, once finished. ``resume``:
     continue from the latest checkpoint in ``train.output_dir`` (as ``lit train --resume``)."""
-    from lit_trainer import loop
-    from lit_trainer.runs import Run
+    from lit_trainer.results.runs import Run
+    from lit_trainer.run import loop
 
     cfg = load_config(config) if isinstance(config, (str, Path)) else config
     loop.run(cfg, resume=resume)
@@ -62,7 +62,7 @@ def evaluate(config: TrainConfig | str | Path, checkpoint: str | Path | None = N
     for its latest) or of the base model when None: accuracy and what was evaluated (as ``lit eval``). Its store
     and result go into ``output_dir`` (default: beside the evaluated run, ``RUN/eval/step-N``; the result's
     ``output_dir`` says where), which ``open_run`` opens."""
-    from lit_trainer.evaluation import evaluate as run_evaluation
+    from lit_trainer.run.evaluation import evaluate as run_evaluation
 
     cfg = load_config(config) if isinstance(config, (str, Path)) else config
     return run_evaluation(cfg, checkpoint, Path(output) if output else None, output_dir)
@@ -70,14 +70,14 @@ def evaluate(config: TrainConfig | str | Path, checkpoint: str | Path | None = N
 
 def open_run(output_dir: str | Path) -> Run:
     """A run's output folder, to read its metrics, curve, store, rollouts and checkpoints."""
-    from lit_trainer.runs import Run
+    from lit_trainer.results.runs import Run
 
     return Run(output_dir)
 
 
 def __getattr__(name: str) -> Any:
     if name == "Run":
-        from lit_trainer.runs import Run
+        from lit_trainer.results.runs import Run
 
         return Run
     if name == "Playground":

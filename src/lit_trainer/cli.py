@@ -19,9 +19,9 @@ from pathlib import Path
 from lit_sdk.install import pip_install
 from lit_sdk.processes import TERMINATED, sigterm_as_interrupt
 from lit_trainer import __version__
-from lit_trainer.metrics import STEP_LINE_LEGEND
-from lit_trainer.models import DEFAULT_MODEL, ModelError
+from lit_trainer.models.folders import DEFAULT_MODEL, ModelError
 from lit_trainer.progress import quiet_library_bars
+from lit_trainer.results.metrics import STEP_LINE_LEGEND
 
 CHECK_PROMPT = "What is the capital of France? Answer in one sentence."
 
@@ -169,7 +169,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _model_prepare(args: argparse.Namespace) -> int:
-    from lit_trainer.default_model import prepare_default_model
+    from lit_trainer.models.embedded import prepare_default_model
 
     prepared = prepare_default_model(cache=args.cache_dir, force=args.force)
     if not prepared.created:
@@ -179,14 +179,14 @@ def _model_prepare(args: argparse.Namespace) -> int:
 
 
 def _model_path(args: argparse.Namespace) -> int:
-    from lit_trainer.models import resolve_model
+    from lit_trainer.models.folders import resolve_model
 
     print(resolve_model(args.model, cache=args.cache_dir))
     return 0
 
 
 def _model_check(args: argparse.Namespace) -> int:
-    from lit_trainer.models import greedy_reply, resolve_model
+    from lit_trainer.models.folders import greedy_reply, resolve_model
 
     folder = resolve_model(args.model, cache=args.cache_dir)
     t0 = time.perf_counter()
@@ -200,13 +200,13 @@ def _model_check(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     import lit_trainer
-    from lit_trainer.evaluation import accuracy_line
     from lit_trainer.learner import distributed
+    from lit_trainer.run.evaluation import accuracy_line
 
     config = lit_trainer.load_config(args.config, args.overrides)
     if args.check:
-        from lit_trainer.preflight import preflight
-        from lit_trainer.runs import RunFolder
+        from lit_trainer.results.runs import RunFolder
+        from lit_trainer.run.preflight import preflight
 
         for line in preflight(config, args.resume, RunFolder(config.train.output_dir)).lines(config):
             print(f"lit: {line}", file=sys.stderr)
@@ -256,7 +256,7 @@ def _config_keys(args: argparse.Namespace) -> int:
 def _config_show(args: argparse.Namespace) -> int:
     import lit_trainer
     from lit_trainer.config import NOT_KEYS
-    from lit_trainer.preflight import memory_of
+    from lit_trainer.run.preflight import memory_of
 
     config = lit_trainer.load_config(args.config, args.overrides)
     table = config.to_dict()
@@ -308,7 +308,7 @@ server.key_secret and api_key never leave this host.""", file=sys.stderr)
 
 
 def _show(args: argparse.Namespace) -> int:
-    from lit_trainer.runs import Run
+    from lit_trainer.results.runs import Run
     from lit_trainer.steps import step_name
 
     with Run(args.run_dir) as run:

@@ -32,11 +32,11 @@ from lit_trainer.engine.config import InferenceConfig, WeightSyncConfig
 from lit_trainer.learner.batching import BatchingConfig
 from lit_trainer.learner.policy import PolicyConfig
 from lit_trainer.learner.schedule import UpdateConfig
+from lit_trainer.results.trackers import check_trackers
 from lit_trainer.rollouts.dispatcher import DispatchConfig
 from lit_trainer.rollouts.runner import AgentConfig
 from lit_trainer.rollouts.tasks import DataConfig
 from lit_trainer.settings import at_least, check, finite
-from lit_trainer.trackers import check_trackers
 
 
 class ConfigError(ValueError):

@@ -38,7 +38,7 @@ from lit_trainer.intake.episodes import Episode, UnusableRollout, build_episode
 from lit_trainer.intake.gateway.server import Gateway
 from lit_trainer.intake.rows import RolloutRow
 from lit_trainer.intake.store import SqliteStore
-from lit_trainer.runs import Run, RunFolder
+from lit_trainer.results.runs import Run, RunFolder
 
 STORED_TIMEOUT_S = 30.0
 """How long ``run`` waits for the rollout's spans to be stored after the agent returned."""

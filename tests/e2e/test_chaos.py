@@ -114,7 +114,7 @@ if point == "rollouts":  # the second step's (index 1)
 elif point == "vllm":  # vLLM, not the trainer, during the third step's rollouts
     when_rollouts_ended(2, kill_vllm)
 elif point == "update":  # the first policy update of this run: the second step's
-    import lit_trainer.pipeline as pipeline
+    import lit_trainer.run.pipeline as pipeline
     pipeline.run_update = lambda *args, **kwargs: die()
 elif point == "sync":  # the second weight sync of this run (the first pushes the checkpoint), with vLLM paused
     from lit_trainer.engine.weight_sync import WeightSync

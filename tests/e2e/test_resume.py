@@ -20,7 +20,7 @@ import pytest
 from wandb_offline import go_offline, run_ids
 
 from lit_sdk.processes import group_members
-from lit_trainer.runs import WANDB_ID_FILE, Run
+from lit_trainer.results.runs import WANDB_ID_FILE, Run
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TESTS = Path(__file__).parents[1]

@@ -55,7 +55,7 @@ import pytest
 from wandb_offline import go_offline, run_ids
 
 from lit_trainer.learner.schedule import learning_rate_at
-from lit_trainer.runs import WANDB_ID_FILE
+from lit_trainer.results.runs import WANDB_ID_FILE
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TESTS = Path(__file__).parents[1]

@@ -21,7 +21,7 @@ def test_the_spool_lives_in_lit_cache_dir(monkeypatch, tmp_path: Path):
 
 
 def test_the_trainer_uses_the_same_cache(monkeypatch, tmp_path: Path):
-    from lit_trainer import models
+    from lit_trainer.models import folders as models
 
     monkeypatch.setenv("LIT_CACHE_DIR", str(tmp_path))
     assert models.default_model_dir().parent.parent == cache_dir() == tmp_path

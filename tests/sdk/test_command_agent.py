@@ -281,7 +281,7 @@ def test_lit_worker_runs_a_command_in_several_processes_for_a_real_dispatcher(tm
     from lit_trainer.intake.store import SqliteStore
     from lit_trainer.rollouts.attempts import RolloutRequest
     from lit_trainer.rollouts.dispatcher import DispatchConfig, Dispatcher
-    from lit_trainer.services import stop_workers
+    from lit_trainer.run.services import stop_workers
 
     command = shlex.join(program(tmp_path, "rollouts.py", ROLLOUTS))
     pid_file = tmp_path / "hang.pid"

@@ -13,7 +13,7 @@ import pytest
 import lit_trainer as lt
 from lit_trainer.intake.rows import RolloutRow, RolloutStatus
 from lit_trainer.intake.store import SqliteStore
-from lit_trainer.runs import RunFolder
+from lit_trainer.results.runs import RunFolder
 
 SESSION = "0a1b2c3d"
 """A run's session, as rollout ids start with it (``<session>-s<step>-t<task>-g<k>-a<attempt>``)."""
@@ -125,7 +125,7 @@ def test_a_run_taking_over_a_stopped_runs_folder_sets_aside_the_steps_it_trains_
 
 
 def test_a_damaged_metrics_line_stops_the_set_aside_and_changes_nothing(tmp_path: Path):
-    from lit_trainer.metrics import supersede
+    from lit_trainer.results.metrics import supersede
 
     metrics, aside = tmp_path / "metrics.jsonl", tmp_path / "metrics.superseded.jsonl"
     metrics.write_text('{"kind": "train", "step": 1}\nnot json\n{"kind": "train", "step": 2}\n')

@@ -240,7 +240,7 @@ def test_train_check_makes_the_checks_before_the_model_loads_says_what_they_foun
         same.stderr[-3000:]
     import shutil
 
-    from lit_trainer.runs import RunFolder
+    from lit_trainer.results.runs import RunFolder
 
     checkpoint = RunFolder(run).checkpoint(2)  # what a run stopped after step 2 left (the model's config: its shape)
     checkpoint.model_dir.mkdir(parents=True)

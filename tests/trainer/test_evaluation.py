@@ -10,7 +10,7 @@ import pytest
 
 from lit_trainer.cli import main
 from lit_trainer.intake.store import SqliteStore
-from lit_trainer.runs import Checkpoint, eval_folder
+from lit_trainer.results.runs import Checkpoint, eval_folder
 
 
 def a_run(folder: Path, step: int) -> Path:

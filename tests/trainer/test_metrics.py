@@ -9,9 +9,9 @@ import pytest
 from accelerate import Accelerator
 from accelerate.tracking import GeneralTracker
 
-from lit_trainer.memory_usage import memory_gb
-from lit_trainer.metrics import MetricsLog, read, step_line
-from lit_trainer.plots import plot_comparison, plot_curve
+from lit_trainer.results.memory_usage import memory_gb
+from lit_trainer.results.metrics import MetricsLog, read, step_line
+from lit_trainer.results.plots import plot_comparison, plot_curve
 
 
 def test_step_line_formats_each_figure_and_marks_missing_ones():

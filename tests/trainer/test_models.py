@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from lit_trainer import default_model, models
-from lit_trainer.models import DEFAULT_MODEL, MARKER, ModelError, resolve_model
+from lit_trainer.models import embedded as default_model
+from lit_trainer.models import folders as models
+from lit_trainer.models.folders import DEFAULT_MODEL, MARKER, ModelError, resolve_model
 
 
 def _lit(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

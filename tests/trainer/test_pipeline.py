@@ -1,4 +1,4 @@
-"""The update pipeline (``pipeline.py``): ``prepare`` on real episodes (spans recorded from a real AutoGen agent,
+"""The update pipeline (``run/pipeline.py``): ``prepare`` on real episodes (spans recorded from a real AutoGen agent,
 tests/trainer/intake/golden/, rebuilt by the intake's ``build_episode``), with advantages computed by hand; then
 ``update`` on a tiny real Llama, ``push`` and ``check``. The fleet that ``push`` and ``check`` talk to is a stand-in
 (a vLLM takes minutes: the e2e runs in tests/e2e push into real ones)."""
@@ -16,12 +16,12 @@ import torch
 
 from lit_sdk import semconv as sc
 from lit_sdk.protocol import STATUS_OK, SpanRecord
-from lit_trainer import pipeline
 from lit_trainer.config import ConfigError, TrainConfig, from_dict
 from lit_trainer.engine.logprob_check import Sample, trainer_logprobs
 from lit_trainer.engine.weight_sync import WeightSyncError
 from lit_trainer.intake.episodes import Episode, build_episode
 from lit_trainer.intake.store import SqliteStore
+from lit_trainer.run import pipeline
 
 GOLDEN = json.loads((Path(__file__).parent / "intake" / "golden" / "autogen_assistant_agent.json").read_text())
 

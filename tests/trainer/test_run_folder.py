@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from lit_trainer.runs import LOCK_FILE, WANDB_ID_FILE, RunFolder
+from lit_trainer.results.runs import LOCK_FILE, WANDB_ID_FILE, RunFolder
 
 HOLD = """
 import sys, time
-from lit_trainer.runs import RunFolder
+from lit_trainer.results.runs import RunFolder
 with RunFolder(sys.argv[1]).in_use("lit train"):
     print("held", flush=True)
     time.sleep(600)
@@ -59,7 +59,7 @@ def test_lit_train_and_eval_on_a_folder_in_use_stop_in_one_line_before_anything_
 
 def test_an_interrupted_run_says_how_to_go_on_from_its_last_checkpoint_or_from_the_start(tmp_path: Path):
     from lit_trainer import load_config
-    from lit_trainer.loop import _how_to_go_on
+    from lit_trainer.run.loop import _how_to_go_on
 
     config = tmp_path / "config.toml"
     config.write_text(f'[agent]\nfunction = "m:f"\n[train]\noutput_dir = "{tmp_path / "run"}"\n')
@@ -84,7 +84,7 @@ def test_an_interrupted_run_says_how_to_go_on_from_its_last_checkpoint_or_from_t
 def test_the_next_commands_after_a_run_keep_its_overrides_and_replace_the_steps(tmp_path: Path,
                                                                               monkeypatch: pytest.MonkeyPatch):
     from lit_trainer import load_config
-    from lit_trainer.loop import _command
+    from lit_trainer.run.loop import _command
 
     config = tmp_path / "my config.toml"
     config.write_text('[agent]\nfunction = "m:f"\n')
@@ -121,7 +121,7 @@ def test_a_resume_goes_on_logging_to_the_folders_wandb_run_unless_it_trains_step
 
 def test_a_resume_names_the_settings_that_differ_from_the_stopped_runs(tmp_path: Path):
     from lit_trainer import load_config
-    from lit_trainer.loop import _changed_since
+    from lit_trainer.run.loop import _changed_since
 
     config = tmp_path / "config.toml"
     config.write_text('[agent]\nfunction = "m:f"\n')
@@ -142,7 +142,7 @@ def test_a_resume_names_the_settings_that_differ_from_the_stopped_runs(tmp_path:
 def test_a_copy_of_a_checkpoint_under_another_name_is_ignored_not_fatal(tmp_path: Path, caplog):
     """Hole: a `checkpoints/step-000002.bak` (a user's copy, with its DONE) made every command on the run raise
     "invalid literal for int()": lit eval, --resume and lit train alike."""
-    from lit_trainer.runs import resolve_checkpoint
+    from lit_trainer.results.runs import resolve_checkpoint
 
     out = RunFolder(tmp_path / "run")
     for name in ("step-000002", "step-000002.bak", "step-abc"):

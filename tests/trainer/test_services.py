@@ -1,4 +1,4 @@
-"""What ``lit train`` and ``lit eval`` start before their first rollout (``services.py``): vLLM is launched first
+"""What ``lit train`` and ``lit eval`` start before their first rollout (``run/services.py``): vLLM is launched first
 and loads while the local workers start, say hello and are welcomed (they then set up their tracing), so that the
 workers' start-up (imports, ``lit.instrument()``: seconds) is no longer added to vLLM's. The server is the stand-in
 of test_server.py, started through lit's own start-up code, which comes up only once the dispatcher knows the
@@ -17,7 +17,7 @@ from stand_in_vllm import STAND_IN, fake_model, fake_server
 from lit_trainer.config import AgentConfig, TrainConfig
 from lit_trainer.engine.config import InferenceConfig
 from lit_trainer.rollouts.dispatcher import Dispatcher, DispatchError
-from lit_trainer.services import services
+from lit_trainer.run.services import services
 
 TESTS = Path(__file__).parents[1]
 

@@ -18,7 +18,7 @@ from lit_sdk.protocol import security
 from lit_trainer.config import TrainConfig, from_dict
 from lit_trainer.intake.store import SqliteStore
 from lit_trainer.rollouts.dispatcher import Dispatcher
-from lit_trainer.services import with_keys
+from lit_trainer.run.services import with_keys
 
 NOBODY = 65534
 

@@ -17,7 +17,7 @@ from wandb_offline import go_offline, run_ids
 
 from lit_sdk.install import pip_install
 from lit_trainer.config import ConfigError, load
-from lit_trainer.metrics import MetricsLog
+from lit_trainer.results.metrics import MetricsLog
 
 
 def _config(tmp_path: Path, trackers: list[str]) -> Path:

@@ -13,15 +13,15 @@ import pytest
 
 from lit_sdk import semconv as sc
 from lit_sdk.protocol import STATUS_ERROR, STATUS_OK, SpanRecord
-from lit_trainer import viewer
 from lit_trainer.algorithm.advantages import episode_advantages
 from lit_trainer.cli import main
 from lit_trainer.config import TrainConfig
 from lit_trainer.intake.episodes import Episode, Transition, build_episode
 from lit_trainer.intake.rows import AdvantageRow, RolloutRow, RolloutStatus
 from lit_trainer.intake.store import SqliteStore
-from lit_trainer.pipeline import prepare
-from lit_trainer.runs import Run, RunFolder
+from lit_trainer.results import viewer
+from lit_trainer.results.runs import Run, RunFolder
+from lit_trainer.run.pipeline import prepare
 
 TRACE = "ab" * 16
 SCRIPT = "<script>alert(1)</script>"

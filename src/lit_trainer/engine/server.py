@@ -49,7 +49,7 @@ from lit_trainer.engine.launch import (
 from lit_trainer.engine.owned_folders import claim_folder, release_folder
 from lit_trainer.engine.placement import placement_env, server_cores
 from lit_trainer.engine.served_model import untied_view
-from lit_trainer.models import cache_dir, resolve_model
+from lit_trainer.models.folders import cache_dir, resolve_model
 from lit_trainer.progress import progress_bar
 
 if TYPE_CHECKING:

@@ -44,11 +44,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-from lit_trainer import models
 from lit_trainer.learner import lora
 from lit_trainer.learner.memory import GB
 from lit_trainer.learner.policy import Policy
-from lit_trainer.runs import Checkpoint, RunFolder
+from lit_trainer.models import folders as models
+from lit_trainer.results.runs import Checkpoint, RunFolder
 
 TOKENIZER_FILES = (*models.TOKENIZER_FILES, "tokenizer_config.json", "special_tokens_map.json", "merges.txt",
                    "added_tokens.json", "generation_config.json", "chat_template.jinja")

@@ -27,7 +27,7 @@ import torch
 from lit_trainer.learner import compiling, distributed, logprobs, lora, memory, precision, sharding
 from lit_trainer.learner.batching import MicroBatch
 from lit_trainer.learner.schedule import LR_SCHEDULES
-from lit_trainer.models import check_model_folder, resolve_model
+from lit_trainer.models.folders import check_model_folder, resolve_model
 from lit_trainer.settings import at_least, between, check, one_of, positive
 
 log = logging.getLogger("lit")

@@ -18,7 +18,7 @@ from torch.testing import assert_close
 
 from lit_trainer.learner import checkpoint as ckpt
 from lit_trainer.learner.policy import Policy, PolicyConfig
-from lit_trainer.runs import resolve_checkpoint
+from lit_trainer.results.runs import resolve_checkpoint
 
 VOCAB = 64  # the tiny_model fixture's (conftest.py)
 
@@ -140,7 +140,7 @@ def test_room_needed_counts_the_checkpoints_kept_and_the_one_being_written():
 def test_check_room_refuses_a_run_whose_first_checkpoint_cannot_fit_and_warns_when_all_may_not(tmp_path: Path):
     import shutil
 
-    from lit_trainer.runs import RunFolder
+    from lit_trainer.results.runs import RunFolder
 
     run = RunFolder(tmp_path)
     free = shutil.disk_usage(tmp_path).free

@@ -21,7 +21,7 @@ from lit_trainer.learner import checkpoint, distributed, logprobs, sharding
 from lit_trainer.learner.batching import BatchingConfig
 from lit_trainer.learner.policy import Policy, PolicyConfig
 from lit_trainer.learner.schedule import UpdateConfig, run_update
-from lit_trainer.runs import RunFolder
+from lit_trainer.results.runs import RunFolder
 
 
 def batch(vocab: int, n: int = 12) -> list[tuple[Transition, float]]:

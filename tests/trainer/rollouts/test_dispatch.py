@@ -17,7 +17,6 @@ from lit_sdk import semconv as sc
 from lit_sdk.protocol import STATUS_ERROR, STATUS_OK, SpanRecord
 from lit_sdk.resources import LLM
 from lit_sdk.worker import spawn
-from lit_trainer.evaluation import accuracy_line
 from lit_trainer.intake.collector import Collector
 from lit_trainer.intake.gateway.server import Gateway
 from lit_trainer.intake.rows import RolloutStatus
@@ -25,7 +24,8 @@ from lit_trainer.intake.store import SqliteStore
 from lit_trainer.rollouts.attempts import Outcome, RolloutRequest
 from lit_trainer.rollouts.dispatcher import DispatchConfig, Dispatcher, DispatchError
 from lit_trainer.rollouts.gather import gather_episodes
-from lit_trainer.services import stop_workers
+from lit_trainer.run.evaluation import accuracy_line
+from lit_trainer.run.services import stop_workers
 
 TESTS = Path(__file__).parents[2]
 NO_LLM = LLM("http://127.0.0.1:9/v1", "none")
@@ -336,7 +336,7 @@ def test_stopping_waits_for_the_workers_that_said_hello_and_ends_one_still_start
         rig, tmp_path, monkeypatch):
     """A run stopped while a local worker starts (not connected yet: it holds no rollout) used to wait the whole
     grace for it to leave on the trainer's word, which it never hears; it is ended at once now."""
-    import lit_trainer.services as services
+    import lit_trainer.run.services as services
 
     _, dispatcher, [greeted] = rig("returns_task_value")
     env = {**os.environ, "PYTHONPATH": str(TESTS), "LIT_SPOOL_DIR": str(tmp_path / "spool")}

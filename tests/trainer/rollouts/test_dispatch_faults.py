@@ -649,7 +649,7 @@ def test_with_keys_only_workers_holding_the_client_key_take_rollouts(tmp_path):
     from lit_sdk.protocol import security
     from lit_sdk.worker import spawn
     from lit_trainer.intake.collector import Collector
-    from lit_trainer.services import stop_workers
+    from lit_trainer.run.services import stop_workers
 
     security.generate_keys(tmp_path / "keys")
     keys = security.load_server_keys(tmp_path / "keys")

@@ -130,7 +130,7 @@ def real_runner(tmp_path: Path, function: str, session: str):
     from lit_trainer.intake.store import SqliteStore
     from lit_trainer.rollouts.dispatcher import Dispatcher
     from lit_trainer.rollouts.runner import AgentConfig, RolloutRunner
-    from lit_trainer.services import stop_workers
+    from lit_trainer.run.services import stop_workers
 
     agent = AgentConfig(function=function)
     with contextlib.ExitStack() as stack:
@@ -328,7 +328,7 @@ def test_a_loop_leaving_on_an_error_ends_the_rollouts_running_ahead_before_the_s
 def test_a_validation_with_failed_rollouts_says_why_the_first_failed(tmp_path: Path, capsys):
     """Hole: a validation whose rollouts failed printed only their count ('accuracy 0.000 on 64 held-out tasks
     (failed 64 ...)'), and the cause (a corpus the agent could not read, say) was in the store alone."""
-    from lit_trainer.evaluation import validate
+    from lit_trainer.run.evaluation import validate
 
     class Log:
         def log(self, step, metrics, kind="train"):

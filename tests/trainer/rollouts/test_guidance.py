@@ -95,7 +95,7 @@ def test_lit_train_with_guidance_and_no_reference_stops_before_the_model_loads(t
     the model, vLLM or a worker starts (the e2e option run, tests/e2e/test_train_options.py, trains with it)."""
     import lit_trainer
     from lit_trainer.config import ConfigError
-    from lit_trainer.loop import run
+    from lit_trainer.run.loop import run
 
     tasks = tmp_path / "tasks"
     tasks.mkdir()

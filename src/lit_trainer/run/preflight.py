@@ -11,13 +11,13 @@ from pathlib import Path
 from lit_trainer.config import ConfigError, TrainConfig
 from lit_trainer.learner import checkpoint as ckpt
 from lit_trainer.learner import distributed
-from lit_trainer.models import ModelError, check_context, check_model_folder, resolve_model
+from lit_trainer.models.folders import ModelError, check_context, check_model_folder, resolve_model
+from lit_trainer.results.runs import Checkpoint, RunFolder
+from lit_trainer.results.trackers import check_wandb_login
 from lit_trainer.rollouts.curriculum import check_rest_by
 from lit_trainer.rollouts.guidance import check_references, references_of
 from lit_trainer.rollouts.tasks import load_tasks
-from lit_trainer.runs import Checkpoint, RunFolder
-from lit_trainer.services import check_agent, check_ports
-from lit_trainer.trackers import check_wandb_login
+from lit_trainer.run.services import check_agent, check_ports
 
 
 @dataclass

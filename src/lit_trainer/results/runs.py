@@ -46,10 +46,10 @@ from lit_trainer import steps
 from lit_trainer.intake.episodes import Episode, UnusableRollout, build_episode
 from lit_trainer.intake.rows import RolloutRow, Store
 from lit_trainer.intake.store import SqliteStore
-from lit_trainer.metrics import read as read_metrics
-from lit_trainer.metrics import supersede
-from lit_trainer.plots import plot_curve
-from lit_trainer.viewer import RolloutView, view_rollout
+from lit_trainer.results.metrics import read as read_metrics
+from lit_trainer.results.metrics import supersede
+from lit_trainer.results.plots import plot_curve
+from lit_trainer.results.viewer import RolloutView, view_rollout
 
 log = logging.getLogger("lit")
 
@@ -418,7 +418,7 @@ class Run:
     def tokenizer(self) -> Any:
         """The tokenizer of the run's model (``config.json``); None when it cannot be loaded (tokens are then
         shown as their ids)."""
-        from lit_trainer.models import ModelError, resolve_model
+        from lit_trainer.models.folders import ModelError, resolve_model
 
         try:
             from transformers import AutoTokenizer

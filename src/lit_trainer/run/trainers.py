@@ -15,12 +15,12 @@ from typing import Any, TypeVar
 
 import torch
 
-from lit_trainer import pipeline
 from lit_trainer.intake.rows import Store
 from lit_trainer.learner import checkpoint as ckpt
 from lit_trainer.learner import distributed
 from lit_trainer.learner.policy import Policy
-from lit_trainer.runs import Checkpoint
+from lit_trainer.results.runs import Checkpoint
+from lit_trainer.run import pipeline
 
 T = TypeVar("T")
 
