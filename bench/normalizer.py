@@ -8,7 +8,7 @@ RUN_DIR is a run's ``train.output_dir``: its ``config.json`` (rebuilt with ``lit
 rebuilds the step's (transition, advantage) pairs exactly as ``pipeline.prepare`` does: the succeeded rollouts of
 the step (``store.rollouts_of_step(k - 1)``, train rollouts only, not the validation's, which share the step number;
 after a ``--resume`` that re-ran the step, the last session's), their stored episodes in request order, groups
-smaller than ``train.min_group_size`` dropped, ``episode_advantages``, ``keep_usable``, ``mask_overlong``. It checks
+smaller than ``rollouts.min_group_size`` dropped, ``episode_advantages``, ``keep_usable``, ``mask_overlong``. It checks
 the rebuild against the step's logged ``update/transitions`` and ``policy/response_tokens``.
 
 Per step it reports the groups and those carrying signal (a nonzero advantage on some usable transition), the usable
@@ -140,7 +140,7 @@ def step_episodes(store: SqliteStore, step: int) -> tuple[list[Episode], int]:
 def rebuild(cfg: TrainConfig, step: int, episodes: list[Episode], sessions: int) -> Step:
     """The step's pairs as ``pipeline.prepare`` builds them, and their counts."""
     groups = collections.Counter(e.task_id for e in episodes)
-    kept = [e for e in episodes if groups[e.task_id] >= cfg.train.min_group_size]
+    kept = [e for e in episodes if groups[e.task_id] >= cfg.rollouts.min_group_size]
     pairs: list[tuple[Transition, float]] = []
     if kept:
         advantages, _ = episode_advantages(kept, cfg.credit, cfg.advantages)

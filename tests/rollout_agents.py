@@ -126,7 +126,7 @@ def parity_tasks(split, n):
 
 def guided_parity_tasks(split, n):
     """``parity_tasks`` of which one in three (``train0``, ``train3``...) is ``unsolvable`` (reward 0 whatever the
-    reply) and carries a ``reference`` reply, for off-policy guidance (``train.guidance``)."""
+    reply) and carries a ``reference`` reply, for off-policy guidance (``rollouts.guidance``)."""
     return [{**task, "unsolvable": True, "reference": "Apple."} if i % 3 == 0 else task
             for i, task in enumerate(parity_tasks(split, n))]
 

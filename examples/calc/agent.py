@@ -200,7 +200,7 @@ async def solve(task: dict, llm: lit.LLM, *, system_message: str = SYSTEM_MESSAG
 
 
 def tasks_with_references(split: str, n: int) -> list[dict]:
-    """``tasks.make_tasks``, each task with the ``reference`` lit's off-policy guidance needs (``train.guidance``):
+    """``tasks.make_tasks``, each task with the ``reference`` lit's off-policy guidance needs (``rollouts.guidance``):
     the calculator call of the task's expression, as the model writes one (``tool_call_text``)."""
     return [{**task, "reference": tool_call_text(task["expression"])} for task in make_tasks(split, n)]
 

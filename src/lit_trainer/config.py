@@ -4,7 +4,8 @@ from the command line.
     model = "smollm2-135m"            # the policy, served by vLLM and trained (sets inference.model, policy.model)
     [agent]    function = "examples.calc.agent:calc_agent"
     [data]     tasks = "examples.calc.tasks:make_tasks"
-    [train]    steps = 20   tasks_per_step = 8   group_size = 8   output_dir = "runs/calc"
+    [train]    steps = 20   output_dir = "runs/calc"
+    [rollouts] tasks_per_step = 8   group_size = 8
     [policy]   learning_rate = 1e-5
     [inference] [weight_sync] [loss] [update] [credit] [advantages] [batching] [dispatch] [collector]
     [security] keys_dir = "~/.lit/keys"   # needed to bind anything but loopback (`lit keys generate`)
@@ -35,6 +36,7 @@ from lit_trainer.learner.schedule import UpdateConfig
 from lit_trainer.results.trackers import check_trackers
 from lit_trainer.rollouts.dispatcher import DispatchConfig
 from lit_trainer.rollouts.runner import AgentConfig
+from lit_trainer.rollouts.sampling import RolloutsConfig
 from lit_trainer.rollouts.tasks import DataConfig
 from lit_trainer.settings import at_least, check, finite
 
@@ -46,23 +48,13 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class TrainLoopConfig:
     SECTION = "train"
-    RULES = {"steps": at_least(1), "tasks_per_step": at_least(1), "min_group_size": at_least(1),
-             "group_size": at_least(2, "(GRPO compares the rollouts of a group: one alone has no advantage)"),
-             "val_every": at_least(0, "(0: never)"), "checkpoint_every": at_least(0, "(0: only after the last step)"),
+    RULES = {"steps": at_least(1), "val_every": at_least(0, "(0: never)"),
+             "checkpoint_every": at_least(0, "(0: only after the last step)"),
              "keep_checkpoints": at_least(0, "(0: keep all)"), "check_sync_every": at_least(0, "(0: never)"),
-             "success_reward": finite(), "max_minutes": at_least(0, "(0: no limit)"),
-             "max_staleness": at_least(0, "(0: synchronous)"), "extra_rollouts": at_least(0, "(0: off)"),
-             "rest_after": at_least(0, "(0: off)"), "rest_steps": at_least(1)}
+             "success_reward": finite(), "max_minutes": at_least(0, "(0: no limit)")}
 
     steps: int = 20
     """Training steps (each: rollouts, the optimizer steps of ``[update]`` (one by default), one weight sync)."""
-    tasks_per_step: int = 8
-    """Distinct tasks per step."""
-    group_size: int = 8
-    """Rollouts per task (the GRPO group)."""
-    min_group_size: int = 2
-    """A task's group is trained on only if at least this many of its rollouts gave an episode (partial groups
-    happen when rollouts fail after every retry)."""
     seed: int = 0
     """Seeds task sampling and torch; the same seed and step give the same tasks, also after ``--resume``."""
     output_dir: str = "runs/lit"
@@ -88,75 +80,11 @@ class TrainLoopConfig:
     """Also log to ``["tensorboard"]`` and/or ``["wandb"]`` (lit's extras of the same names),
     under ``output_dir``; a missing package is an error at start. W&B without an account: ``WANDB_MODE=offline``."""
 
-    max_staleness: int = 0
-    """0: generation and training alternate (synchronous). k >= 1: asynchronous rollouts: the next step's rollouts
-    run while this step updates (one step ahead), and a call sampled with weights more than k versions older than
-    the policy being updated is not trained on (``async/dropped_stale``). Needs ``update.recompute_old_logprobs``
-    and ``loss.is_correction``, which correct for the older behaviour policy. Off by default: on a few CPU cores
-    vLLM and the update compete for the same cores, so overlapping them gains nothing."""
-
-    min_step_groups: int = 0
-    """With ``max_staleness`` >= 1: a step's update starts once this many groups have ended (of its own tasks and
-    of groups carried over), and trains on every group that has; the groups still running carry over, running, to
-    the next step, so that a slow group does not stall the step (``rollouts/carried_groups``,
-    ``rollouts/groups_in_flight``). 0: a step waits for all its groups (none carries over)."""
-
-    extra_rollouts: int = 0
-    """Dynamic sampling (DAPO's): when fewer than ``tasks_per_step`` of a step's groups have returns that differ
-    (a group whose rollouts all got the same return teaches nothing), more tasks of the training split, none the
-    step has run, are drawn and run in groups, until the step has that many groups with differing returns or has
-    spent this many extra rollouts. The update trains on every group. 0: off. The step's ``accuracy`` and
-    ``reward`` metrics stay those of its first draw (the extra tasks are not a fair sample); ``sampling/*`` counts
-    the extra rounds, rollouts and groups, ``rollouts/without_signal`` the rollouts spent on groups that taught
-    nothing. Synchronous rollouts only (``max_staleness`` = 0)."""
-
-    rest_after: int = 0
-    """Curriculum (``rollouts/curriculum.py``): a category of tasks (``rest_by``) whose last this many groups were
-    each solved by every rollout (return >= ``success_reward``: nothing to learn there) rests for ``rest_steps``
-    steps, its tasks not drawn, then comes back. The step's ``curriculum/resting`` and ``curriculum/resting_tasks``
-    say how many categories and training tasks rested. 0: off. Synchronous rollouts only (``max_staleness`` = 0)."""
-    rest_by: str = "id"
-    """The task field whose value is a task's category for ``rest_after`` (e.g. ``"operation"``): every training
-    task must have it. ``"id"``: each task is its own category."""
-    rest_steps: int = 10
-    """Steps a category sits out once it rests (``rest_after``)."""
-
-    guidance: bool = False
-    """Off-policy guidance (``rollouts/guidance.py``): a group whose every rollout failed (return below
-    ``success_reward``), of a task that carries a ``reference`` (the text a correct agent answers to its first LLM
-    call, in the model's format), gets one more episode: that call's prompt with the reference as the response,
-    returned ``success_reward``. The group then has a signal, towards the reference. ``guidance/groups`` counts the
-    guided groups of a step, ``guidance/failed_groups`` those where every rollout failed. At least one training
-    task must have a reference. Validation is never guided. Off by default."""
-
     def __post_init__(self) -> None:
         check_trackers(self.trackers)
         check(self)
-        if self.min_group_size > self.group_size:
-            raise ValueError(f"train.min_group_size = {self.min_group_size} is more than train.group_size = "
-                             f"{self.group_size}: no group could ever be trained on")
         if not self.output_dir.strip():
             raise ValueError("train.output_dir is empty: name the run's folder (e.g. \"runs/calc\")")
-        if not 0 <= self.min_step_groups <= self.tasks_per_step:
-            raise ValueError(f"train.min_step_groups must be between 0 (wait for every group) and "
-                             f"train.tasks_per_step = {self.tasks_per_step}, got {self.min_step_groups}")
-        if self.extra_rollouts and self.extra_rollouts < self.group_size:
-            raise ValueError(f"train.extra_rollouts must be 0 (off) or at least train.group_size = "
-                             f"{self.group_size} (extra tasks run in whole groups), got {self.extra_rollouts}")
-        if self.extra_rollouts and self.max_staleness:
-            raise ValueError(f"train.extra_rollouts = {self.extra_rollouts} (dynamic sampling) waits for a step's "
-                             "groups before it draws more, which asynchronous rollouts do not: set "
-                             "train.extra_rollouts = 0 or train.max_staleness = 0")
-        if self.rest_after and self.max_staleness:
-            raise ValueError(f"train.rest_after = {self.rest_after} (the curriculum) needs each step's groups before "
-                             "the next step draws, which asynchronous rollouts do not wait for: set "
-                             "train.rest_after = 0 or train.max_staleness = 0")
-        if not self.rest_by:
-            raise ValueError('train.rest_by must name a task field ("id": each task is its own category)')
-        if self.min_step_groups and not self.max_staleness:
-            raise ValueError(f"train.min_step_groups = {self.min_step_groups} lets groups carry over to the next "
-                             "step, which only asynchronous rollouts do: set train.max_staleness >= 1, or "
-                             "train.min_step_groups = 0")
 
 
 @dataclass(frozen=True)
@@ -189,6 +117,7 @@ class TrainConfig:
     agent: AgentConfig = field(default_factory=AgentConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
+    rollouts: RolloutsConfig = field(default_factory=RolloutsConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
@@ -209,11 +138,12 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         # Settings of one section that only make sense with another section's.
-        if self.train.max_staleness and (self.loss.is_correction == "none" or not self.update.recompute_old_logprobs):
-            raise ValueError(f"train.max_staleness = {self.train.max_staleness} trains on calls sampled by older "
+        if self.rollouts.max_staleness and (self.loss.is_correction == "none" or
+                                            not self.update.recompute_old_logprobs):
+            raise ValueError(f"rollouts.max_staleness = {self.rollouts.max_staleness} trains on calls sampled by older "
                              "weights than the policy's: set update.recompute_old_logprobs = true and "
                              "loss.is_correction = 'truncate' (or 'mask') to correct for them, or "
-                             "train.max_staleness = 0")
+                             "rollouts.max_staleness = 0")
         if self.loss.is_correction != "none" and not self.update.recompute_old_logprobs:
             raise ValueError(f"loss.is_correction = {self.loss.is_correction!r} corrects π_old (the trainer's "
                              "recomputed logprobs) towards vLLM's: set update.recompute_old_logprobs = true, or "
@@ -301,6 +231,7 @@ def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Train
 
 def from_dict(table: dict[str, Any], where: str = "config") -> TrainConfig:
     table = dict(table)
+    _refuse_moved(table, where)
     model = table.get("model", TrainConfig.model)
     for section in ("policy", "inference"):  # one model for both, unless a section names its own
         table[section] = {"model": model, **table.get(section, {})}
@@ -309,6 +240,15 @@ def from_dict(table: dict[str, Any], where: str = "config") -> TrainConfig:
     if keys_dir and isinstance(keys_dir, str) and not inference.get("api_key") and not inference.get("api_key_file"):
         inference["api_key_file"] = str(Path(keys_dir).expanduser() / API_KEY)  # the key `lit keys generate` wrote
     return _build(TrainConfig, table, where)
+
+
+def _refuse_moved(table: dict[str, Any], where: str) -> None:
+    """Rollout sampling left ``[train]`` for ``[rollouts]``: a config written before says where its keys went."""
+    train = table.get("train")
+    moved = sorted(set(train) & {f.name for f in dataclasses.fields(RolloutsConfig)}) if isinstance(train, dict) else []
+    if moved:
+        raise ConfigError(f"{where}: {', '.join(f'train.{key}' for key in moved)} moved to the [rollouts] section: "
+                          f"write {', '.join(f'rollouts.{key}' for key in moved)} instead")
 
 
 def override_key(item: str) -> str:

@@ -29,10 +29,11 @@ train_size = 8
 val_size = 2
 [train]
 steps = 3
-tasks_per_step = 1
-group_size = 2
 val_every = 0
 output_dir = "{out}"
+[rollouts]
+tasks_per_step = 1
+group_size = 2
 [inference]
 cpu_kv_cache_gb = 1
 # vLLM without torch.compile starts about 24 s sooner (bench/vllm_start.py); the compiled default runs in the

@@ -50,12 +50,13 @@ train_size = 20
 val_size = 4
 [train]
 steps = 4
-tasks_per_step = 2
-group_size = 4
 val_every = 4
 checkpoint_every = 1
 check_sync_every = 1
 output_dir = "{out}"
+[rollouts]
+tasks_per_step = 2
+group_size = 4
 [inference]
 cpu_kv_cache_gb = 1
 # vLLM without torch.compile starts about 24 s sooner (bench/vllm_start.py); the compiled default runs in the

@@ -18,7 +18,7 @@ from test_train_options import CONFIG, _lit
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ROOT = Path(__file__).parents[2]
 
-ONE_STEP = ["train.steps=1", "train.tasks_per_step=2", "train.group_size=8", "agent.concurrency=16",
+ONE_STEP = ["train.steps=1", "rollouts.tasks_per_step=2", "rollouts.group_size=8", "agent.concurrency=16",
             "inference.extra_args=['--enforce-eager']"]
 """One step of 2 tasks x 8 rollouts: a group whose 8 rewards are all alike has nothing to train on, and with
 rewards of about even odds both groups are so once in 16,000 runs (the calc agent, right about a third of the time
@@ -26,7 +26,7 @@ at first: 4 tasks, once in 90,000)."""
 FRAMEWORKS = ["agent.function='rollout_agents:two_framework_parity'", "agent.max_tokens=12",
               "inference.cpu_kv_cache_gb=1", *ONE_STEP]
 """test_train_options' config (parity rewards) with this agent."""
-JS = [*ONE_STEP, "train.tasks_per_step=4", "train.val_every=0", "train.checkpoint_every=0",
+JS = [*ONE_STEP, "rollouts.tasks_per_step=4", "train.val_every=0", "train.checkpoint_every=0",
       "train.check_sync_every=1", "data.train_size=20", "data.val_size=4"]
 
 

@@ -7,18 +7,18 @@ checkpoint is written, ``--resume`` continues to step 3, and ``lit eval --checkp
   the reference is the base under the adapter, the checkpoint is a plain model for ``lit eval`` and resumes as base +
   adapter; the trainer-vs-vLLM logprob gap of the sampled tokens stays within what bf16 explains; the TensorBoard
   tracker logs every step, the resumed one too, and W&B (offline) logs both runs to one W&B run. Served by two vLLM
-  servers (``inference.servers = 2``, a core each): both serve rollouts, all of one task's group on one server, and
-  both take every weight sync (``two_servers_served``); resumed on one (``inference.servers = 1``: the count of
-  servers is not the run's state, and one vLLM start fewer). With dynamic sampling (``train.extra_rollouts``): some
-  tasks are solved by every rollout (``solved``: reward 1), so a step whose first draw holds one has a group without
-  signal and draws a fresh task (step 1 of seed 0), stored under the step (``drew_more``). With the curriculum
-  (``train.rest_after = 1``, ``train.rest_by = "family"``): the solved tasks, one family, rest after that group, so
-  steps 2 and 3 draw none of them, the resumed step 3 too (it drew ``train11`` before the curriculum: the checkpoint
-  keeps what rests). The learning rate decays linearly to half over ``train.steps`` (2, then 3 when resumed: each
-  step's rate follows from its number). The decoder's 30 layers and final norm are compiled (``policy.compile``: under
-  LoRA, bf16 autocast and the adapter switched off for the reference; the checkpoint and the weight sync see the
-  model's own names). The loss clips asymmetrically under a ratio cap and sums each sequence's tokens
-  (``loss.clip_eps_low/high``, ``ratio_cap``, ``aggregation``); replies cut at ``max_tokens`` cost 0.1 of credit each
+  servers (``inference.servers = 2``, a core each): both serve rollouts, all of one task's group on one server, and both
+  take every weight sync (``two_servers_served``); resumed on one (``inference.servers = 1``: the count of servers is
+  not the run's state, and one vLLM start fewer). With dynamic sampling (``rollouts.extra_rollouts``): some tasks are
+  solved by every rollout (``solved``: reward 1), so a step whose first draw holds one has a group without signal and
+  draws a fresh task (step 1 of seed 0), stored under the step (``drew_more``). With the curriculum
+  (``rollouts.rest_after = 1``, ``rollouts.rest_by = "family"``): the solved tasks, one family, rest after that group,
+  so steps 2 and 3 draw none of them, the resumed step 3 too (it drew ``train11`` before the curriculum: the checkpoint
+  keeps what rests). The learning rate decays linearly to half over ``train.steps`` (2, then 3 when resumed: each step's
+  rate follows from its number). The decoder's 30 layers and final norm are compiled (``policy.compile``: under LoRA,
+  bf16 autocast and the adapter switched off for the reference; the checkpoint and the weight sync see the model's own
+  names). The loss clips asymmetrically under a ratio cap and sums each sequence's tokens (``loss.clip_eps_low/high``,
+  ``ratio_cap``, ``aggregation``); replies cut at ``max_tokens`` cost 0.1 of credit each
   (``credit.auto_reward_weight``).
 - Full fine-tune with every schedule option: KL to a frozen copy, 2 PPO epochs x 2 mini-batches, recomputed old
   logprobs with truncated importance sampling, overlong responses masked, the ``kept`` normaliser; trained by two
@@ -26,9 +26,9 @@ checkpoint is written, ``--resume`` continues to step 3, and ``lit eval --checkp
   layers and the KL reference's, FSDP2; the weights gathered for each push, the sync check scored and the checkpoint
   written by both; the main process logs to TensorBoard, and its tracker's end must not take down the process group
   before the other process hears the run is over), and resumed by one process from their checkpoint; a cosine
-  learning-rate schedule after 2 warm-up steps; with asynchronous rollouts (``train.max_staleness = 1``: each step's
-  rollouts run during the update before it; ``train.min_step_groups = 1``: a group not ended when its step wants it
-  carries over to the next); with an entropy bonus; with off-policy guidance (``train.guidance``: one task of each
+  learning-rate schedule after 2 warm-up steps; with asynchronous rollouts (``rollouts.max_staleness = 1``: each step's
+  rollouts run during the update before it; ``rollouts.min_step_groups = 1``: a group not ended when its step wants it
+  carries over to the next); with an entropy bonus; with off-policy guidance (``rollouts.guidance``: one task of each
   step fails in every rollout and carries a reference, which joins its group and is trained on, its behaviour
   logprobs the trainer's own, computed by both shards: ``guided_groups``); with an 8-token micro-batch budget
   (``batching.max_tokens_per_micro_batch``: each task's rows are a micro-batch of their own, shared out among
@@ -73,12 +73,13 @@ train_size = 20
 val_size = 4
 [train]
 steps = 2
-tasks_per_step = 2
-group_size = 4
 val_every = 0
 checkpoint_every = 0
 check_sync_every = 1
 output_dir = "{out}"
+[rollouts]
+tasks_per_step = 2
+group_size = 4
 [policy]
 learning_rate = 1e-5
 [inference]
@@ -89,17 +90,17 @@ OPTIONS = {
     "lora_kl": ["policy.lora_rank=8", "policy.learning_rate=1e-4", "loss.kl_beta=0.05", "policy.precision='bf16'",
                 "train.trackers=['tensorboard','wandb']", "inference.servers=2", "inference.cpu_kv_cache_gb=1",
                 "inference.extra_args=['--enable-log-requests','--enforce-eager']",  # each request's id in its log
-                "train.extra_rollouts=4", "data.tasks='rollout_agents:some_solved_parity_tasks'",
-                "train.rest_after=1", "train.rest_by='family'",
+                "rollouts.extra_rollouts=4", "data.tasks='rollout_agents:some_solved_parity_tasks'",
+                "rollouts.rest_after=1", "rollouts.rest_by='family'",
                 "policy.lr_schedule='linear'", "policy.min_lr_ratio=0.5", "policy.compile=true",
                 "loss.clip_eps_low=0.1", "loss.clip_eps_high=0.28", "loss.ratio_cap=2.5",
                 "loss.aggregation='seq_mean_token_sum'", "credit.auto_reward_weight=0.1"],
     "ppo_schedule": ["loss.kl_beta=0.05", "loss.entropy_coef=0.01", "update.ppo_epochs=2", "update.mini_batches=2",
                      "update.recompute_old_logprobs=true", "loss.is_correction='truncate'", "update.overlong='mask'",
-                     "loss.normalizer='kept'", "train.max_staleness=1", "train.min_step_groups=1",
+                     "loss.normalizer='kept'", "rollouts.max_staleness=1", "rollouts.min_step_groups=1",
                      "policy.shard=true", "train.trackers=['tensorboard']",
                      "policy.lr_schedule='cosine'", "policy.warmup_steps=2", "inference.cpu_kv_cache_gb=1",
-                     "inference.extra_args=['--enforce-eager']", "train.guidance=true",
+                     "inference.extra_args=['--enforce-eager']", "rollouts.guidance=true",
                      "data.tasks='rollout_agents:guided_parity_tasks'", "batching.max_tokens_per_micro_batch=8",
                      "policy.compile=true"],
 }
@@ -297,7 +298,7 @@ def drew_more(train: list[dict], store_path: Path) -> None:
     """Step 1 (seed 0) drew a solved task first (train18): one group at most with signal of the 2 wanted, so one
     extra draw of one fresh task, the 4 rollouts of the budget, stored under the step beside its first draw's.
     Steps 2 and 3 draw more only if a group's 4 rollouts got the same parity by chance. The solved family rested
-    after step 1 (``train.rest_after = 1``): steps 2 and 3, the resumed one too, ran none of its tasks."""
+    after step 1 (``rollouts.rest_after = 1``): steps 2 and 3, the resumed one too, ran none of its tasks."""
     from lit_trainer.intake.store import SqliteStore
 
     draws = {r["step"]: r["sampling/draws"] for r in train}

@@ -187,7 +187,7 @@ def test_an_unreachable_server_raises_so_the_trainer_retries():
 
 
 def test_every_tasks_reference_is_the_calculator_call_that_solves_it():
-    """``train.guidance``'s references (``tasks_with_references``): each task's expression has the task's answer,
+    """``rollouts.guidance``'s references (``tasks_with_references``): each task's expression has the task's answer,
     uses each of its numbers once, and its reference is the calculator call of it as the model writes one; run as
     the agent's tool call, a sample of them (one of each operation) earns the reward."""
     tasks = tasks_with_references("train", 400) + tasks_with_references("validation", 64)

@@ -25,7 +25,7 @@ learning_rate = 1
 clip_eps_high = 0.28
 """))
     assert cfg.agent.function == "pkg.mod:fn" and cfg.agent.agents == ("calc",)
-    assert cfg.train.steps == 3 and cfg.train.group_size == 8
+    assert cfg.train.steps == 3 and cfg.rollouts.group_size == 8
     assert cfg.policy.learning_rate == 1.0 and isinstance(cfg.policy.learning_rate, float)
     assert cfg.policy.model == cfg.inference.model == "/models/x"
     assert cfg.loss.clip_eps_high == 0.28
@@ -41,6 +41,10 @@ def test_overrides_take_toml_values_or_bare_words(tmp_path):
 @pytest.mark.parametrize(("text", "overrides", "message"), [
     ("[trian]\nsteps = 1\n", [], r"unknown key\(s\) \['trian'\]; did you mean 'train' for 'trian'\?"),
     ("", ["policy.learnig_rate=1e-5"], r"\[policy\]: .* did you mean 'learning_rate'"),
+    ("[train]\ngroup_size = 4\nrest_after = 2\n", [],
+     r"train.group_size, train.rest_after moved to the \[rollouts\] section: "
+     r"write rollouts.group_size, rollouts.rest_after instead"),
+    ("", ["train.group_size=4"], r"train.group_size moved to the \[rollouts\] section"),
     ("[train]\nzzz = 1\n", [], r"unknown key\(s\) \['zzz'\] \(\[train\] has \['check_sync_every'"),
     ("[train]\nsteps = 'many'\n", [], r"\[train\]: steps must be int"),
     ("[train]\nsteps = 1.5\n", [], r"steps must be int"),
@@ -53,32 +57,34 @@ def test_overrides_take_toml_values_or_bare_words(tmp_path):
     ("[update]\noverlong = 'cut'\n", [], r"update.overlong must be one of \('train', 'mask'\), got 'cut'"),
     ("[loss]\nnormalizer = 'tokens'\n", [], r"loss.normalizer must be one of"),
     ("[loss]\nis_correction = 'truncate'\n", [], r"set update.recompute_old_logprobs = true"),
-    ("[train]\nmax_staleness = 1\n", [], r"max_staleness = 1 trains on calls sampled by older weights"),
-    ("[train]\nmax_staleness = 1\n[update]\nrecompute_old_logprobs = true\n", [], r"loss.is_correction = 'truncate'"),
-    ("[train]\nmax_staleness = -1\n", [], r"train.max_staleness must be >= 0 \(0: synchronous\), got -1"),
-    ("[train]\nmin_step_groups = 1\n", [], r"only asynchronous rollouts do: set train.max_staleness >= 1"),
-    ("[train]\ntasks_per_step = 2\nmin_step_groups = 3\n", [], r"between 0 .* train.tasks_per_step = 2, got 3"),
+    ("[rollouts]\nmax_staleness = 1\n", [], r"max_staleness = 1 trains on calls sampled by older weights"),
+    ("[rollouts]\nmax_staleness = 1\n[update]\nrecompute_old_logprobs = true\n", [],
+     r"loss.is_correction = 'truncate'"),
+    ("[rollouts]\nmax_staleness = -1\n", [], r"rollouts.max_staleness must be >= 0 \(0: synchronous\), got -1"),
+    ("[rollouts]\nmin_step_groups = 1\n", [], r"only asynchronous rollouts do: set rollouts.max_staleness >= 1"),
+    ("[rollouts]\ntasks_per_step = 2\nmin_step_groups = 3\n", [], r"between 0 .* rollouts.tasks_per_step = 2, got 3"),
     ("[weight_sync]\nmode = 'lora'\n", [], r"pushed as merged full weights"),
     # values in range, each checked by the section that owns it
     ("", ["agent.temperature=-1"], r"\[agent\]: agent.temperature must be a finite number >= 0 \(0: greedy\), got -1"),
     ("", ["agent.concurrency=0"], r"agent.concurrency must be >= 1"),
     ("", ["agent.max_tokens=0"], r"agent.max_tokens must be >= 1"),
     ("", ["agent.local_workers=-1"], r"agent.local_workers must be >= 0"),
-    ("", ["train.group_size=1"], r"train.group_size must be >= 2 \(GRPO compares the rollouts of a group"),
-    ("", ["train.tasks_per_step=0"], r"train.tasks_per_step must be >= 1, got 0"),
+    ("", ["rollouts.group_size=1"], r"rollouts.group_size must be >= 2 \(GRPO compares the rollouts of a group"),
+    ("", ["rollouts.tasks_per_step=0"], r"rollouts.tasks_per_step must be >= 1, got 0"),
     ("", ["train.steps=-5"], r"train.steps must be >= 1, got -5"),
-    ("", ["train.group_size=4", "train.min_group_size=5"], r"min_group_size = 5 is more than train.group_size = 4"),
+    ("", ["rollouts.group_size=4", "rollouts.min_group_size=5"],
+     r"min_group_size = 5 is more than rollouts.group_size = 4"),
     ("", ["train.max_minutes=-1"], r"train.max_minutes must be a finite number >= 0 \(0: no limit\), got -1.0"),
-    ("", ["train.extra_rollouts=-8"], r"train.extra_rollouts must be >= 0 \(0: off\), got -8"),
-    ("", ["train.group_size=8", "train.extra_rollouts=4"], r"extra_rollouts must be 0 \(off\) or at least "
-                                                            r"train.group_size = 8 \(extra tasks run in whole groups"),
-    ("[train]\nmax_staleness = 1\nextra_rollouts = 16\n[update]\nrecompute_old_logprobs = true\n[loss]\n"
-     "is_correction = 'truncate'\n", [], r"asynchronous rollouts do not: set train.extra_rollouts = 0"),
-    ("", ["train.rest_after=-1"], r"train.rest_after must be >= 0 \(0: off\), got -1"),
-    ("", ["train.rest_after=2", "train.rest_steps=0"], r"train.rest_steps must be >= 1, got 0"),
-    ("", ["train.rest_after=2", "train.rest_by=''"], r"train.rest_by must name a task field"),
-    ("[train]\nmax_staleness = 1\nrest_after = 2\n[update]\nrecompute_old_logprobs = true\n[loss]\n"
-     "is_correction = 'truncate'\n", [], r"asynchronous rollouts do not wait for: set train.rest_after = 0"),
+    ("", ["rollouts.extra_rollouts=-8"], r"rollouts.extra_rollouts must be >= 0 \(0: off\), got -8"),
+    ("", ["rollouts.group_size=8", "rollouts.extra_rollouts=4"],
+     r"extra_rollouts must be 0 \(off\) or at least rollouts.group_size = 8 \(extra tasks run in whole groups"),
+    ("[rollouts]\nmax_staleness = 1\nextra_rollouts = 16\n[update]\nrecompute_old_logprobs = true\n[loss]\n"
+     "is_correction = 'truncate'\n", [], r"asynchronous rollouts do not: set rollouts.extra_rollouts = 0"),
+    ("", ["rollouts.rest_after=-1"], r"rollouts.rest_after must be >= 0 \(0: off\), got -1"),
+    ("", ["rollouts.rest_after=2", "rollouts.rest_steps=0"], r"rollouts.rest_steps must be >= 1, got 0"),
+    ("", ["rollouts.rest_after=2", "rollouts.rest_by=''"], r"rollouts.rest_by must name a task field"),
+    ("[rollouts]\nmax_staleness = 1\nrest_after = 2\n[update]\nrecompute_old_logprobs = true\n[loss]\n"
+     "is_correction = 'truncate'\n", [], r"asynchronous rollouts do not wait for: set rollouts.rest_after = 0"),
     ("", ["policy.precision='fp16'"], r"policy.precision must be one of \('auto', 'fp32', 'bf16'\)"),
     ("", ["batching.max_tokens_per_micro_batch=1"], r"micro_batch must be 0 or >= 2 \(0: chosen for the device\)"),
     # accepted before, and each failed after the model or vLLM had loaded (a raw traceback, a hang, a wrong cause)

@@ -88,7 +88,7 @@ def test_an_agent_whose_every_call_samples_beyond_temperature_stops_the_run():
 
 
 def test_calls_sampled_too_many_versions_ago_are_left_out_with_asynchronous_rollouts():
-    cfg = from_dict({"train": {"max_staleness": 1}, "update": {"recompute_old_logprobs": True},
+    cfg = from_dict({"rollouts": {"max_staleness": 1}, "update": {"recompute_old_logprobs": True},
                      "loss": {"is_correction": "truncate"}})
     old = [episode("a1", "a", 1.0, **{sc.LLM_WEIGHT_VERSION: "1"}), episode("a2", "a", 0.0)]
     work = pipeline.prepare(old, cfg, step=4, dispatched=1)  # the policy of 3 updates trains on calls of version 1

@@ -132,8 +132,7 @@ def test_a_resume_names_the_settings_that_differ_from_the_stopped_runs(tmp_path:
     assert _changed_since(out, load_config(config, ["train.steps=4"]).to_dict()) == ""
     assert _changed_since(out, load_config(config, ["train.steps=8", "policy.learning_rate=2e-6"]).to_dict()) == (
         "train.steps: 4 -> 8; policy.learning_rate: 1e-06 -> 2e-06")
-    many = [f"train.{key}={value}" for key, value in (("steps", 9), ("seed", 1), ("group_size", 3),
-                                                      ("tasks_per_step", 5), ("val_every", 2))]
+    many = ["train.steps=9", "train.seed=1", "rollouts.group_size=3", "rollouts.tasks_per_step=5", "train.val_every=2"]
     assert _changed_since(out, load_config(config, many).to_dict(), shown=3).endswith("; and 2 more")
     out.config.write_text("{not json")  # a damaged record is no reason to stop
     assert _changed_since(out, load_config(config).to_dict()) == ""

@@ -123,8 +123,8 @@ def read(path: Path) -> list[dict[str, Any]]:
 STEP_LINE_LEGEND = (
     "each step prints: reward (the mean return of its rollouts), acc (the share of them at or above "
     "train.success_reward), rollouts succeeded/requested (failed: after every retry; +N drawn more: the rollouts "
-    "of train.extra_rollouts' extra draws; N resting: the training tasks train.rest_after's curriculum left out of "
-    "the draw; N guided: the failed groups train.guidance gave a reference), kl (how far the update moved "
+    "of rollouts.extra_rollouts' extra draws; N resting: the training tasks rollouts.rest_after's curriculum left "
+    "out of the draw; N guided: the failed groups rollouts.guidance gave a reference), kl (how far the update moved "
     "the policy from the one that sampled, loss/approx_kl), clip (the share of tokens whose importance ratio was "
     "clipped), gap (the mean |trainer - vLLM| logprob of the sampled tokens, in nats: near 0 when vLLM serves the "
     "trainer's weights), and the seconds of the rollouts, the update and the weight sync; every metric of every step "

@@ -1,8 +1,8 @@
-"""Rest what every rollout already solves (``train.rest_after``): a curriculum that spends the steps' rollouts
+"""Rest what every rollout already solves (``rollouts.rest_after``): a curriculum that spends the steps' rollouts
 where the policy still has something to learn.
 
 A group whose rollouts all got the success reward teaches GRPO nothing (its advantages are all 0). Once a category
-of tasks (the value of the task field ``train.rest_by``; each task is its own with the default ``"id"``) has had
+of tasks (the value of the task field ``rollouts.rest_by``; each task is its own with the default ``"id"``) has had
 ``rest_after`` such groups in a row, it rests: none of its tasks is drawn in the next ``rest_steps`` steps. Then it
 comes back, and rests again after ``rest_after`` more groups solved by every rollout. A step draws from every task
 when fewer than it needs are not resting. Groups count in the order of the training tasks, so the same rollouts
@@ -19,26 +19,22 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lit_trainer.rollouts.sampling import RolloutsConfig
+
 
 @dataclass
 class Curriculum:
-    rest_by: str
-    """The task field whose value names a task's category (``"id"``: every task its own)."""
-    rest_after: int
-    """Groups solved by every rollout, in a row, after which a category rests; 0: never."""
-    rest_steps: int
-    """Steps a category sits out once it rests."""
+    rollouts: RolloutsConfig
+    """Its settings: ``rest_by``, ``rest_after``, ``rest_steps`` and ``min_group_size``."""
     success_reward: float
     """A rollout whose return is at least this solved its task (``train.success_reward``)."""
-    min_group_size: int = 2
-    """A group with fewer episodes (rollouts that failed) says nothing either way."""
     streak: dict[str, int] = field(default_factory=dict)
     """Per category: groups solved by every rollout since its last group that was not (or since it rested)."""
     until: dict[str, int] = field(default_factory=dict)
     """Per resting category: the first step (from 0) that may draw it again."""
 
     def category(self, task: dict) -> str:
-        return str(task[self.rest_by])
+        return str(task[self.rollouts.rest_by])
 
     def resting(self, step: int) -> set[str]:
         """The categories that step ``step`` (from 0) does not draw."""
@@ -56,13 +52,13 @@ class Curriculum:
     def record(self, step: int, groups: Iterable[tuple[dict, Sequence[float]]]) -> None:
         """Step ``step``'s groups, (task, its episodes' returns), in the order of the training tasks."""
         for task, returns in groups:
-            if len(returns) < max(self.min_group_size, 1):
+            if len(returns) < max(self.rollouts.min_group_size, 1):
                 continue
             category = self.category(task)
             solved = min(returns) >= self.success_reward
             self.streak[category] = self.streak.get(category, 0) + 1 if solved else 0
-            if self.rest_after and self.streak[category] >= self.rest_after:
-                self.until[category] = step + 1 + self.rest_steps
+            if self.rollouts.rest_after and self.streak[category] >= self.rollouts.rest_after:
+                self.until[category] = step + 1 + self.rollouts.rest_steps
                 self.streak[category] = 0
 
     def metrics(self, tasks: list[dict], step: int) -> dict[str, float]:
@@ -83,9 +79,9 @@ def check_rest_by(tasks: list[dict], rest_by: str) -> str | None:
     a string, number or boolean), or None."""
     for task in tasks:
         if rest_by not in task:
-            return (f"train.rest_by = {rest_by!r}, but training task {task.get('id')!r} has no field {rest_by!r} "
+            return (f"rollouts.rest_by = {rest_by!r}, but training task {task.get('id')!r} has no field {rest_by!r} "
                     f"(its fields: {', '.join(sorted(task))}): name a field every task has, or \"id\"")
         if not isinstance(task[rest_by], str | int | float | bool):
-            return (f"train.rest_by = {rest_by!r}, but training task {task.get('id')!r} has a "
+            return (f"rollouts.rest_by = {rest_by!r}, but training task {task.get('id')!r} has a "
                     f"{type(task[rest_by]).__name__} there: a category is a string, number or boolean")
     return None

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from lit_trainer.intake.episodes import Episode
 from lit_trainer.rollouts.curriculum import Curriculum
 from lit_trainer.rollouts.runner import RolloutBatch, RolloutRunner
+from lit_trainer.rollouts.sampling import RolloutsConfig
 from lit_trainer.rollouts.tasks import sample_tasks
 from lit_trainer.steps import training_label
 
@@ -51,18 +52,13 @@ MAX_ENGINE_RESTARTS = 3
 
 @dataclass(frozen=True)
 class StepPlan:
-    """What each training step's rollouts are (the config's ``[train]`` and ``[agent]`` settings of the same
-    names)."""
+    """What each training step's rollouts are: the config's ``[rollouts]`` section, with ``train.steps``,
+    ``train.seed`` and ``agent.temperature``."""
 
+    rollouts: RolloutsConfig
     steps: int
-    tasks_per_step: int
-    group_size: int
     seed: int
     temperature: float
-    max_staleness: int = 0
-    min_step_groups: int = 0
-    extra_rollouts: int = 0
-    min_group_size: int = 2
 
 
 def returns_by_task(episodes: Iterable[Episode]) -> dict[str, list[float]]:
@@ -93,7 +89,7 @@ class StepFeed:
     def __init__(self, runner: RolloutRunner, tasks: list[dict], plan: StepPlan,
                  curriculum: Curriculum | None = None) -> None:
         self.runner, self.tasks, self.plan, self.curriculum = runner, tasks, plan, curriculum
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="lit-rollouts") if plan.max_staleness else None
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="lit-rollouts") if plan.rollouts.max_staleness else None
         self.ahead: tuple[int, Future[RolloutBatch]] | None = None  # (step, its rollouts)
         self.finished: dict[int, RolloutBatch] = {}
         self.wanted = threading.Event()  # set while the loop waits for the rollouts running ahead
@@ -154,11 +150,11 @@ class StepFeed:
 
     def _run(self, step: int, version: int) -> RolloutBatch:
         plan, curriculum = self.plan, self.curriculum
-        drawable = curriculum.drawable(self.tasks, step, plan.tasks_per_step) if curriculum else self.tasks
-        tasks = sample_tasks(drawable, plan.seed, step, plan.tasks_per_step)
-        batch = self.runner.run(tasks, plan.group_size, plan.temperature, step, training_label(step), version,
-                                self._enough if plan.min_step_groups else None, restarts=MAX_ENGINE_RESTARTS)
-        if plan.extra_rollouts and not batch.nothing_to_train():  # a broken agent: the loop stops; no more draws
+        drawable = curriculum.drawable(self.tasks, step, plan.rollouts.tasks_per_step) if curriculum else self.tasks
+        tasks = sample_tasks(drawable, plan.seed, step, plan.rollouts.tasks_per_step)
+        batch = self.runner.run(tasks, plan.rollouts.group_size, plan.temperature, step, training_label(step), version,
+                                self._enough if plan.rollouts.min_step_groups else None, restarts=MAX_ENGINE_RESTARTS)
+        if plan.rollouts.extra_rollouts and not batch.nothing_to_train():  # a broken agent stops the loop: no draws
             batch = self._draw_more(step, version, drawable, tasks, batch)
         if curriculum:
             batch.metrics.update(curriculum.metrics(self.tasks, step))
@@ -174,9 +170,9 @@ class StepFeed:
         episodes, failures, dispatched = list(first.episodes), list(first.failures), first.dispatched_version
         draws = spent = succeeded = 0
         while True:
-            signal = len(groups_with_signal(episodes, plan.min_group_size))
-            needed = plan.tasks_per_step - signal
-            affordable = (plan.extra_rollouts - spent) // plan.group_size
+            signal = len(groups_with_signal(episodes, plan.rollouts.min_group_size))
+            needed = plan.rollouts.tasks_per_step - signal
+            affordable = (plan.rollouts.extra_rollouts - spent) // plan.rollouts.group_size
             fresh = [task for task in drawable if task["id"] not in ran]
             if needed <= 0 or affordable <= 0 or not fresh:
                 break
@@ -185,12 +181,12 @@ class StepFeed:
             draws += 1
             more = sample_tasks(fresh, plan.seed, step, min(wanted, affordable), draws)
             ran.update(task["id"] for task in more)
-            batch = self.runner.run(more, plan.group_size, plan.temperature, step,
+            batch = self.runner.run(more, plan.rollouts.group_size, plan.temperature, step,
                                     f"{training_label(step)}-more{draws}", version, restarts=MAX_ENGINE_RESTARTS)
             episodes += batch.episodes
             failures += batch.failures
             dispatched = min(dispatched, batch.dispatched_version)
-            spent += len(more) * plan.group_size
+            spent += len(more) * plan.rollouts.group_size
             succeeded += int(batch.metrics.get("rollouts/succeeded", 0))
         metrics = {**first.metrics, "sampling/draws": float(draws), "sampling/extra_rollouts": float(spent),
                    "sampling/extra_succeeded": float(succeeded), "sampling/groups_with_signal": float(signal)}
@@ -199,4 +195,4 @@ class StepFeed:
     def _enough(self, ended_groups: int) -> bool:
         """Whether the rollouts running ahead may stop waiting: the loop wants them, and ``min_step_groups``
         groups ended."""
-        return self.wanted.is_set() and ended_groups >= self.plan.min_step_groups
+        return self.wanted.is_set() and ended_groups >= self.plan.rollouts.min_step_groups

@@ -42,8 +42,8 @@ def check_references(tasks: Iterable[dict]) -> str | None:
                     "the agent's first LLM call's response (a non-empty string)")
         count += 1
     if not count:
-        return ("train.guidance is on but no training task has a 'reference' (the response a correct agent gives to "
-                "its first LLM call): add one to the tasks, or set train.guidance = false")
+        return ("rollouts.guidance is on but no training task has a 'reference' (the response a correct agent gives to "
+                "its first LLM call): add one to the tasks, or set rollouts.guidance = false")
     return None
 
 
@@ -56,8 +56,8 @@ def reference_encoder(model_dir: str | Path) -> Callable[[str], list[int]]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     end = tokenizer.eos_token_id
     if end is None:
-        raise ValueError(f"train.guidance: the tokenizer of {model_dir} has no eos_token, so lit cannot end a "
-                         "reference as the engine ends a response; set train.guidance = false for this model")
+        raise ValueError(f"rollouts.guidance: the tokenizer of {model_dir} has no eos_token, so lit cannot end a "
+                         "reference as the engine ends a response; set rollouts.guidance = false for this model")
 
     def encode(text: str) -> list[int]:
         return [*tokenizer.encode(text, add_special_tokens=False), int(end)]

@@ -5,7 +5,7 @@ run ``group_size`` rollouts of each on the agent workers → episodes rebuilt fr
 prepare (LightningRL: credit → group advantages; what is trained on) → update (the optimizer step(s) of
 ``[update]``) → push the weights into vLLM → check the sync when due (``pipeline.py``) → log → validate and
 checkpoint when due. Generation and training alternate: vLLM idles during the update and the trainer idles during
-the rollouts, so on a 2-core machine neither slows the other. With ``train.max_staleness`` > 0 they overlap instead
+the rollouts, so on a 2-core machine neither slows the other. With ``rollouts.max_staleness`` > 0 they overlap instead
 (``rollouts/feed.py``: the next step's rollouts run during this step's update), for machines where vLLM and the
 trainer have hardware of their own. Under ``torchrun --nproc_per_node N`` the main process runs all this and the
 others join what needs them (``trainers.py``). The checks made before the model loads are in ``preflight.py``.
@@ -169,12 +169,10 @@ def _train(cfg: TrainConfig, ready: Ready, state: ckpt.TrainState, trainers: Tra
     train, last_val = cfg.train, {}
     if state.step == 0 and train.val_every:
         last_val = validate(svc.runner, ready.val_tasks, log, 0, state.minutes)
-    curriculum = Curriculum(train.rest_by, train.rest_after, train.rest_steps, train.success_reward,
-                            train.min_group_size) if train.rest_after else None
+    curriculum = Curriculum(cfg.rollouts, train.success_reward) if cfg.rollouts.rest_after else None
     if curriculum:
         curriculum.load(state.curriculum)  # what rested when the checkpoint was written
-    plan = StepPlan(train.steps, train.tasks_per_step, train.group_size, train.seed, cfg.agent.temperature,
-                    train.max_staleness, train.min_step_groups, train.extra_rollouts, train.min_group_size)
+    plan = StepPlan(cfg.rollouts, train.steps, train.seed, cfg.agent.temperature)
     encode = reference_encoder(ready.base_dir) if ready.references else None
     # leaving on an error, the rollouts running ahead end before the services stop under them (StepFeed.abort)
     with StepFeed(svc.runner, ready.train_tasks, plan, curriculum) as feed:
@@ -208,7 +206,7 @@ def _step(cfg: TrainConfig, step: int, batch: RolloutBatch, trainers: Trainers, 
                              f"--run {ready.out.dir})")
     episodes, guided = batch.episodes, {}
     if encode:  # a reference for each failed group whose task has one
-        more, guided = guide(episodes, ready.references, encode, cfg.train.success_reward, cfg.train.min_group_size)
+        more, guided = guide(episodes, ready.references, encode, cfg.train.success_reward, cfg.rollouts.min_group_size)
         episodes = episodes + more
     work = pipeline.prepare(episodes, cfg, step, batch.dispatched_version)
     svc.store.save_advantages(work.advantages)

@@ -72,10 +72,10 @@ class UpdateJob:
 def prepare(episodes: Sequence[Episode], cfg: TrainConfig, step: int, dispatched: int | None = None) -> Prepared:
     """The pairs that training step ``step`` (from 1) trains on, every transition's advantage, and their metrics.
     ``dispatched``: the engine's weight version when the episodes' rollouts were handed out (default ``step - 1``,
-    synchronous); with ``train.max_staleness`` the calls sampled more than that many versions before the policy's
+    synchronous); with ``rollouts.max_staleness`` the calls sampled more than that many versions before the policy's
     are left out (``drop_stale``)."""
     groups = collections.Counter(e.task_id for e in episodes)
-    kept = [e for e in episodes if groups[e.task_id] >= cfg.train.min_group_size]
+    kept = [e for e in episodes if groups[e.task_id] >= cfg.rollouts.min_group_size]
     metrics: dict[str, float] = {"rollouts/small_groups_dropped": float(len(episodes) - len(kept))}
     if not kept:
         return Prepared([], [], metrics)
@@ -94,9 +94,9 @@ def prepare(episodes: Sequence[Episode], cfg: TrainConfig, step: int, dispatched
     rows = [AdvantageRow(t.rollout_id, t.index, step, a) for t, a in pairs]
     pairs, skipped = keep_usable(pairs, cfg.batching)  # a bad transition costs itself, not the step
     metrics.update({f"update/skipped_{reason}": float(n) for reason, n in skipped.items()})
-    if cfg.train.max_staleness:
+    if cfg.rollouts.max_staleness:
         dispatched = step - 1 if dispatched is None else dispatched
-        pairs, stale = drop_stale(pairs, step - 1, cfg.train.max_staleness, dispatched)
+        pairs, stale = drop_stale(pairs, step - 1, cfg.rollouts.max_staleness, dispatched)
         metrics.update(stale)
     pairs, overlong = mask_overlong(pairs, cfg.update)
     metrics["update/overlong_masked"] = float(overlong)

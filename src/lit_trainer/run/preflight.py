@@ -30,7 +30,7 @@ class Ready:
     train_tasks: list
     val_tasks: list
     references: dict
-    """Each training task's reference answer, with ``train.guidance``."""
+    """Each training task's reference answer, with ``rollouts.guidance``."""
     base_dir: Path | None
     """The model's folder; None when the run is already trained to ``train.steps`` (nothing to load)."""
 
@@ -68,9 +68,9 @@ def preflight(cfg: TrainConfig, resume: bool, out: RunFolder) -> Ready:
               "go on, or choose another train.output_dir", file=sys.stderr)
         return Ready(out, start, [], [], {}, None)
     train_tasks, val_tasks = load_tasks(cfg.data)
-    if cfg.train.rest_after and (problem := check_rest_by(train_tasks, cfg.train.rest_by)):
+    if cfg.rollouts.rest_after and (problem := check_rest_by(train_tasks, cfg.rollouts.rest_by)):
         raise ConfigError(problem)
-    if cfg.train.guidance and (problem := check_references(train_tasks)):
+    if cfg.rollouts.guidance and (problem := check_references(train_tasks)):
         raise ConfigError(problem)
     check_agent(cfg)  # importable, @lit.trace, (task, llm)
     if distributed.is_launch_main():  # the process that starts the services and whose tracker logs
@@ -81,7 +81,7 @@ def preflight(cfg: TrainConfig, resume: bool, out: RunFolder) -> Ready:
     check_context(base_dir, cfg.inference.max_model_len)
     if start is not None and (problem := ckpt.other_model(start, base_dir)):
         raise ConfigError(problem)
-    references = references_of(train_tasks) if cfg.train.guidance else {}
+    references = references_of(train_tasks) if cfg.rollouts.guidance else {}
     return Ready(out, start, train_tasks, val_tasks, references, base_dir)
 
 

@@ -67,7 +67,7 @@ def full_fine_tune(folder: Path, move: Move) -> dict:
 
 
 def bonus_and_guidance(folder: Path, move: Move) -> dict:
-    """The entropy bonus (its gradient through the chunked LM head) and a guided row (``train.guidance``: no
+    """The entropy bonus (its gradient through the chunked LM head) and a guided row (``rollouts.guidance``: no
     behaviour logprobs, so the learner takes its own before the update) in one full fine-tune step."""
     torch.manual_seed(0)
     policy = Policy(PolicyConfig(model=str(folder), precision="fp32", learning_rate=1e-3))

@@ -9,6 +9,7 @@ import re
 import pytest
 
 from lit_trainer.rollouts.curriculum import Curriculum, check_rest_by
+from lit_trainer.rollouts.sampling import RolloutsConfig
 
 TASKS = [{"id": f"t{i}", "op": "add" if i < 3 else "div"} for i in range(6)]
 ADD, DIV = TASKS[0], TASKS[3]
@@ -16,7 +17,7 @@ SOLVED, MIXED = [1.0, 1.0], [1.0, 0.0]
 
 
 def curriculum(rest_after: int = 2, rest_steps: int = 3) -> Curriculum:
-    return Curriculum("op", rest_after, rest_steps, success_reward=1.0)
+    return Curriculum(RolloutsConfig(rest_by="op", rest_after=rest_after, rest_steps=rest_steps), success_reward=1.0)
 
 
 def test_a_category_rests_after_its_groups_are_solved_by_every_rollout_that_many_times_in_a_row():
@@ -37,7 +38,7 @@ def test_a_group_not_solved_by_every_rollout_starts_the_count_again():
 
 
 def test_a_return_below_the_success_reward_is_not_solved_and_a_short_group_does_not_count():
-    c = Curriculum("op", 1, 3, success_reward=1.0, min_group_size=2)
+    c = Curriculum(RolloutsConfig(rest_by="op", rest_after=1, rest_steps=3, min_group_size=2), success_reward=1.0)
     c.record(0, [(ADD, [0.9, 0.9]), (DIV, [1.0])])  # equal returns below the bar; one episode of two wanted
     assert c.resting(1) == set() and c.streak == {"add": 0}
 
@@ -52,7 +53,7 @@ def test_a_step_draws_from_the_tasks_not_resting_or_from_all_when_too_few_are_le
 
 
 def test_by_id_each_task_rests_on_its_own():
-    c = Curriculum("id", 1, 2, success_reward=1.0)
+    c = Curriculum(RolloutsConfig(rest_after=1, rest_steps=2), success_reward=1.0)
     c.record(0, [(ADD, SOLVED), (DIV, MIXED)])
     assert c.drawable(TASKS, 1, 2) == [t for t in TASKS if t is not ADD]
 

@@ -4,7 +4,7 @@ weight version its oldest rollouts were handed out with. The runner is a stand-i
 waits for the test's word where the test needs a rollout still running (real vLLM and workers: the
 ``ppo_schedule`` run of tests/e2e/test_train_options.py trains with ``max_staleness = 1`` and checks the staleness
 of every call it trained on), except in the carry-over test, which runs real worker processes, dispatcher,
-collector and store (``train.min_step_groups``). Nothing here sleeps and then asserts a duration: each test waits
+collector and store (``rollouts.min_step_groups``). Nothing here sleeps and then asserts a duration: each test waits
 for events, with a deadline."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from lit_trainer.intake.episodes import Episode
 from lit_trainer.rollouts.curriculum import Curriculum
 from lit_trainer.rollouts.feed import MAX_ENGINE_RESTARTS, StepFeed, StepPlan, groups_in_order, groups_with_signal
 from lit_trainer.rollouts.runner import RolloutBatch
+from lit_trainer.rollouts.sampling import RolloutsConfig
 from lit_trainer.rollouts.tasks import sample_tasks
 
 DEADLINE_S = 30.0
@@ -51,8 +52,8 @@ class Runner:
 
 
 def plan(max_staleness: int, steps: int = 3) -> StepPlan:
-    return StepPlan(steps=steps, tasks_per_step=1, group_size=2, seed=0, temperature=1.0,
-                    max_staleness=max_staleness)
+    return StepPlan(RolloutsConfig(tasks_per_step=1, group_size=2, max_staleness=max_staleness), steps=steps, seed=0,
+                    temperature=1.0)
 
 
 def test_synchronous_rollouts_run_when_the_step_asks_in_the_loop_thread():
@@ -155,8 +156,9 @@ def test_a_group_still_running_carries_over_to_the_next_step_instead_of_stalling
     tasks = [{"id": 0, "value": 1.0, "seconds": 4.0}, {"id": 1, "value": 0.0, "seconds": 0.05}]
     with real_runner(tmp_path, "rollout_agents:returns_after_its_seconds", "carry") as (store, runner):
         dispatcher = runner.dispatcher
-        feed = StepFeed(runner, tasks, StepPlan(steps=4, tasks_per_step=2, group_size=2, seed=0, temperature=1.0,
-                                               max_staleness=1, min_step_groups=1))
+        feed = StepFeed(runner, tasks, StepPlan(RolloutsConfig(tasks_per_step=2, group_size=2, max_staleness=1,
+                                                                       min_step_groups=1), steps=4, seed=0,
+                                                        temperature=1.0))
         metrics = feed.take(0).metrics  # nothing runs ahead of the first step: it waits for both groups
         assert metrics["rollouts/requested"] == 4 and metrics["rollouts/groups_in_flight"] == 0
         batch = feed.take(1)  # at once: step 1's rollouts have only just started
@@ -176,7 +178,7 @@ def test_a_group_still_running_carries_over_to_the_next_step_instead_of_stalling
         assert sorted(statuses) == [("0", RolloutStatus.SUCCEEDED)] * 2 + [("1", RolloutStatus.SUCCEEDED)] * 2
 
 
-# Dynamic sampling (train.extra_rollouts). The runner stands in for the rollouts (as above): each task's group gets
+# Dynamic sampling (rollouts.extra_rollouts). The runner stands in for the rollouts (as above): each task's group gets
 # returns fixed by the task, so which groups have signal is known; the real path runs in lit train
 # (tests/e2e/test_train_options.py, the dynamic_sampling option).
 
@@ -209,8 +211,8 @@ def solved_when_even(task: dict, g: int) -> float:
 
 
 def dynamic_plan(extra: int, tasks_per_step: int = 4) -> StepPlan:
-    return StepPlan(steps=2, tasks_per_step=tasks_per_step, group_size=2, seed=0, temperature=1.0,
-                    extra_rollouts=extra)
+    return StepPlan(RolloutsConfig(tasks_per_step=tasks_per_step, group_size=2, extra_rollouts=extra), steps=2, seed=0,
+                    temperature=1.0)
 
 
 def test_groups_with_signal_are_those_whose_returns_differ_with_enough_episodes():
@@ -276,12 +278,12 @@ def test_a_step_with_enough_signal_draws_no_more():
     assert batch.metrics["sampling/draws"] == 0 and batch.metrics["sampling/groups_with_signal"] == 4
 
 
-# The curriculum (train.rest_after): a category solved by every rollout of its groups sits out the next steps.
+# The curriculum (rollouts.rest_after): a category solved by every rollout of its groups sits out the next steps.
 
 def test_a_resting_category_is_not_drawn_by_the_step_nor_by_its_extra_draws():
     tasks = [{"id": i, "op": "even" if i % 2 == 0 else "odd"} for i in range(40)]
     runner = GroupRunner(solved_when_even)
-    curriculum = Curriculum("op", rest_after=1, rest_steps=5, success_reward=1.0)
+    curriculum = Curriculum(RolloutsConfig(rest_by="op", rest_after=1, rest_steps=5), success_reward=1.0)
     feed = StepFeed(runner, tasks, dynamic_plan(extra=40), curriculum)
     first = feed.take(0)
     assert first.metrics["curriculum/resting"] == 0 and curriculum.resting(1) == {"even"}

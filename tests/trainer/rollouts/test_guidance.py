@@ -91,7 +91,7 @@ def test_a_reference_is_tokenized_as_the_engine_wrote_a_response(prepared_model:
 
 
 def test_lit_train_with_guidance_and_no_reference_stops_before_the_model_loads(tmp_path: Path):
-    """``train.guidance = true`` on tasks without a ``reference``: the run stops at once, naming the fix, before
+    """``rollouts.guidance = true`` on tasks without a ``reference``: the run stops at once, naming the fix, before
     the model, vLLM or a worker starts (the e2e option run, tests/e2e/test_train_options.py, trains with it)."""
     import lit_trainer
     from lit_trainer.config import ConfigError
@@ -102,7 +102,7 @@ def test_lit_train_with_guidance_and_no_reference_stops_before_the_model_loads(t
     for split in ("train", "validation"):
         (tasks / f"{split}.jsonl").write_text('{"id": "a", "question": "2+2?"}\n')
     cfg = lit_trainer.make_config(agent={"function": "examples.calc.agent:calc_agent"}, data={"tasks": str(tasks)},
-                                  train={"guidance": True, "output_dir": str(tmp_path / "run")})
-    with pytest.raises(ConfigError, match="no training task has a 'reference'.*set train.guidance = false"):
+                                  rollouts={"guidance": True}, train={"output_dir": str(tmp_path / "run")})
+    with pytest.raises(ConfigError, match="no training task has a 'reference'.*set rollouts.guidance = false"):
         run(cfg)
     assert not (tmp_path / "run" / "lit.sqlite").exists()
