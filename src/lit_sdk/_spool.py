@@ -63,8 +63,7 @@ SEGMENT_BYTES = 4 << 20
 """The room reserved for a segment (more for a span that needs it): once full, a new one is started."""
 
 _SEGMENT = re.compile(r"^(.+-\d+-[0-9a-f]+)-(\d+)\.seg$")
-"""``{owner}-{seq}.seg``; the names of lit before hosts were named (``{pid}-{token}-{seq}.seg``, another record
-format) do not match."""
+"""``{owner}-{seq}.seg`` (``owner_name``)."""
 
 
 class LostRecord(Exception):
@@ -87,8 +86,6 @@ class Segment:
     size: int = 0
     generation: int = 0
     """Raised each time the segment being written is emptied: its records of before are settled."""
-    legacy: bool = False
-    """Adopted from an earlier lit, in its record format."""
     outstanding: int = 0
     """Records neither acknowledged, refused nor dropped. The file goes (or is emptied) when this is 0."""
     unread: list[Entry] = field(default_factory=list)
@@ -204,7 +201,7 @@ class Spool:
             del segment.unread[: len(entries)]
             segment.min_unread_seq = None
         try:
-            payloads = read_payloads(segment.path, [(e.offset, e.length) for e in entries], segment.legacy)
+            payloads = read_payloads(segment.path, [(e.offset, e.length) for e in entries])
         except OSError as exc:
             payloads, why = [None] * len(entries), str(exc)
         else:
@@ -422,7 +419,7 @@ class Spool:
                             "while writing it)", name)
             claimed += 1
             lost += scanned.lost
-            segment = Segment(path, size=scanned.size, outstanding=len(scanned.records), legacy=scanned.legacy)
+            segment = Segment(path, size=scanned.size, outstanding=len(scanned.records))
             segment.unread = [Entry(segment, offset, length, 0) for offset, length in scanned.records]
             with self._lock:
                 self.bytes += segment.size

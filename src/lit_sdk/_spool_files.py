@@ -16,9 +16,6 @@ Who may look. Spans carry prompts and completions: the folder is ``0700`` and it
 user that is open to others is closed (``chmod 0700``, logged); one of another user, or a symlink, is refused.
 Only regular files of this user are opened there, without following symlinks and without blocking: anything else
 under a spool name is skipped and logged.
-
-Format 1 (no head; records ``>II``: payload length, CRC-32) is still read, so that the spans an earlier lit left
-behind are delivered; reading one stops at its first bad record, as that lit did.
 """
 
 from __future__ import annotations
@@ -44,8 +41,6 @@ check while resynchronising, never a wrong record (the header's own CRC must pas
 RECORD = struct.Struct(">4sIIII")
 """``RECORD_MAGIC``, payload length, generation, payload CRC-32, CRC-32 of the 16 bytes before it."""
 END = bytes(RECORD.size)
-LEGACY = struct.Struct(">II")
-"""Format 1's record header: payload length, CRC-32."""
 _OPEN_TO_OTHERS = 0o077
 
 
@@ -58,8 +53,6 @@ class Scanned(NamedTuple):
     """Damaged records with good ones after them: spans lost to damage."""
     torn: int
     """Damaged records after the last good one: a writer killed mid-write."""
-    legacy: bool
-    """Format 1."""
     size: int
 
 
@@ -77,7 +70,7 @@ def record_header(length: int, generation: int, payload_crc: int) -> bytes:
     return fields + zlib.crc32(fields).to_bytes(4, "big")
 
 
-def read_payloads(path: Path, records: list[tuple[int, int]], legacy: bool) -> list[bytes | None]:
+def read_payloads(path: Path, records: list[tuple[int, int]]) -> list[bytes | None]:
     """The payloads of the records at ``records`` (offset, length) in a segment; None for one that does not check
     out."""
     out: list[bytes | None] = []
@@ -85,18 +78,14 @@ def read_payloads(path: Path, records: list[tuple[int, int]], legacy: bool) -> l
     try:
         for offset, length in records:
             record = os.pread(fd, length, offset)
-            out.append(payload_of(record, legacy) if len(record) == length else None)
+            out.append(payload_of(record) if len(record) == length else None)
     finally:
         os.close(fd)
     return out
 
 
-def payload_of(record: bytes, legacy: bool) -> bytes | None:
+def payload_of(record: bytes) -> bytes | None:
     """The payload of one record read back whole (header included), or None if it does not check out."""
-    if legacy:
-        payload = record[LEGACY.size :]
-        ok = len(record) >= LEGACY.size and LEGACY.unpack_from(record) == (len(payload), zlib.crc32(payload))
-        return payload if ok else None
     fields = _header(record, 0)
     payload = record[RECORD.size :]
     if fields is None or fields[0] != len(payload) or fields[2] != zlib.crc32(payload):
@@ -176,11 +165,7 @@ def scan(path: Path) -> Scanned:
 
 def parse(data: bytes) -> Scanned:
     """The records of a segment's bytes, and what was damaged."""
-    if data[: len(SEGMENT_MAGIC)] != SEGMENT_MAGIC or _head_generation(data) is None:
-        legacy = _parse_legacy(data)
-        if legacy.records or not data.strip(b"\0"):
-            return legacy
-        # A damaged head: the records may still be good; the first one's generation stands in for the head's.
+    # A damaged head (None): the records may still be good; the first one's generation stands in for the head's.
     return _parse_records(data, _head_generation(data))
 
 
@@ -240,17 +225,5 @@ def _parse_records(data: bytes, generation: int | None) -> Scanned:
         pos = end
     if 0 < len(data) - pos < RECORD.size and data[pos:].strip(b"\0"):
         damaged += 1  # a header cut short
-    return Scanned(records, lost, damaged, False, len(data))
+    return Scanned(records, lost, damaged, len(data))
 
-
-def _parse_legacy(data: bytes) -> Scanned:
-    records: list[tuple[int, int]] = []
-    offset = 0
-    while len(data) - offset >= LEGACY.size:
-        length, crc = LEGACY.unpack_from(data, offset)
-        end = offset + LEGACY.size + length
-        if length == 0 or end > len(data) or zlib.crc32(data[offset + LEGACY.size : end]) != crc:
-            break
-        records.append((offset, end - offset))
-        offset = end
-    return Scanned(records, 0, int(bool(data[offset:].strip(b"\0"))), True, len(data))
