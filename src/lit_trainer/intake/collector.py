@@ -19,7 +19,9 @@ What its peers can make it hold in memory, however many they are:
   that peer's connection), so a peer that announces one and stops costs at most that until ``peer_idle_s`` (the
   server's heartbeat) closes it; a frame longer than ``PART_BYTES`` comes in parts.
 - Frames in parts: put together within ``max_partial_bytes`` for all peers at once (``parts.PartAssembler``); a
-  frame that does not fit is answered ``busy`` and the agent sends it again later.
+  frame that does not fit is answered ``busy`` and the agent sends it again later, when room that frees goes to the
+  peers told ``busy`` in the order they were told. A peer holds its room at most until a deadline that counts from
+  its first reservation, however often it re-announces a frame.
 - Connections: at most ``max_peers`` (fewer if the descriptor limit says so), the oldest that has not delivered
   a valid frame closed beyond that (``connections.ConnectionLimit``); one that has not finished its handshake
   within ``handshake_s`` is closed by ZeroMQ.
@@ -96,10 +98,15 @@ class CollectorCounts:
     partial_bytes: int
     """Bytes reserved now by frames coming in parts (at most ``max_partial_bytes``)."""
     busy: int
-    """Frames in parts answered ``busy`` (the agent sends them again later): ``max_partial_bytes`` was taken."""
+    """Frames in parts answered ``busy`` (the agent sends them again later): ``max_partial_bytes`` was taken, or
+    peers told ``busy`` before were still waiting for it."""
+    busy_peers: int
+    """Peers told ``busy``, each counted once until it gets room."""
     partials_dropped: int
-    """Frames in parts given up half-way (no part for ``peer_idle_s``, or the peer started another), their memory
-    freed."""
+    """Frames in parts given up half-way (no part for ``peer_idle_s``, too slow, or the peer started another), their
+    memory freed."""
+    partials_overdue: int
+    """Frames among ``partials_dropped`` whose peer held its room past its deadline (``parts.PartAssembler``)."""
     refused_spans: dict[str, int]
     """Spans of valid frames that the store refused (``intake/admission.py``: ``unknown_rollout``,
     ``wrong_secret``, ``second_root``); their frames were acknowledged."""
@@ -176,7 +183,8 @@ class Collector:
             parts = self._part_counts
             return CollectorCounts(**self._tally, rejected=dict(self._rejected), refused_peers=refused,
                                    connections=limit.open if limit else 0, evicted=limit.evicted if limit else 0,
-                                   partial_bytes=parts.reserved, busy=parts.busy, partials_dropped=parts.dropped,
+                                   partial_bytes=parts.reserved, busy=parts.busy, busy_peers=parts.busy_peers,
+                                   partials_dropped=parts.dropped, partials_overdue=parts.overdue,
                                    refused_spans=dict(self._refused))
 
     def start(self) -> Collector:
@@ -313,8 +321,19 @@ class Collector:
         return whole
 
     def _count_parts(self) -> None:
+        """Publish the part counts; log the first peer told ``busy`` and the first frame overdue, once each."""
+        counts = self._parts.counts
         with self._lock:
-            self._part_counts = self._parts.counts
+            before, self._part_counts = self._part_counts, counts
+        if counts.busy_peers and not before.busy_peers:
+            log.info("lit: the collector told a peer busy: frames in parts of other peers hold max_partial_bytes "
+                     "(%d bytes); it sends its frame again and gets room in the order peers were told. Later ones "
+                     "are counted in Collector.counts.busy and busy_peers, not logged", self._parts.budget)
+        if counts.overdue and not before.overdue:
+            log.warning("lit: the collector dropped a frame in parts whose peer held its room past its deadline "
+                        "(peer_idle_s plus its length at parts.MIN_BYTES_PER_S, from the peer's first reservation): "
+                        "a peer on a very slow link, or one holding room it does not use. Later ones are counted "
+                        "in Collector.counts.partials_overdue, not logged")
 
     def _accept(self, sock: zmq.Socket, envelope: list[bytes], data: bytes | bytearray, part_ok: bool
                 ) -> protocol.PackedSpansFrame | protocol.PartFrame | None:
