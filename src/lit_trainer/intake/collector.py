@@ -118,7 +118,8 @@ class Collector:
     endpoint: where to bind; ``tcp://127.0.0.1:0`` (or ``:*``) picks a free port, read back from ``.endpoint``.
         Agents find it through their ``LIT_ENDPOINT`` / ``lit.instrument(endpoint=...)``.
     keys: the trainer's CURVE keys (``security.load_server_keys``): only agents holding the client key get in.
-        Without them the collector binds to loopback addresses only (``security.check_bind``).
+        Without them the collector binds to loopback addresses only (``security.check_bind``), and only with
+        ``open_to_local_users=True``: any user of this machine may then send it spans (``security.check_keyless``).
     on_root_span: called in the collector thread with the rollout id of each rollout root span, once, after the
         commit that stored it (so every span the agent sent before its root is readable from the store by then).
     max_frames, max_spans, max_turn_bytes: bounds on one transaction: frames drained per turn, spans in them and
@@ -139,7 +140,10 @@ class Collector:
                  on_root_span: Callable[[str], None] | None = None, *, keys: security.ServerKeys | None = None,
                  max_frames: int = 1024,
                  max_spans: int = 4096, max_turn_bytes: int = 64 * 2**20, max_partial_bytes: int = 64 * 2**20,
-                 max_peers: int = 1024, handshake_s: float = 10.0, peer_idle_s: float = 30.0):
+                 max_peers: int = 1024, handshake_s: float = 10.0, peer_idle_s: float = 30.0,
+                 open_to_local_users: bool = False):
+        security.check_keyless(keys, open_to_local_users, "Collector", "can send it spans and hold its memory for "
+                               "frames in parts")
         if min(max_frames, max_spans, max_turn_bytes, max_peers) <= 0:
             raise ValueError(f"Collector: max_frames, max_spans, max_turn_bytes and max_peers must be positive, got "
                              f"{max_frames}, {max_spans}, {max_turn_bytes}, {max_peers}")

@@ -84,7 +84,8 @@ _CHILD = textwrap.dedent("""
     db, keys_dir, handshake_s = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     keys = security.load_server_keys(keys_dir) if keys_dir else None
     options = {"handshake_s": handshake_s} if handshake_s else {}
-    with SqliteStore(db) as store, Collector(store, "tcp://127.0.0.1:0", keys=keys, **options) as collector:
+    with SqliteStore(db) as store, \
+            Collector(store, "tcp://127.0.0.1:0", keys=keys, open_to_local_users=keys is None, **options) as collector:
         print(collector.endpoint, flush=True)
         for line in sys.stdin:
             if line.strip() != "counts":
@@ -225,7 +226,7 @@ def test_a_frame_left_half_way_is_dropped_and_an_agents_large_frame_waits_its_tu
     frame is dropped (counted) and its reservation freed. Meanwhile an agent's frame in parts that does not fit is
     answered ``busy``, and the SDK sends it again until it goes in: nothing lost."""
     with Collector(store, "tcp://127.0.0.1:0", max_partial_bytes=protocol.MAX_FRAME_BYTES,
-                   peer_idle_s=1.5) as collector:
+                   peer_idle_s=1.5, open_to_local_users=True) as collector:
         idle = dealer(collector.endpoint)
         idle.send(first_part("idle", protocol.MAX_FRAME_BYTES))
         wait_until(lambda: collector.counts.partial_bytes == protocol.MAX_FRAME_BYTES, "the idle frame reserved")
@@ -297,7 +298,7 @@ def test_peers_that_hoard_the_budget_for_frames_in_parts_keep_an_agent_out_for_o
     large.attributes = {"text": "x" * (480 * 2**10)}  # 2 parts: more than the 64 KiB the hoarders leave
     stop = threading.Event()
     with Collector(store, "tcp://127.0.0.1:0", max_partial_bytes=protocol.MAX_FRAME_BYTES,
-                   peer_idle_s=HOARD_IDLE_S) as collector:
+                   peer_idle_s=HOARD_IDLE_S, open_to_local_users=True) as collector:
         hoarders = threading.Thread(target=hoard, args=(collector.endpoint, variant, stop))
         hoarders.start()
         try:
@@ -472,7 +473,7 @@ def test_idle_connections_are_closed_after_the_handshake_timeout(store):
     """Raw connections that never finish the handshake are closed after ``handshake_s`` (counted as refused
     ``handshake``), and one that finished it and stopped half-way through a message is closed after
     ``peer_idle_s`` (ZeroMQ's heartbeat), which frees what ZeroMQ held of its message."""
-    with Collector(store, "tcp://127.0.0.1:0", handshake_s=1.0, peer_idle_s=2.0) as collector:
+    with Collector(store, "tcp://127.0.0.1:0", handshake_s=1.0, peer_idle_s=2.0, open_to_local_users=True) as collector:
         # Fewer than the listener's backlog (ZeroMQ's default 100): under load, connections past it wait for a
         # SYN retry (1, 3, 7, 15, 31 s) and were still connecting when the 30 s below ran out (seen once).
         idle = flood(collector.endpoint, IDLE_PEERS)
