@@ -34,7 +34,8 @@ MIN_BYTES_PER_S = 64 * 2**10
 """The slowest a frame in parts may come in, on average: a 16 MiB frame has 256 s, plus ``idle_s``."""
 
 BUSY = object()
-"""What ``add`` returns for a first part whose frame does not fit in the budget now."""
+"""What ``add`` returns for a first part whose frame does not fit in the budget now, or whose peer must wait its
+turn."""
 
 
 @dataclass(slots=True)
@@ -57,7 +58,8 @@ class PartCounts:
     assembled: int
     """Frames put together whole."""
     busy: int
-    """First parts answered ``busy``: their frame did not fit in the budget."""
+    """First parts answered ``busy``: their frame did not fit in the budget, or peers told ``busy`` before were
+    still waiting for room."""
     dropped: int
     """Frames given up half-way: idle for ``idle_s``, too slow (``MIN_BYTES_PER_S``), or replaced by the peer's next
     frame."""
@@ -87,7 +89,7 @@ class PartAssembler:
 
     def add(self, peer: bytes, part: protocol.PartFrame, now: float) -> bytearray | object | None:
         """Take ``part`` from ``peer`` (its ZeroMQ routing id): the whole frame when this part completes it, ``BUSY``
-        when its frame does not fit in the budget, else None (kept, or ignored)."""
+        when its frame does not fit in the budget or the peer must wait its turn, else None (kept, or ignored)."""
         frame = self._frames.get(peer)
         if part.offset == 0:
             since = now if frame is None else frame.since  # a re-announced frame keeps the peer's clock
