@@ -173,7 +173,7 @@ def measure_durable(args: argparse.Namespace, tmp: Path) -> tuple[float, SqliteS
     # handed out first, as the dispatcher does: the collector stores spans of the rollouts the store holds only
     store.add_rollouts(RolloutRow(f"r{seed}-{i}", "task-17", 1) for seed in range(args.senders)
                        for i in range(-(-args.spans // SPANS_PER_ROLLOUT)))
-    collector = Collector(store, "tcp://127.0.0.1:0").start()
+    collector = Collector(store, "tcp://127.0.0.1:0", open_to_local_users=True).start()
     results = run_senders(send_with_sdk, collector.endpoint, args, tmp)()
     collector.stop()
     acknowledged = sum(r[2] for r in results)

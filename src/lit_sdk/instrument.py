@@ -183,6 +183,7 @@ def instrument(
     service_name: str | None = None,
     flush_timeout_s: float | None = None,
     otlp_endpoint: str | None = None,
+    keys_dir: Any = None,
 ) -> Instrumentation:
     """Trace this process's agents and send their spans to the trainer. Idempotent.
 
@@ -197,12 +198,14 @@ def instrument(
     otlp_endpoint: an OTLP/HTTP traces URL (``http://host:4318/v1/traces``) that gets lit's spans as well
         (``LIT_OTLP_ENDPOINT``; needs lit's ``otlp`` extra); sent from a thread of its own, waited for
         within ``flush()``'s timeout and, at exit, ``flush_timeout_s``.
+    keys_dir: the folder of this host's CURVE keys, which a trainer's collector with keys asks for
+        (``LIT_KEYS_DIR``; docs/security.md).
     A framework the caller already instrumented for their own backend stays theirs: lit neither instruments it again
     nor turns it off, and takes from their tracer provider only the spans of its rollouts. Set up your own tracing
     first (module docstring; docs/tracing.md).
     """
     settings = config.resolve(endpoint, frameworks, llm_base_urls, spool_dir, service_name, flush_timeout_s,
-                              otlp_endpoint=otlp_endpoint)
+                              keys_dir=keys_dir, otlp_endpoint=otlp_endpoint)
     with _lock:
         current = _current()
         if current is not None:

@@ -8,9 +8,11 @@
 It starts what one rollout needs: a SQLite store, the collector on a loopback port, vLLM serving the config's model
 and lit's gateway in front of it (which records every call of a rollout at the engine: streamed ones, the Responses
 API, Anthropic's Messages, calls from programs), then instruments this process (``lit.instrument``) to send spans
-there. ``run`` hands the agent its rollout's own URL at the gateway, as a worker gets it, calls the agent exactly
-as a worker does (``fn(task, llm)``, sync or async; from a notebook too, whose event loop is already running),
-waits until every span and call of the rollout is stored, and rebuilds its episode.
+there. The collector and vLLM have keys, as ``lit train`` makes them (``[security] keys_dir``, or the playground
+folder's own ``keys``: ``services.with_keys``), so that no other user of the machine reaches them. ``run`` hands the
+agent its rollout's own URL at the gateway, as a worker gets it, calls the agent exactly as a worker does
+(``fn(task, llm)``, sync or async; from a notebook too, whose event loop is already running), waits until every span
+and call of the rollout is stored, and rebuilds its episode.
 Nothing is trained: ``lit_trainer.train`` starts its own services.
 """
 
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import lit_sdk as lit
+from lit_sdk.protocol import security
 from lit_sdk.resources import LLM
 from lit_trainer.config import TrainConfig
 from lit_trainer.engine.server import InferenceServer
@@ -39,6 +42,7 @@ from lit_trainer.intake.gateway.server import Gateway
 from lit_trainer.intake.rows import RolloutRow
 from lit_trainer.intake.store import SqliteStore
 from lit_trainer.results.runs import Run, RunFolder
+from lit_trainer.run.services import with_keys
 
 STORED_TIMEOUT_S = 30.0
 """How long ``run`` waits for the rollout's spans to be stored after the agent returned."""
@@ -73,21 +77,21 @@ class Playground:
         self.collector: Collector | None = None
 
     def __enter__(self) -> Playground:
-        if self.cfg.security.keys_dir:
-            raise ValueError("the playground runs on loopback without keys: leave [security] keys_dir empty")
         run = RunFolder(self.folder)
         run.create("Playground folder")
         try:
             self._stack.enter_context(run.in_use("a Playground", "Playground folder"))
             run.save_config(self.cfg.to_dict())
+            keys_dir, cfg = with_keys(self.cfg, run.keys)
             self.store = self._stack.enter_context(SqliteStore(run.store))
-            collector = self.collector = self._stack.enter_context(Collector(self.store, "tcp://127.0.0.1:0"))
-            print(f"lit: starting vLLM on {self.cfg.model} (about a minute on CPU)", file=sys.stderr, flush=True)
+            collector = self.collector = self._stack.enter_context(
+                Collector(self.store, "tcp://127.0.0.1:0", keys=security.load_server_keys(keys_dir)))
+            print(f"lit: starting vLLM on {cfg.model} (about a minute on CPU)", file=sys.stderr, flush=True)
             # one server, with every core, whatever inference.servers a training config asks for
-            self.server = self._stack.enter_context(InferenceServer(replace(self.cfg.inference, servers=1)))
+            self.server = self._stack.enter_context(InferenceServer(replace(cfg.inference, servers=1)))
             self.gateway = self._stack.enter_context(Gateway(self.store, [self.server.openai_url]))
             lit.instrument(endpoint=collector.endpoint, llm_base_urls=[self.server.openai_url, self.gateway.url],
-                           spool_dir=run.spool)
+                           spool_dir=run.spool, keys_dir=keys_dir)
             self._stack.callback(lit.uninstrument)
         except BaseException:
             self._stack.close()

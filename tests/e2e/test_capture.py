@@ -36,7 +36,8 @@ MAX_TOKENS = 8
 def capture(vllm_server, tmp_path_factory):
     """A store, a collector and a gateway in front of the session's vLLM, with lit.instrument() in this process."""
     folder = tmp_path_factory.mktemp("capture")
-    with SqliteStore(folder / "lit.sqlite") as store, Collector(store, "tcp://127.0.0.1:0") as collector, \
+    with SqliteStore(folder / "lit.sqlite") as store, \
+            Collector(store, "tcp://127.0.0.1:0", open_to_local_users=True) as collector, \
             Gateway(store, [vllm_server.openai_url]) as gateway:
         lit.instrument(endpoint=collector.endpoint, llm_base_urls=[gateway.url], frameworks=[],
                        spool_dir=str(folder / "spool"))

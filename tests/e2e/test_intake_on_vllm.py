@@ -52,7 +52,8 @@ def test_rollout_on_vllm_becomes_an_episode_with_the_engines_ids(vllm_server, pr
         replies["text"] = text.choices[0].text
         return 1.0
 
-    with SqliteStore(tmp_path / "lit.db") as store, Collector(store, "tcp://127.0.0.1:0", on_root) as collector:
+    with SqliteStore(tmp_path / "lit.db") as store, \
+            Collector(store, "tcp://127.0.0.1:0", on_root, open_to_local_users=True) as collector:
         lit.instrument(endpoint=collector.endpoint, llm_base_urls=[vllm_server.openai_url], frameworks=[],
                        spool_dir=tmp_path / "spool")
         hand_out(store, "r-vllm", secret=SECRET)  # as the dispatcher does: the collector stores only these
@@ -107,7 +108,8 @@ def test_logprobs_at_the_sampling_temperature_match_the_trainers(vllm_server, tr
         return 1.0
 
     roots: list[str] = []
-    with SqliteStore(tmp_path / "lit.db") as store, Collector(store, "tcp://127.0.0.1:0", roots.append) as collector:
+    with SqliteStore(tmp_path / "lit.db") as store, \
+            Collector(store, "tcp://127.0.0.1:0", roots.append, open_to_local_users=True) as collector:
         lit.instrument(endpoint=collector.endpoint, llm_base_urls=[vllm_server.openai_url], frameworks=[],
                        spool_dir=tmp_path / "spool")
         hand_out(store, "r-t1.0", "r-t0.7", secret=SECRET)

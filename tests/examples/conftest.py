@@ -32,7 +32,7 @@ def traced_rollout(tmp_path) -> Callable[..., tuple[float, list[SpanRecord], Fak
 
     def run(agent_fn, task: dict, script: list) -> tuple[float, list[SpanRecord], FakeLLM]:
         with FakeLLM(script=script) as llm, SqliteStore(tmp_path / "store.sqlite") as store, \
-                Collector(store, "tcp://127.0.0.1:0") as collector:
+                Collector(store, "tcp://127.0.0.1:0", open_to_local_users=True) as collector:
             hand_out(store, ROLLOUT_ID, secret=SECRET)  # as the dispatcher does: the collector stores only these
             lit.instrument(endpoint=collector.endpoint, llm_base_urls=[llm.base_url], spool_dir=tmp_path / "spool")
             try:

@@ -287,9 +287,10 @@ def test_lit_worker_runs_a_command_in_several_processes_for_a_real_dispatcher(tm
     pid_file = tmp_path / "hang.pid"
     tasks = [{"kind": "ok", "value": i / 4} for i in range(4)] + [{"kind": "crash"},
                                                                    {"kind": "hang", "pid_file": str(pid_file)}]
-    with SqliteStore(tmp_path / "lit.sqlite") as store, Collector(store, "tcp://127.0.0.1:0") as collector:
+    with SqliteStore(tmp_path / "lit.sqlite") as store, \
+            Collector(store, "tcp://127.0.0.1:0", open_to_local_users=True) as collector:
         dispatcher = Dispatcher(store, "tcp://127.0.0.1:0", collector.endpoint, [LLM.base_url],
-                                DispatchConfig(rollout_timeout_s=8, max_attempts=1))
+                                DispatchConfig(rollout_timeout_s=8, max_attempts=1), open_to_local_users=True)
         env = {**os.environ, "LIT_SPOOL_DIR": str(tmp_path / "spool")}
         worker = start_child([sys.executable, "-m", "lit_sdk.worker", "--connect", dispatcher.endpoint,
                               "--processes", "2", "--concurrency", "3", "--command", command], env=env)

@@ -235,7 +235,7 @@ def test_the_dispatcher_ignores_bad_messages_and_serves_a_good_worker_after_them
     caplog.set_level(logging.WARNING, logger="lit")
     store = SpanlessStore(tmp_path / "lit.sqlite")
     dispatcher = Dispatcher(store, "tcp://127.0.0.1:0", "tcp://127.0.0.1:7373", ["http://127.0.0.1:9/v1"],
-                            DispatchConfig(no_worker_timeout_s=20, rollout_timeout_s=20))
+                            DispatchConfig(no_worker_timeout_s=20, rollout_timeout_s=20), open_to_local_users=True)
     bad = zmq.Context.instance().socket(zmq.DEALER)
     bad.setsockopt(zmq.LINGER, 0)
     bad.connect(dispatcher.endpoint)

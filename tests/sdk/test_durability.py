@@ -116,7 +116,8 @@ def collector(tmp_path):
     from lit_trainer.intake.collector import Collector
     from lit_trainer.intake.store import SqliteStore
 
-    with SqliteStore(tmp_path / "lit.db") as store, Collector(store, "tcp://127.0.0.1:0") as running:
+    with SqliteStore(tmp_path / "lit.db") as store, \
+            Collector(store, "tcp://127.0.0.1:0", open_to_local_users=True) as running:
         hand_out(store, "r1", *(f"r-agent-{i}" for i in range(100)))
         yield running
 

@@ -16,6 +16,7 @@ import pytest
 
 from lit_sdk.protocol import security
 from lit_trainer.config import TrainConfig, from_dict
+from lit_trainer.intake.collector import Collector
 from lit_trainer.intake.store import SqliteStore
 from lit_trainer.rollouts.dispatcher import Dispatcher
 from lit_trainer.run.services import with_keys
@@ -86,3 +87,21 @@ def test_another_local_user_gets_no_keys_and_no_work(tmp_path):
         assert workers == {} and refused.get("no_key", 0) + refused.get("handshake", 0) >= 1, refused
     finally:
         shutil.rmtree(shared)
+
+
+def test_the_python_api_without_keys_is_refused_unless_opened_to_local_users(tmp_path):
+    """#64: ``Collector(...)`` and ``Dispatcher(...)`` built without keys, as a user of the Python API might, let
+    any local user in: the dispatcher handed it tasks, rollout ids with their secrets and vLLM's API key. Now each
+    refuses in one line naming the fix, unless its caller says every local user is trusted (the Playground makes
+    keys as ``lit train`` does)."""
+    with SqliteStore(tmp_path / "lit.db") as store:
+        for make in (lambda **kw: Collector(store, "tcp://127.0.0.1:0", **kw),
+                     lambda **kw: Dispatcher(store, "tcp://127.0.0.1:0", "tcp://127.0.0.1:7373", [], **kw)):
+            with pytest.raises(security.SecurityError) as refused:
+                make()
+            message = str(refused.value)
+            assert "\n" not in message and "any user of this machine" in message, message
+            assert "keys=security.load_server_keys(FOLDER)" in message and "lit keys generate" in message, message
+            assert "open_to_local_users=True" in message, message
+            opened = make(open_to_local_users=True)
+            (opened.stop if isinstance(opened, Collector) else opened.close)()

@@ -192,6 +192,33 @@ def test_a_rollout_without_saved_advantages_or_episode_says_so(tmp_path):
     assert "not trained on" in page and "data-adv" not in page and "data-lp" in page
 
 
+@pytest.mark.parametrize(("status", "attempt", "says"), [
+    (RolloutStatus.TIMED_OUT, 1, "never trained: its attempt ended timed_out"),
+    (RolloutStatus.FAILED, 1, "never trained: its attempt ended failed"),
+    (RolloutStatus.SUCCEEDED, 2, "unusable: the root span's task id or attempt is not the one the trainer handed "
+                                 "out with the rollout (task 't1' attempt 1; handed out: task 't1' attempt 2)"),
+    (RolloutStatus.SUCCEEDED, 1, None),
+], ids=["timed out", "failed", "another attempt", "its own attempt"])
+def test_a_root_the_trainer_refused_to_train_is_shown_as_refused(tmp_path, status, attempt, says):
+    """#64: a root stored for an attempt that had timed out (a slow agent's, or a forged one from a peer holding
+    the attempt's secret) was never trained, yet the page rebuilt its episode and showed its return as the
+    rollout's. Now the page says why the trainer refused it, as it does for a root naming another attempt; the
+    spans stay on the page, every call marked as not trained on."""
+    r = Rollout("s0-t1-g0-a1")
+    root = r.add(sc.ROLLOUT_SPAN, None, 0, **{sc.ROLLOUT_RETURN_REWARD: 1.0})
+    r.call(root, 1, "calc", [1, 2], [3])
+    with SqliteStore(tmp_path / "lit.sqlite") as store:
+        store.add_spans(r.spans)
+        store.add_rollouts([RolloutRow(r.rollout_id, "t1", 0, attempt, status=RolloutStatus.RUNNING)])
+        store.set_rollout_status(r.rollout_id, status, None if status == RolloutStatus.SUCCEEDED else "late")
+        page = viewer.view_rollout(store, r.rollout_id)._repr_html_()
+    if says is None:
+        assert "+1 (not stored by the trainer: rebuilt from the spans for this page)" in page
+    else:
+        assert html.escape(says, quote=True) in page and '<td class="k">return</td>' not in page
+        assert "not trained on: agent not selected" in page and "data-adv" not in page
+
+
 SESSION = "0a1b2c3d"
 """A run's session: rollout ids start with it, then the label of what they ran for (steps.py)."""
 

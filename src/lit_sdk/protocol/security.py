@@ -17,7 +17,8 @@ A client socket (a DEALER that connects) gets ``secure_client``. Both return a `
 handshakes that failed (a peer without keys, with a wrong client key or a wrong server key, or one that did not
 finish its handshake in time) by kind and logs each kind once: a refused peer is data, never a crash. It can also
 pass each connection accepted or lost to a ``watch`` function (ZeroMQ allows one monitor per socket, so the
-collector's connection limit reads the same one). ``check_bind`` refuses a non-loopback endpoint without keys.
+collector's connection limit reads the same one). ``check_bind`` refuses a non-loopback endpoint without keys, and
+``check_keyless`` any endpoint without keys unless the caller opens it to every local user.
 
 Both ends live here, in the wire package that agents and trainer share: the trainer's side (``generate_keys``,
 ``load_server_keys``, ``guard_server``, the ZAP allow-list, ``read_api_key`` for vLLM's key) and the agents' and
@@ -195,6 +196,18 @@ def check_bind(endpoint: str, keys: ServerKeys | None, what: str, setting: str) 
             f"{what} would listen on {endpoint} ({setting}), which other machines can reach, without keys: anyone "
             f"could connect. {HOW_TO_MAKE} and set [security] keys_dir to that folder (lit then uses CURVE keys on "
             "both channels and the folder's api_key for vLLM), or bind to tcp://127.0.0.1"
+        )
+
+
+def check_keyless(keys: ServerKeys | None, open_to_local_users: bool, what: str, exposes: str) -> None:
+    """Refuse a trainer's listener without keys unless its caller said every user of this machine may reach it:
+    loopback is no boundary on a shared host. ``what``: the class (``Collector``); ``exposes``: what any local user
+    then gets. ``lit train`` always has keys (``services.with_keys``)."""
+    if keys is None and not open_to_local_users:
+        raise SecurityError(
+            f"{what}: without keys any user of this machine {exposes}. Pass keys=security.load_server_keys(FOLDER) "
+            f"as lit train does (`lit keys generate FOLDER` makes them; peers then need {KEYS_ENV}=FOLDER), or "
+            "open_to_local_users=True where every local user is trusted"
         )
 
 

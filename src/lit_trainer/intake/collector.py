@@ -19,7 +19,9 @@ What its peers can make it hold in memory, however many they are:
   that peer's connection), so a peer that announces one and stops costs at most that until ``peer_idle_s`` (the
   server's heartbeat) closes it; a frame longer than ``PART_BYTES`` comes in parts.
 - Frames in parts: put together within ``max_partial_bytes`` for all peers at once (``parts.PartAssembler``); a
-  frame that does not fit is answered ``busy`` and the agent sends it again later.
+  frame that does not fit is answered ``busy`` and the agent sends it again later, when room that frees goes to the
+  peers told ``busy`` in the order they were told. A peer holds its room at most until a deadline that counts from
+  its first reservation, however often it re-announces a frame.
 - Connections: at most ``max_peers`` (fewer if the descriptor limit says so), the oldest that has not delivered
   a valid frame closed beyond that (``connections.ConnectionLimit``); one that has not finished its handshake
   within ``handshake_s`` is closed by ZeroMQ.
@@ -96,10 +98,15 @@ class CollectorCounts:
     partial_bytes: int
     """Bytes reserved now by frames coming in parts (at most ``max_partial_bytes``)."""
     busy: int
-    """Frames in parts answered ``busy`` (the agent sends them again later): ``max_partial_bytes`` was taken."""
+    """Frames in parts answered ``busy`` (the agent sends them again later): ``max_partial_bytes`` was taken, or
+    peers told ``busy`` before were still waiting for it."""
+    busy_peers: int
+    """Peers told ``busy``, each counted once until it gets room."""
     partials_dropped: int
-    """Frames in parts given up half-way (no part for ``peer_idle_s``, or the peer started another), their memory
-    freed."""
+    """Frames in parts given up half-way (no part for ``peer_idle_s``, too slow, or the peer started another), their
+    memory freed."""
+    partials_overdue: int
+    """Frames among ``partials_dropped`` whose peer held its room past its deadline (``parts.PartAssembler``)."""
     refused_spans: dict[str, int]
     """Spans of valid frames that the store refused (``intake/admission.py``: ``unknown_rollout``,
     ``wrong_secret``, ``second_root``); their frames were acknowledged."""
@@ -111,7 +118,8 @@ class Collector:
     endpoint: where to bind; ``tcp://127.0.0.1:0`` (or ``:*``) picks a free port, read back from ``.endpoint``.
         Agents find it through their ``LIT_ENDPOINT`` / ``lit.instrument(endpoint=...)``.
     keys: the trainer's CURVE keys (``security.load_server_keys``): only agents holding the client key get in.
-        Without them the collector binds to loopback addresses only (``security.check_bind``).
+        Without them the collector binds to loopback addresses only (``security.check_bind``), and only with
+        ``open_to_local_users=True``: any user of this machine may then send it spans (``security.check_keyless``).
     on_root_span: called in the collector thread with the rollout id of each rollout root span, once, after the
         commit that stored it (so every span the agent sent before its root is readable from the store by then).
     max_frames, max_spans, max_turn_bytes: bounds on one transaction: frames drained per turn, spans in them and
@@ -132,7 +140,10 @@ class Collector:
                  on_root_span: Callable[[str], None] | None = None, *, keys: security.ServerKeys | None = None,
                  max_frames: int = 1024,
                  max_spans: int = 4096, max_turn_bytes: int = 64 * 2**20, max_partial_bytes: int = 64 * 2**20,
-                 max_peers: int = 1024, handshake_s: float = 10.0, peer_idle_s: float = 30.0):
+                 max_peers: int = 1024, handshake_s: float = 10.0, peer_idle_s: float = 30.0,
+                 open_to_local_users: bool = False):
+        security.check_keyless(keys, open_to_local_users, "Collector", "can send it spans and hold its memory for "
+                               "frames in parts")
         if min(max_frames, max_spans, max_turn_bytes, max_peers) <= 0:
             raise ValueError(f"Collector: max_frames, max_spans, max_turn_bytes and max_peers must be positive, got "
                              f"{max_frames}, {max_spans}, {max_turn_bytes}, {max_peers}")
@@ -176,7 +187,8 @@ class Collector:
             parts = self._part_counts
             return CollectorCounts(**self._tally, rejected=dict(self._rejected), refused_peers=refused,
                                    connections=limit.open if limit else 0, evicted=limit.evicted if limit else 0,
-                                   partial_bytes=parts.reserved, busy=parts.busy, partials_dropped=parts.dropped,
+                                   partial_bytes=parts.reserved, busy=parts.busy, busy_peers=parts.busy_peers,
+                                   partials_dropped=parts.dropped, partials_overdue=parts.overdue,
                                    refused_spans=dict(self._refused))
 
     def start(self) -> Collector:
@@ -313,8 +325,19 @@ class Collector:
         return whole
 
     def _count_parts(self) -> None:
+        """Publish the part counts; log the first peer told ``busy`` and the first frame overdue, once each."""
+        counts = self._parts.counts
         with self._lock:
-            self._part_counts = self._parts.counts
+            before, self._part_counts = self._part_counts, counts
+        if counts.busy_peers and not before.busy_peers:
+            log.info("lit: the collector told a peer busy: frames in parts of other peers hold max_partial_bytes "
+                     "(%d bytes); it sends its frame again and gets room in the order peers were told. Later ones "
+                     "are counted in Collector.counts.busy and busy_peers, not logged", self._parts.budget)
+        if counts.overdue and not before.overdue:
+            log.warning("lit: the collector dropped a frame in parts whose peer held its room past its deadline "
+                        "(peer_idle_s plus its length at parts.MIN_BYTES_PER_S, from the peer's first reservation): "
+                        "a peer on a very slow link, or one holding room it does not use. Later ones are counted "
+                        "in Collector.counts.partials_overdue, not logged")
 
     def _accept(self, sock: zmq.Socket, envelope: list[bytes], data: bytes | bytearray, part_ok: bool
                 ) -> protocol.PackedSpansFrame | protocol.PartFrame | None:

@@ -139,6 +139,15 @@ class UnusableRollout:
     detail: str = ""
 
 
+def handed_out(result: Episode | UnusableRollout, task_id: str, attempt: int) -> Episode | UnusableRollout:
+    """``result``, or unusable (``BAD_TASK``) when its root names another task id or attempt than the trainer handed
+    out with the rollout (grouped under the peer's word, it would move another task's baseline)."""
+    if isinstance(result, Episode) and (result.task_id, result.attempt) != (task_id, attempt):
+        return UnusableRollout(result.rollout_id, Unusable.BAD_TASK, f"task {result.task_id!r} attempt "
+                               f"{result.attempt!r}; handed out: task {task_id!r} attempt {attempt}")
+    return result
+
+
 def build_episode(spans: Iterable[SpanRecord], agents: Collection[str] | None = None, vocab_size: int | None = None,
                   context: int | None = None) -> Episode | UnusableRollout:
     """Rebuild one rollout's episode from its spans (any order, duplicates allowed). ``vocab_size``: the model's

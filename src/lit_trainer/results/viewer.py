@@ -31,8 +31,15 @@ from typing import Any
 from lit_sdk import semconv as sc
 from lit_sdk.protocol import STATUS_ERROR, SpanRecord
 from lit_trainer import steps
-from lit_trainer.intake.episodes import Episode, Transition, UnusableRollout, build_episode, merged_spans
-from lit_trainer.intake.rows import RolloutRow, Store
+from lit_trainer.intake.episodes import (
+    Episode,
+    Transition,
+    UnusableRollout,
+    build_episode,
+    handed_out,
+    merged_spans,
+)
+from lit_trainer.intake.rows import RolloutRow, RolloutStatus, Store
 
 Decode = Callable[[object], str | None]
 """A token id → its text, or None where it has none (the page shows the id)."""
@@ -106,7 +113,7 @@ def _view(store: Store, rollout_id: str, decode: Decode | None) -> RolloutView:
         raise ValueError(f"no rollout {rollout_id!r} in the store (`lit show --run RUN_DIR` lists the last "
                          "training step's)")
     stored = store.get_episode(rollout_id)
-    episode = Episode.from_dict(stored.data) if stored is not None else _rebuild_episode(spans)
+    episode = Episode.from_dict(stored.data) if stored is not None else _as_trained(_rebuild_episode(spans), rollout)
     body = render_rollout(rollout_id, spans, rollout, episode, store.advantages_of_rollout(rollout_id), decode,
                           stored=stored is not None, trainer_logprobs=store.trainer_logprobs_of_rollout(rollout_id),
                           superseded_from=store.superseded([rollout_id]).get(rollout_id))
@@ -120,6 +127,20 @@ def _rebuild_episode(spans: Sequence[SpanRecord]) -> Episode | UnusableRollout |
         return build_episode(spans)
     except (TypeError, ValueError, OverflowError) as e:
         return f"the spans make no episode: {type(e).__name__}: {e}"
+
+
+def _as_trained(episode: Episode | UnusableRollout | str, rollout: RolloutRow | None
+                ) -> Episode | UnusableRollout | str:
+    """The rebuilt ``episode``, or why the trainer refused to train it: its attempt ended without succeeding (a root
+    may still have come after it ended, from a slow agent or a peer holding its secret, and been stored), or its
+    root names another task or attempt than the one handed out (``episodes.handed_out``)."""
+    if rollout is None or isinstance(episode, str):
+        return episode
+    if rollout.status in (RolloutStatus.FAILED, RolloutStatus.TIMED_OUT):
+        return (f"never trained: its attempt ended {rollout.status.value} (only attempts that succeeded are "
+                "trained); the spans below are shown as stored, and a root among them, which may have come after "
+                "the attempt ended, decides nothing")
+    return handed_out(episode, rollout.task_id, rollout.attempt)
 
 
 def _decoder(tokenizer: Any) -> Decode | None:

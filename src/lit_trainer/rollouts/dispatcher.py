@@ -118,13 +118,16 @@ class DispatchConfig:
 class Dispatcher:
     def __init__(self, store: Store, endpoint: str, spans_endpoint: str, llm_base_urls: Sequence[str],
                  config: DispatchConfig | None = None, keys: security.ServerKeys | None = None,
-                 gateway: Gateway | None = None):
+                 gateway: Gateway | None = None, open_to_local_users: bool = False):
         """``keys``: the trainer's CURVE keys (``security.load_server_keys``): only workers holding the client key
         get in, the others are refused at the handshake and counted (``refused_peers``). Without them the
-        dispatcher binds to loopback addresses only. Binding claims its share of the process's descriptors
-        (``ConnectionLimit.claim``), so a collector started first keeps its own. ``gateway``: lit's gateway in
-        front of the servers; each attempt's agent then calls the model through its own URL there
+        dispatcher binds to loopback addresses only, and only with ``open_to_local_users=True``: any user of this
+        machine may then take its rollouts (``security.check_keyless``). Binding claims its share of the process's
+        descriptors (``ConnectionLimit.claim``), so a collector started first keeps its own. ``gateway``: lit's
+        gateway in front of the servers; each attempt's agent then calls the model through its own URL there
         (``Gateway.rollout_url``), where its calls are recorded."""
+        security.check_keyless(keys, open_to_local_users, "Dispatcher", "who says hello gets tasks, rollout ids, "
+                               "their secrets and vLLM's API key")
         self.store = store
         self.config = config or DispatchConfig()
         self.spans_endpoint = spans_endpoint

@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 import logging
 
-from lit_trainer.intake.episodes import Episode, Unusable, UnusableRollout, build_episode
+from lit_trainer.intake.episodes import Episode, UnusableRollout, build_episode, handed_out
 from lit_trainer.intake.rows import RolloutStatus, Store
 from lit_trainer.rollouts.attempts import Outcome
 
@@ -35,8 +35,8 @@ def gather_episodes(store: Store, outcomes: list[Outcome], agents: tuple[str, ..
             unusable["incomplete"] += 1
             why.setdefault("incomplete", f"its spans were not all stored (the first: rollout {outcome.rollout_id})")
             continue
-        result = _handed_out(build_episode(store.spans_of_rollout(outcome.rollout_id), agents or None, vocab_size,
-                                           context), outcome)
+        result = handed_out(build_episode(store.spans_of_rollout(outcome.rollout_id), agents or None, vocab_size,
+                                          context), outcome.request.task_id, outcome.attempts)
         if isinstance(result, UnusableRollout):
             if not any(k.startswith("bad_") for k in unusable) and result.reason.name.startswith("BAD_"):
                 log.warning("lit: rollout %s is not trained on (rollouts/unusable_%s): %s: %s. Later ones are "
@@ -67,16 +67,6 @@ def gather_episodes(store: Store, outcomes: list[Outcome], agents: tuple[str, ..
     for key, value in per_kind(outcomes, returns_of, success).items():
         metrics.setdefault(key, value)  # a kind named "mean" does not replace reward/mean
     return episodes, metrics, why
-
-
-def _handed_out(result: Episode | UnusableRollout, outcome: Outcome) -> Episode | UnusableRollout:
-    """``result``, or unusable (``BAD_TASK``) when its task id or attempt is not the outcome's."""
-    if isinstance(result, Episode) and (result.task_id, result.attempt) != (outcome.request.task_id,
-                                                                            outcome.attempts):
-        return UnusableRollout(result.rollout_id, Unusable.BAD_TASK,
-                               f"task {result.task_id!r} attempt {result.attempt!r}; handed out: task "
-                               f"{outcome.request.task_id!r} attempt {outcome.attempts}")
-    return result
 
 
 def per_kind(outcomes: list[Outcome], returns_of: dict[str, float], success: float) -> dict[str, float]:

@@ -58,7 +58,7 @@ def test_a_forged_root_cannot_change_the_reward(tmp_path, forger_first):
     """#27's hole: one extra root for the same rollout id, with an earlier start and return_reward 1.0, turned the
     episode's return from 0.0 to 1.0; the earliest root won."""
     with SqliteStore(tmp_path / "lit.db") as store, FakeLLM() as llm, \
-            Collector(store, "tcp://127.0.0.1:0") as collector:
+            Collector(store, "tcp://127.0.0.1:0", open_to_local_users=True) as collector:
         hand_out(store, "r-target", secret=SECRET)
         forger = Client(collector.endpoint)
         try:
@@ -88,7 +88,7 @@ def test_a_forged_root_cannot_change_the_reward(tmp_path, forger_first):
 def test_a_forged_call_under_a_made_up_parent_is_stored_but_never_trained_on(tmp_path):
     """#27's hole: an orphan lit.llm span with a made-up parent became a trained transition of another rollout."""
     with SqliteStore(tmp_path / "lit.db") as store, FakeLLM() as llm, \
-            Collector(store, "tcp://127.0.0.1:0") as collector:
+            Collector(store, "tcp://127.0.0.1:0", open_to_local_users=True) as collector:
         hand_out(store, "r-target", secret=SECRET)
         honest_rollout(collector, llm, tmp_path, "r-target", SECRET)
         forger = Client(collector.endpoint)
@@ -113,7 +113,7 @@ def test_a_flood_of_spans_under_a_rollout_id_is_capped_and_its_root_still_lands(
     secret, lands even then."""
     monkeypatch.setattr(admission, "MAX_ROLLOUT_SPANS", 4)
     with SqliteStore(tmp_path / "lit.db") as store, FakeLLM() as llm, \
-            Collector(store, "tcp://127.0.0.1:0") as collector:
+            Collector(store, "tcp://127.0.0.1:0", open_to_local_users=True) as collector:
         hand_out(store, "r-target", secret=SECRET)
         forger = Client(collector.endpoint)
         try:

@@ -77,7 +77,7 @@ def store(tmp_path):
 
 @pytest.fixture
 def collector(store):
-    with Collector(store, "tcp://127.0.0.1:0") as c:
+    with Collector(store, "tcp://127.0.0.1:0", open_to_local_users=True) as c:
         yield c
 
 
@@ -93,7 +93,7 @@ def start_on(store: SqliteStore, endpoint: str, **kw) -> Collector:
     deadline = time.monotonic() + WAIT_S
     while True:
         try:
-            return Collector(store, endpoint, **kw).start()
+            return Collector(store, endpoint, **kw, open_to_local_users=True).start()
         except CollectorError:
             if time.monotonic() > deadline:
                 raise
@@ -113,7 +113,7 @@ def test_ack_after_commit_with_counts_and_a_random_port(collector, client, store
 def test_duplicates_across_frames_and_a_collector_restart(store):
     seen: list[str] = []
     root = span(9, rollout="r7", parent=None, name=sc.ROLLOUT_SPAN)
-    first = Collector(store, "tcp://127.0.0.1:0", on_root_span=seen.append).start()
+    first = Collector(store, "tcp://127.0.0.1:0", on_root_span=seen.append, open_to_local_users=True).start()
     endpoint = first.endpoint
     client = Client(endpoint)
     try:
@@ -140,7 +140,7 @@ def test_on_root_span_runs_after_the_commit(store):
     def on_root(rollout_id: str) -> None:
         found.append([s.name for s in store.spans_of_rollout(rollout_id)])
 
-    with Collector(store, "tcp://127.0.0.1:0", on_root_span=on_root) as collector:
+    with Collector(store, "tcp://127.0.0.1:0", on_root_span=on_root, open_to_local_users=True) as collector:
         client = Client(collector.endpoint)
         root = span(5, rollout="rA", parent=None, name=sc.ROLLOUT_SPAN)
         client.send(spans_frame("b1", [span(1, rollout="rA", name=sc.LLM_SPAN), root]))
@@ -183,7 +183,7 @@ def test_a_thousand_garbage_frames_leave_the_collector_running_and_the_data_inta
     kinds = ["decode", "shape", "version", "type", "span", "too_large"]
     expected: dict[str, int] = {}
     nacks, sent_good = 0, []
-    with Collector(store, "tcp://127.0.0.1:0") as collector:
+    with Collector(store, "tcp://127.0.0.1:0", open_to_local_users=True) as collector:
         client = Client(collector.endpoint)
         for i in range(1000):
             kind = kinds[i % len(kinds)] if i < 600 else rng.choice(kinds)
@@ -244,7 +244,7 @@ def test_rejections_are_logged_once_per_kind(collector, client, caplog):
 
 def test_a_busy_port_names_the_endpoint_and_the_setting(collector, store):
     with pytest.raises(CollectorError) as info:
-        Collector(store, collector.endpoint).start()
+        Collector(store, collector.endpoint, open_to_local_users=True).start()
     message = str(info.value)
     assert collector.endpoint in message and "already in use" in message and "Collector(endpoint=...)" in message
     assert "[collector] endpoint in a lit train config" in message
@@ -253,7 +253,7 @@ def test_a_busy_port_names_the_endpoint_and_the_setting(collector, store):
 
 def test_an_error_in_the_thread_is_raised_in_the_caller(tmp_path):
     broken = SqliteStore(tmp_path / "broken.db")
-    collector = Collector(broken, "tcp://127.0.0.1:0").start()
+    collector = Collector(broken, "tcp://127.0.0.1:0", open_to_local_users=True).start()
     broken.close()
     client = Client(collector.endpoint)
     try:
@@ -274,7 +274,7 @@ def test_an_error_in_on_root_span_is_raised_by_stop(store):
     def on_root(rollout_id: str) -> None:
         raise RuntimeError(f"callback failed for {rollout_id}")
 
-    collector = Collector(store, "tcp://127.0.0.1:0", on_root_span=on_root).start()
+    collector = Collector(store, "tcp://127.0.0.1:0", on_root_span=on_root, open_to_local_users=True).start()
     client = Client(collector.endpoint)
     client.send(spans_frame("b1", [span(1, rollout="rZ", parent=None, name=sc.ROLLOUT_SPAN)]))
     assert client.replies(1) == [protocol.AckFrame("b1", 1, 0)]  # stored and acknowledged before the callback
@@ -309,7 +309,8 @@ def test_end_to_end_from_a_real_instrumented_agent(store, tmp_path):
         roots.append(rollout_id)
         finished.set()
 
-    with FakeLLM() as llm, Collector(store, "tcp://127.0.0.1:0", on_root_span=on_root) as collector:
+    with FakeLLM() as llm, \
+            Collector(store, "tcp://127.0.0.1:0", on_root_span=on_root, open_to_local_users=True) as collector:
         # The plain openai client is patched by lit itself; no framework instrumentor is needed.
         lit.instrument(endpoint=collector.endpoint, llm_base_urls=[llm.base_url], spool_dir=tmp_path / "spool",
                        frameworks=[])

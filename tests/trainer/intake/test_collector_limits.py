@@ -19,6 +19,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import psutil
@@ -83,7 +84,8 @@ _CHILD = textwrap.dedent("""
     db, keys_dir, handshake_s = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     keys = security.load_server_keys(keys_dir) if keys_dir else None
     options = {"handshake_s": handshake_s} if handshake_s else {}
-    with SqliteStore(db) as store, Collector(store, "tcp://127.0.0.1:0", keys=keys, **options) as collector:
+    with SqliteStore(db) as store, \
+            Collector(store, "tcp://127.0.0.1:0", keys=keys, open_to_local_users=keys is None, **options) as collector:
         print(collector.endpoint, flush=True)
         for line in sys.stdin:
             if line.strip() != "counts":
@@ -224,7 +226,7 @@ def test_a_frame_left_half_way_is_dropped_and_an_agents_large_frame_waits_its_tu
     frame is dropped (counted) and its reservation freed. Meanwhile an agent's frame in parts that does not fit is
     answered ``busy``, and the SDK sends it again until it goes in: nothing lost."""
     with Collector(store, "tcp://127.0.0.1:0", max_partial_bytes=protocol.MAX_FRAME_BYTES,
-                   peer_idle_s=1.5) as collector:
+                   peer_idle_s=1.5, open_to_local_users=True) as collector:
         idle = dealer(collector.endpoint)
         idle.send(first_part("idle", protocol.MAX_FRAME_BYTES))
         wait_until(lambda: collector.counts.partial_bytes == protocol.MAX_FRAME_BYTES, "the idle frame reserved")
@@ -245,6 +247,83 @@ def test_a_frame_left_half_way_is_dropped_and_an_agents_large_frame_waits_its_tu
     assert counts.busy >= 1 and counts.partials_dropped == 1 and counts.partial_bytes == 0, counts
 
 
+HOARD_BYTES = 320 * 2**10
+"""The frame each hoarding peer announces: 51 of them hold all but 64 KiB of a 16 MiB budget."""
+HOARDERS = protocol.MAX_FRAME_BYTES // HOARD_BYTES
+HOARD_IDLE_S = 3.0
+"""The collector's ``peer_idle_s`` in the hoarding test; a hoarder's frame has this plus its length at
+``parts.MIN_BYTES_PER_S`` (5 s) from its peer's first reservation."""
+
+
+def part(batch: str, total: int, offset: int = 0) -> bytes:
+    """One byte of a frame ``total`` bytes long, at ``offset``."""
+    return codec.packb({"v": protocol.VERSION, "t": protocol.PART, "batch": batch, "total": total, "offset": offset,
+                        "data": b"\0"})
+
+
+def hoard(endpoint: str, variant: str, stop: threading.Event) -> None:
+    """Hoarding peers, every 0.2 s until ``stop``: ``HOARDERS`` re-announce their frame (``re-announce``), alternate
+    two frames (``alternating batches``), re-announce while new connections announce frames of their own
+    (``new connections``), or trickle a byte each while new connections announce (``trickle, new connections``)."""
+    peers = [(dealer(endpoint), f"h{i}") for i in range(HOARDERS)]
+    sent = 0
+    try:
+        while not stop.wait(0.2):
+            sent += 1
+            for sock, batch in peers[:HOARDERS]:
+                if variant.startswith("trickle"):
+                    sock.send(part(batch, HOARD_BYTES, sent - 1))
+                else:
+                    sock.send(part(f"{batch}-{sent % 2}" if variant == "alternating batches" else batch, HOARD_BYTES))
+            for sock, batch in peers[HOARDERS:]:
+                sock.send(part(batch, HOARD_BYTES))
+            if "new connections" in variant:
+                peers += [(dealer(endpoint), f"n{sent}-{k}") for k in range(4)]
+    finally:
+        for sock, _ in peers:
+            sock.close()
+
+
+@pytest.mark.parametrize("variant", ["re-announce", "alternating batches", "new connections",
+                                     "trickle, new connections"])
+def test_peers_that_hoard_the_budget_for_frames_in_parts_keep_an_agent_out_for_one_deadline_at_most(
+        store, tmp_path, variant):
+    """Hole: a first part reserved its frame with a fresh deadline, so peers re-announcing first parts held the
+    budget for good and an agent's large frame was told busy until they stopped; and whoever asked first took the
+    room that freed. Now a peer's deadline counts from its first reservation, and the agent told busy first gets
+    the room before newcomers and re-announcers: its large frame is stored within the hoarders' deadline (and the
+    time it takes to ask again)."""
+    deadline_s = HOARD_IDLE_S + HOARD_BYTES / parts.MIN_BYTES_PER_S
+    large = span(1, rollout=None)
+    large.attributes = {"text": "x" * (480 * 2**10)}  # 2 parts: more than the 64 KiB the hoarders leave
+    stop = threading.Event()
+    with Collector(store, "tcp://127.0.0.1:0", max_partial_bytes=protocol.MAX_FRAME_BYTES,
+                   peer_idle_s=HOARD_IDLE_S, open_to_local_users=True) as collector:
+        hoarders = threading.Thread(target=hoard, args=(collector.endpoint, variant, stop))
+        hoarders.start()
+        try:
+            wait_until(lambda: collector.counts.partial_bytes == HOARDERS * HOARD_BYTES, "the budget hoarded")
+            # asks again within 2 s (8 times ack_timeout_s), as the SDK does within seconds
+            sender = SpanSender(collector.endpoint, spool_dir=tmp_path / "spool", linger_s=0.01, ack_timeout_s=0.25)
+            try:
+                t0 = time.monotonic()
+                sender.submit(large.to_wire())
+                delivered = sender.flush(timeout=deadline_s + 5)
+                took = time.monotonic() - t0
+            finally:
+                sender.shutdown(timeout=1)
+        finally:
+            stop.set()
+            hoarders.join()
+        counts = collector.counts
+    assert delivered.acknowledged == 1, f"{variant}: the agent's frame was not stored in {took:.1f} s: {counts}"
+    with sqlite3.connect(store.path) as conn:
+        (attributes,) = conn.execute("SELECT attributes FROM spans").fetchone()
+    assert codec.unpackb(attributes) == large.attributes
+    assert counts.busy >= 1 and counts.busy_peers >= 1, counts
+    print(f"{variant}: stored after {took:.1f} s (deadline {deadline_s:.0f} s); {counts}")
+
+
 def test_parts_are_put_together_in_order_one_frame_per_peer():
     frame = os.urandom(protocol.PART_BYTES * 2 + 10)
     parts = [protocol.decode_frame(m) for m in protocol.encode_parts("b", frame)]
@@ -258,7 +337,8 @@ def test_parts_are_put_together_in_order_one_frame_per_peer():
     assert assembler.counts.reserved == len(frame) + other[0].total
     assert assembler.add(b"r", protocol.PartFrame("d", protocol.MAX_FRAME_BYTES, 0, b"x"), 2.0) is BUSY
     assert assembler.expire(12.5) == 2 and assembler.counts.reserved == 0
-    assert assembler.counts == type(assembler.counts)(reserved=0, assembled=1, busy=1, dropped=3)
+    assert assembler.counts == type(assembler.counts)(reserved=0, assembled=1, busy=1, dropped=3, busy_peers=1,
+                                                      overdue=0)
 
 
 def test_a_frame_that_trickles_in_is_dropped_at_its_deadline():
@@ -282,6 +362,43 @@ def test_a_frame_that_trickles_in_is_dropped_at_its_deadline():
         assembler.expire(now + i * gap)
         results.append(assembler.add(b"p", piece, now + i * gap))
     assert results[-1] == whole
+
+
+def test_a_peer_that_re_announces_keeps_its_deadline_and_peers_told_busy_get_room_first():
+    """Hole: a first part dropped the peer's unfinished frame and reserved the new one with a fresh deadline, so a
+    peer re-announcing one every few seconds held its room for good; and freed room went to whoever asked first.
+    Now the deadline counts from the peer's first reservation, and room goes to the peers told ``busy`` in the order
+    they were told, before newcomers and re-announcers."""
+    mib = 2**20
+
+    def first(peer: bytes, batch: str, total: int, now: float) -> object:
+        return assembler.add(peer, protocol.PartFrame(batch, total, 0, b"x"), now)
+
+    assembler = PartAssembler(budget=protocol.MAX_FRAME_BYTES, idle_s=10)  # 16 MiB
+    # a reserves 1 MiB at 0: its deadline is 0 + 10 + 1 MiB / 64 KiB/s = 26, whatever it re-announces meanwhile
+    for now in (0.0, 9.0, 18.0, 25.0):
+        assert first(b"a", f"a{now}", mib, now) is None and assembler.expire(now) == 0
+    assert assembler.expire(25.9) == 0  # (the old code's deadline was 25 + 26 = 51)
+    assert assembler.expire(26.1) == 1 and assembler.counts.overdue == 1 and assembler.counts.reserved == 0
+    for now in (27.0, 36.0, 45.0):  # it held nothing: a new clock from 27, until 27 + 26 = 53
+        assert first(b"a", f"a{now}", mib, now) is None
+    assert assembler.expire(52.9) == 0 and assembler.expire(53.1) == 1
+
+    assembler = PartAssembler(budget=protocol.MAX_FRAME_BYTES, idle_s=10)
+    assert first(b"a", "a1", 12 * mib, 0.0) is None
+    assert first(b"h", "h1", 8 * mib, 1.0) is BUSY  # 12 + 8 > 16: the honest agent waits, first
+    assert first(b"n", "n1", mib, 2.0) is BUSY  # 12 + 1 fits, but h was told busy before this newcomer
+    assert first(b"a", "a2", 12 * mib, 3.0) is BUSY  # a re-announces: its frame is dropped, and it waits behind n
+    assert first(b"n", "n1", mib, 4.0) is BUSY  # nothing held now, but h is still first
+    assert first(b"h", "h1", 8 * mib, 5.0) is None
+    assert first(b"a", "a2", 12 * mib, 6.0) is BUSY  # n is before it
+    assert first(b"n", "n1", mib, 7.0) is None
+    assert first(b"a", "a2", 12 * mib, 8.0) is BUSY  # first now, but 8 + 1 + 12 > 16
+    counts = assembler.counts
+    assert (counts.reserved, counts.busy, counts.busy_peers) == (9 * mib, 6, 3), counts
+    assert first(b"m", "m1", mib, 9.0) is BUSY  # behind a, which waits for room
+    assembler.expire(18.5)  # a asked last at 8, m at 9: a loses its place, m keeps its own
+    assert first(b"m", "m1", mib, 18.6) is None and counts.busy_peers + 1 == assembler.counts.busy_peers
 
 
 # -- connections -------------------------------------------------------------------------------------------------
@@ -356,7 +473,7 @@ def test_idle_connections_are_closed_after_the_handshake_timeout(store):
     """Raw connections that never finish the handshake are closed after ``handshake_s`` (counted as refused
     ``handshake``), and one that finished it and stopped half-way through a message is closed after
     ``peer_idle_s`` (ZeroMQ's heartbeat), which frees what ZeroMQ held of its message."""
-    with Collector(store, "tcp://127.0.0.1:0", handshake_s=1.0, peer_idle_s=2.0) as collector:
+    with Collector(store, "tcp://127.0.0.1:0", handshake_s=1.0, peer_idle_s=2.0, open_to_local_users=True) as collector:
         # Fewer than the listener's backlog (ZeroMQ's default 100): under load, connections past it wait for a
         # SYN retry (1, 3, 7, 15, 31 s) and were still connecting when the 30 s below ran out (seen once).
         idle = flood(collector.endpoint, IDLE_PEERS)

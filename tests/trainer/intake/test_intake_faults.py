@@ -40,7 +40,7 @@ def store(tmp_path):
 
 @pytest.fixture
 def collector(store):
-    with Collector(store, "tcp://127.0.0.1:0") as c:
+    with Collector(store, "tcp://127.0.0.1:0", open_to_local_users=True) as c:
         yield c
 
 
@@ -90,7 +90,7 @@ def test_a_full_disk_stops_the_collector_loudly_and_loses_nothing(tmp_path):
     store = FullStore(tmp_path / "lit.db")
     hand_out(store, "r")
     store.pages = store._conn().execute("PRAGMA page_count").fetchone()[0] + 2  # room for a few small frames
-    collector = Collector(store, "tcp://127.0.0.1:0").start()
+    collector = Collector(store, "tcp://127.0.0.1:0", open_to_local_users=True).start()
     client = Client(collector.endpoint)
     acks = 0
     try:
@@ -160,7 +160,7 @@ def test_a_turn_holds_a_bounded_number_of_bytes(store):
         return original(batches, admit)
 
     store.add_packed_span_batches = record
-    with Collector(store, "tcp://127.0.0.1:0", max_turn_bytes=50_000) as collector:
+    with Collector(store, "tcp://127.0.0.1:0", max_turn_bytes=50_000, open_to_local_users=True) as collector:
         client = Client(collector.endpoint)
         try:
             frames = [spans_frame(f"b{i}", [protocol.SpanRecord(
@@ -270,7 +270,7 @@ def test_ten_thousand_fuzzed_frames(collector_for_fuzz, frames):
 @pytest.fixture(scope="module")
 def collector_for_fuzz(tmp_path_factory):
     with SqliteStore(tmp_path_factory.mktemp("fuzz") / "lit.db") as store, \
-            Collector(store, "tcp://127.0.0.1:0") as collector:
+            Collector(store, "tcp://127.0.0.1:0", open_to_local_users=True) as collector:
         client = Client(collector.endpoint)
         tally = {"sent": 0, "fuzzed": 0, "latency": 0.0, "rss0": psutil.Process(os.getpid()).memory_info().rss}
         yield collector, client, tally
@@ -327,7 +327,7 @@ send = zmq.Socket.send_multipart
 def die_instead_of_acking(sock, parts, *args, **kwargs):
     os.kill(os.getpid(), signal.SIGKILL)  # after the commit, before the ack: the worst moment
 zmq.Socket.send_multipart = die_instead_of_acking
-collector = Collector(SqliteStore(sys.argv[1]), sys.argv[2]).start()
+collector = Collector(SqliteStore(sys.argv[1]), sys.argv[2], open_to_local_users=True).start()
 print("ready", flush=True)
 time.sleep(60)
 """
@@ -361,7 +361,7 @@ def test_a_collector_killed_between_commit_and_ack_stores_each_span_once(tmp_pat
             with sqlite3.connect(db) as conn:
                 committed = conn.execute("SELECT count(*) FROM spans").fetchone()[0]
             assert committed > 0, "the first batch was committed before the kill"
-            with Collector(store, endpoint) as collector:
+            with Collector(store, endpoint, open_to_local_users=True) as collector:
                 counts = sender.flush(WAIT_S * 3)
                 assert (counts.acknowledged, counts.pending, counts.dropped, counts.rejected) == (300, 0, 0, 0)
                 assert collector.counts.duplicates == counts.duplicates >= committed
@@ -416,4 +416,4 @@ def test_a_collector_on_another_address_needs_keys(store):
     from lit_sdk.protocol import security
 
     with pytest.raises(security.SecurityError, match="lit keys generate"):
-        Collector(store, "tcp://0.0.0.0:0").start()
+        Collector(store, "tcp://0.0.0.0:0", open_to_local_users=True).start()

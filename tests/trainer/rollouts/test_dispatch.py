@@ -38,10 +38,10 @@ def rig(tmp_path):
 
     def start(target: str, workers: int = 1, concurrency: int = 4, gateway: bool = False, **config):
         store = SqliteStore(tmp_path / "lit.sqlite")
-        collector = Collector(store, "tcp://127.0.0.1:0").start()
+        collector = Collector(store, "tcp://127.0.0.1:0", open_to_local_users=True).start()
         gateway = Gateway(store, [NO_LLM.base_url]).start() if gateway else None
         dispatcher = Dispatcher(store, "tcp://127.0.0.1:0", collector.endpoint, [NO_LLM.base_url],
-                                DispatchConfig(**config), gateway=gateway)
+                                DispatchConfig(**config), gateway=gateway, open_to_local_users=True)
         env = {**os.environ, "PYTHONPATH": str(TESTS), "LIT_SPOOL_DIR": str(tmp_path / "spool")}
         procs = [spawn(f"rollout_agents:{target}", dispatcher.endpoint, concurrency, env) for _ in range(workers)]
         made.append((store, collector, dispatcher, procs, gateway))
@@ -259,7 +259,8 @@ def test_no_worker_is_a_clear_error(rig):
 def test_a_busy_dispatch_port_is_a_clear_error(rig, tmp_path):
     _, dispatcher, _ = rig("returns_task_value", workers=0)
     with pytest.raises(DispatchError, match="cannot listen for workers") as raised:
-        Dispatcher(SqliteStore(tmp_path / "other.sqlite"), dispatcher.endpoint, "tcp://127.0.0.1:1", [])
+        Dispatcher(SqliteStore(tmp_path / "other.sqlite"), dispatcher.endpoint, "tcp://127.0.0.1:1", [],
+                   open_to_local_users=True)
     assert "set [dispatch_endpoint] endpoint to a free port" in str(raised.value)  # the key a config has
 
 

@@ -142,7 +142,7 @@ def make_dispatcher(tmp_path):
     def make(store_class: type[SqliteStore] = SpanlessStore, **config: Any) -> Dispatcher:
         store = store_class(tmp_path / f"lit{len(made)}.sqlite")
         dispatcher = Dispatcher(store, "tcp://127.0.0.1:0", "tcp://127.0.0.1:7373", [NO_LLM.base_url],
-                                DispatchConfig(**{"no_worker_timeout_s": 20, **config}))
+                                DispatchConfig(**{"no_worker_timeout_s": 20, **config}), open_to_local_users=True)
         made.append((dispatcher, store))
         return dispatcher
 

@@ -52,9 +52,11 @@ _CHILD = textwrap.dedent("""
     db, keys_dir, config = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     keys = security.load_server_keys(keys_dir) if keys_dir else None
     llm = LLM("http://127.0.0.1:9/v1", "none")
-    with SqliteStore(db) as store, Collector(store, "tcp://127.0.0.1:0", keys=keys, max_peers=64) as collector, \\
+    local = keys is None  # the test without keys
+    with SqliteStore(db) as store, \\
+            Collector(store, "tcp://127.0.0.1:0", keys=keys, max_peers=64, open_to_local_users=local) as collector, \\
             Dispatcher(store, "tcp://127.0.0.1:0", collector.endpoint, [llm.base_url], DispatchConfig(**config),
-                       keys=keys) as dispatcher:
+                       keys=keys, open_to_local_users=local) as dispatcher:
         print(dispatcher.endpoint, flush=True)
         for line in sys.stdin:
             command = line.split()
@@ -207,13 +209,15 @@ _SHARE = textwrap.dedent("""
     from lit_trainer.intake.store import SqliteStore
     from lit_trainer.rollouts.dispatcher import DispatchConfig, Dispatcher
     with SqliteStore(sys.argv[1]) as store:
-        collector = Collector(store, "tcp://127.0.0.1:0", max_peers=1024).start()
+        collector = Collector(store, "tcp://127.0.0.1:0", max_peers=1024, open_to_local_users=True).start()
         fds = len(os.listdir("/proc/self/fd"))
-        first = Dispatcher(store, "tcp://127.0.0.1:0", collector.endpoint, [], DispatchConfig(max_peers=2000))
+        first = Dispatcher(store, "tcp://127.0.0.1:0", collector.endpoint, [], DispatchConfig(max_peers=2000),
+                           open_to_local_users=True)
         caps = {"collector": collector._limit.cap, "beside": first._limit.cap, "fds": fds}
         first.close()
         collector.stop()
-        alone = Dispatcher(store, "tcp://127.0.0.1:0", collector.endpoint, [], DispatchConfig(max_peers=2000))
+        alone = Dispatcher(store, "tcp://127.0.0.1:0", collector.endpoint, [], DispatchConfig(max_peers=2000),
+                           open_to_local_users=True)
         caps["alone"] = alone._limit.cap
         alone.close()
         print(json.dumps(caps))

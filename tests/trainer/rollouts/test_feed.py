@@ -136,9 +136,9 @@ def real_runner(tmp_path: Path, function: str, session: str):
     agent = AgentConfig(function=function)
     with contextlib.ExitStack() as stack:
         store = stack.enter_context(SqliteStore(tmp_path / "store.sqlite"))
-        collector = stack.enter_context(Collector(store, "tcp://127.0.0.1:0"))
+        collector = stack.enter_context(Collector(store, "tcp://127.0.0.1:0", open_to_local_users=True))
         dispatcher = Dispatcher(store, "tcp://127.0.0.1:0", collector.endpoint,
-                                [s.openai_url for s in UnusedFleet.servers])
+                                [s.openai_url for s in UnusedFleet.servers], open_to_local_users=True)
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]), "LIT_SPOOL_DIR": str(tmp_path / "spool")}
         workers = [spawn(agent.function, dispatcher.endpoint, 8, env)]
         stack.callback(stop_workers, dispatcher, workers)

@@ -305,9 +305,10 @@ def test_peers_without_the_keys_are_refused_and_store_nothing(network, tmp_path)
     with SqliteStore(tmp_path / "lit.sqlite") as store:
         if not loopback:  # without keys the trainer does not even listen where other hosts reach it
             with pytest.raises(security.SecurityError, match="lit keys generate"):
-                Collector(store, f"tcp://{network.trainer_host}:0").start()
+                Collector(store, f"tcp://{network.trainer_host}:0", open_to_local_users=True).start()
             with pytest.raises(security.SecurityError, match="lit keys generate"):
-                Dispatcher(store, f"tcp://{network.trainer_host}:0", "tcp://127.0.0.1:7373", [NO_LLM.base_url])
+                Dispatcher(store, f"tcp://{network.trainer_host}:0", "tcp://127.0.0.1:7373", [NO_LLM.base_url],
+                           open_to_local_users=True)
         with trainer(store, network.trainer_host, security.load_server_keys(trainer_keys)) as (collector, dispatcher):
             workers = {name: start_worker(network, dispatcher.endpoint, keys, tmp_path / f"{name}.log")
                        for name, keys in (("wrong-client", wrong_client), ("wrong-trainer", wrong_trainer),
