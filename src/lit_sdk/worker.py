@@ -104,7 +104,7 @@ def check_endpoint(endpoint: str) -> None:
     why = "not an http:// URL" if parts.scheme in ("http", "https") else "with its host and port"
     raise ValueError(f"--connect {endpoint!r} is not the trainer's dispatch endpoint: give it as tcp://HOST:PORT "
                      "(lit train prints it at start: 'lit: workers connect to tcp://...'; the port is that of "
-                     f"[dispatch_endpoint] endpoint), {why}")
+                     f"dispatch_endpoint.endpoint), {why}")
 
 
 def reachable(address: str, trainer_host: str) -> str:

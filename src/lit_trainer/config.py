@@ -149,11 +149,11 @@ class TrainConfig:
                              "recomputed logprobs) towards vLLM's: set update.recompute_old_logprobs = true, or "
                              "loss.is_correction = 'none'")
         if self.collector.endpoint == self.dispatch_endpoint.endpoint and not self.collector.endpoint.endswith(":0"):
-            raise ValueError(f"[collector] endpoint and [dispatch_endpoint] endpoint are both "
+            raise ValueError(f"collector.endpoint and dispatch_endpoint.endpoint are both "
                              f"{self.collector.endpoint}: give each an address of its own (port 0 picks a free one)")
         for what, setting, endpoint in (
-            ("the collector", "[collector] endpoint", self.collector.endpoint),
-            ("the dispatcher", "[dispatch_endpoint] endpoint", self.dispatch_endpoint.endpoint),
+            ("the collector", "collector.endpoint", self.collector.endpoint),
+            ("the dispatcher", "dispatch_endpoint.endpoint", self.dispatch_endpoint.endpoint),
         ):
             try:
                 is_local_endpoint(endpoint)

@@ -213,9 +213,9 @@ def test_the_monitor_thread_ends_with_its_socket(ctx: zmq.Context, keys_dir: Pat
 def test_a_non_loopback_bind_without_keys_is_refused_with_the_fix(endpoint: str, keys_dir: Path):
     assert not is_local_endpoint(endpoint)
     with pytest.raises(SecurityError, match=r"lit keys generate .*\[security\] keys_dir") as raised:
-        check_bind(endpoint, None, "the collector", "[collector] endpoint")
-    assert endpoint in str(raised.value) and "[collector] endpoint" in str(raised.value)
-    check_bind(endpoint, load_server_keys(keys_dir), "the collector", "[collector] endpoint")
+        check_bind(endpoint, None, "the collector", "collector.endpoint")
+    assert endpoint in str(raised.value) and "collector.endpoint" in str(raised.value)
+    check_bind(endpoint, load_server_keys(keys_dir), "the collector", "collector.endpoint")
     with pytest.raises(SecurityError, match="LIT_KEYS_DIR"):
         check_connect(endpoint, None, "lit worker")
 
@@ -224,7 +224,7 @@ def test_a_non_loopback_bind_without_keys_is_refused_with_the_fix(endpoint: str,
                                       "tcp://[::1]:7373", "tcp://lo:7373", "ipc:///tmp/lit.sock", "inproc://spans"])
 def test_loopback_and_local_endpoints_need_no_keys(endpoint: str):
     assert is_local_endpoint(endpoint)
-    check_bind(endpoint, None, "the collector", "[collector] endpoint")
+    check_bind(endpoint, None, "the collector", "collector.endpoint")
     check_connect(endpoint, None, "lit worker")
 
 
@@ -240,7 +240,7 @@ def test_the_guards_check_the_endpoint_then_secure_the_socket(ctx: zmq.Context, 
     router = ctx.socket(zmq.ROUTER)
     router.linger = 0
     with pytest.raises(SecurityError, match="lit keys generate"):
-        security.guard_server(router, "tcp://0.0.0.0:0", None, "the dispatcher", "[dispatch_endpoint] endpoint")
+        security.guard_server(router, "tcp://0.0.0.0:0", None, "the dispatcher", "dispatch_endpoint.endpoint")
     assert security.guard_server(router, "tcp://127.0.0.1:0", None, "the dispatcher", "x") is None
     monitor = security.guard_server(router, "tcp://0.0.0.0:0", load_server_keys(keys_dir), "the dispatcher", "x")
     router.bind("tcp://127.0.0.1:*")

@@ -37,7 +37,7 @@ def test_lit_worker_with_an_http_url_fails_in_one_line():
     assert out.stderr.strip().splitlines() == [
         "lit worker: error: --connect 'http://127.0.0.1:7374' is not the trainer's dispatch endpoint: give it as "
         "tcp://HOST:PORT (lit train prints it at start: 'lit: workers connect to tcp://...'; the port is that of "
-        "[dispatch_endpoint] endpoint), not an http:// URL"]
+        "dispatch_endpoint.endpoint), not an http:// URL"]
 
 
 def test_a_worker_no_trainer_answers_says_so_and_keeps_trying(monkeypatch, caplog):

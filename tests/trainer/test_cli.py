@@ -73,7 +73,7 @@ def test_train_refuses_a_public_collector_without_keys_and_says_how_to_make_them
     out = subprocess.run([sys.executable, "-m", "lit_trainer.cli", "train", str(config)],
                          capture_output=True, text=True)
     assert out.returncode == 1 and "Traceback" not in out.stderr
-    assert "[collector] endpoint" in out.stderr and "lit keys generate" in out.stderr
+    assert "collector.endpoint" in out.stderr and "lit keys generate" in out.stderr
 
 
 def _cli(*args: str, block: str = "") -> subprocess.CompletedProcess:
@@ -228,14 +228,14 @@ def test_train_check_makes_the_checks_before_the_model_loads_says_what_they_foun
         port = taken.getsockname()[1]
         for overrides, message in (
                 ([f"collector.endpoint=tcp://127.0.0.1:{port}"],
-                 f"the run cannot listen on tcp://127.0.0.1:{port} ([collector] endpoint): another process listens "
+                 f"the run cannot listen on tcp://127.0.0.1:{port} (collector.endpoint): another process listens "
                  "there"),
-                ([f"dispatch_endpoint.endpoint=tcp://127.0.0.1:{port}"], "([dispatch_endpoint] endpoint)"),
+                ([f"dispatch_endpoint.endpoint=tcp://127.0.0.1:{port}"], "(dispatch_endpoint.endpoint)"),
                 ([f"inference.port={port}"], f"port {port} on 127.0.0.1 is in use (inference.port)")):
             busy = check(*overrides)
             assert busy.returncode == 1 and message in busy.stderr, (overrides, busy.stderr[-3000:])
     same = check(f"collector.endpoint=tcp://127.0.0.1:{port}", f"dispatch_endpoint.endpoint=tcp://127.0.0.1:{port}")
-    assert same.returncode == 1 and (f"[collector] endpoint and [dispatch_endpoint] endpoint are both "
+    assert same.returncode == 1 and (f"collector.endpoint and dispatch_endpoint.endpoint are both "
                                      f"tcp://127.0.0.1:{port}: give each an address of its own") in same.stderr, \
         same.stderr[-3000:]
     import shutil

@@ -107,7 +107,7 @@ def test_a_section_served_by_one_class_for_several_is_named_as_the_file_names_it
         config._build(Shared, {"port": 0}, "c.toml [collector]", "collector")
     with pytest.raises(ValueError, match=r"^endpoint.port must be >= 1"):
         Shared(port=0)
-    assert "[dispatch_endpoint] endpoint" in str(pytest.raises(ConfigError, from_dict,
+    assert "dispatch_endpoint.endpoint" in str(pytest.raises(ConfigError, from_dict,
                                                                {"dispatch_endpoint": {"endpoint": "bogus"}}).value)
 
 

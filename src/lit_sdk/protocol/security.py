@@ -190,7 +190,7 @@ def is_local_endpoint(endpoint: str) -> bool:
 
 def check_bind(endpoint: str, keys: ServerKeys | None, what: str, setting: str) -> None:
     """Refuse to bind ``endpoint`` beyond loopback without keys. ``what``: the channel (``the collector``);
-    ``setting``: the config key that sets the endpoint (``[collector] endpoint``)."""
+    ``setting``: the config key that sets the endpoint (``collector.endpoint``)."""
     if keys is None and not is_local_endpoint(endpoint):
         raise SecurityError(
             f"{what} would listen on {endpoint} ({setting}), which other machines can reach, without keys: anyone "

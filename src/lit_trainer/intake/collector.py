@@ -205,7 +205,7 @@ class Collector:
         self._limit = ConnectionLimit.claim(self._max_peers, "the collector")
         try:
             self._monitor = security.guard_server(sock, self.requested_endpoint, self.keys, "the collector",
-                                                  "[collector] endpoint", watch=self._limit.on_event)
+                                                  "collector.endpoint", watch=self._limit.on_event)
         except BaseException:
             sock.close()
             self._limit.release()
@@ -219,7 +219,7 @@ class Collector:
                 else ""
             raise CollectorError(
                 f"the collector cannot bind {self.requested_endpoint}{busy}: {exc}. Choose another endpoint "
-                "([collector] endpoint in a lit train config, Collector(endpoint=...) in Python; tcp://127.0.0.1:0 "
+                "(collector.endpoint in a lit train config, Collector(endpoint=...) in Python; tcp://127.0.0.1:0 "
                 "picks a free port) and point agents you started yourself at it (LIT_ENDPOINT or "
                 "lit.instrument(endpoint=...))"
             ) from None

@@ -145,7 +145,7 @@ class Dispatcher:
         self._limit = ConnectionLimit.claim(self.config.max_peers, "the dispatcher")
         try:
             self._monitor = security.guard_server(self.sock, bind, keys, "the dispatcher",
-                                                  "[dispatch_endpoint] endpoint", watch=self._limit.on_event)
+                                                  "dispatch_endpoint.endpoint", watch=self._limit.on_event)
         except BaseException:
             self.sock.close()
             self._limit.release()
@@ -156,7 +156,7 @@ class Dispatcher:
             self.sock.close()
             self._limit.release()
             raise DispatchError(f"cannot listen for workers on {endpoint}: {exc} (is another trainer running? set "
-                                "[dispatch_endpoint] endpoint to a free port, or tcp://127.0.0.1:0 for any)") from None
+                                "dispatch_endpoint.endpoint to a free port, or tcp://127.0.0.1:0 for any)") from None
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._limit.listen(self.endpoint)
 

@@ -68,8 +68,8 @@ def check_ports(cfg: TrainConfig) -> None:
     the default) always binds. Another process may still take an address before the run binds it: that bind
     fails with the same words."""
     with contextlib.ExitStack() as stack:
-        for setting, endpoint in (("[collector] endpoint", cfg.collector.endpoint),
-                                  ("[dispatch_endpoint] endpoint", cfg.dispatch_endpoint.endpoint)):
+        for setting, endpoint in (("collector.endpoint", cfg.collector.endpoint),
+                                  ("dispatch_endpoint.endpoint", cfg.dispatch_endpoint.endpoint)):
             sock = zmq.Context.instance().socket(zmq.ROUTER)
             sock.linger = 0
             stack.callback(sock.close)

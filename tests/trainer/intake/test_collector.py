@@ -247,7 +247,7 @@ def test_a_busy_port_names_the_endpoint_and_the_setting(collector, store):
         Collector(store, collector.endpoint, open_to_local_users=True).start()
     message = str(info.value)
     assert collector.endpoint in message and "already in use" in message and "Collector(endpoint=...)" in message
-    assert "[collector] endpoint in a lit train config" in message
+    assert "collector.endpoint in a lit train config" in message
     assert "LIT_ENDPOINT" in message
 
 

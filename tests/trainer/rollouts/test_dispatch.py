@@ -261,7 +261,7 @@ def test_a_busy_dispatch_port_is_a_clear_error(rig, tmp_path):
     with pytest.raises(DispatchError, match="cannot listen for workers") as raised:
         Dispatcher(SqliteStore(tmp_path / "other.sqlite"), dispatcher.endpoint, "tcp://127.0.0.1:1", [],
                    open_to_local_users=True)
-    assert "set [dispatch_endpoint] endpoint to a free port" in str(raised.value)  # the key a config has
+    assert "set dispatch_endpoint.endpoint to a free port" in str(raised.value)  # the key a config has
 
 
 def test_a_bad_agent_target_is_named(tmp_path, monkeypatch):
