@@ -1,10 +1,10 @@
-"""What a ``SpanSender`` (sender.py) sends and counts: its batches of encoded spans, each batch's frame head, and the
-counts of what became of the spans in its charge."""
+"""What a ``SpanSender`` (sender.py) sends and counts: its batches of encoded spans, each batch's frame head, the
+counts of what became of the spans in its charge, and the ledger it keeps them in while it runs."""
 
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lit_sdk import protocol
 from lit_sdk._spool import Entry
@@ -44,6 +44,27 @@ class DeliveryCounts:
     """Of the dropped spans, those whose record in the spool was damaged (a checksum failed: a flipped bit, a file
     changed by someone else) or gone when it was read back; the records around a damaged one are still delivered.
     A record torn by a writer killed mid-write is not counted: no one was told it was kept."""
+
+
+@dataclass(eq=False, slots=True)
+class Ledger:
+    """What a running sender holds in memory and has counted so far, shared by the callers' threads and the sender's
+    thread: read and change it with the sender's lock held."""
+
+    tally: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("submitted", "sent", "acknowledged", "duplicates", "spooled", "rejected", "dropped", "corrupt"), 0))
+    """The counts of ``DeliveryCounts`` that are counted, not worked out."""
+    held_spans: int = 0
+    """Spans in memory: submitted and not yet in a batch, in batches waiting to be sent, and in flight."""
+    held_bytes: int = 0
+    """Their encoded bytes."""
+
+    def add(self, spans: int = 0, nbytes: int = 0, **counts: int) -> None:
+        """Hold ``spans`` more spans of ``nbytes`` in memory (fewer if negative) and add ``counts`` to the tally."""
+        self.held_spans += spans
+        self.held_bytes += nbytes
+        for name, n in counts.items():
+            self.tally[name] += n
 
 
 @dataclass(eq=False, slots=True)

@@ -8,7 +8,9 @@ the collector's ``ack``; a batch not acknowledged within ``ack_timeout_s`` is se
 back-off. A frame longer than ``protocol.PART_BYTES`` goes as parts (``protocol.encode_parts``); one the collector
 answers ``busy`` (no room for it now) is sent again after a shorter back-off, its spans still in our care. While
 the trainer is away, spans wait in memory (``max_memory_spans``, ``max_memory_bytes``) and beyond that on disk
-alone, read back from the spool when the trainer comes back.
+alone, read back from the spool when the trainer comes back. What the thread keeps until the collector answers (the
+waiting batches, those in flight and their resends, the spans set aside to the spool) is its ``Backlog``
+(``_backlog``); this module holds what the callers share with the thread, under one lock, and the socket and loop.
 
 What is promised (a span survives the agent's ``kill -9`` once ``submit()`` returned, not a power loss; delivery at
 least once, each span stored once) is stated in docs/reliability.md, section 1, with the tests that check it.
@@ -33,22 +35,16 @@ from typing import Any
 import zmq
 
 from lit_sdk import protocol
-from lit_sdk._spool import Entry, LostRecord, Spool, owner_name
-from lit_sdk.delivery import Batch, DeliveryCounts, frame_head
+from lit_sdk._backlog import TURN_BATCHES, Backlog
+from lit_sdk._spool import Entry, Spool, owner_name
+from lit_sdk.delivery import Batch, DeliveryCounts, Ledger, frame_head
 from lit_sdk.protocol import codec, security
 
 log = logging.getLogger("lit")
 
 _PROBE_S = 0.05
 """How soon a sender that found no trainer to send to tries again (ZeroMQ reconnects on its own)."""
-_MAX_BACKOFF = 8
-"""Resends wait ``ack_timeout_s``, then twice that, and so on up to this many times it."""
 _IDLE_S = 0.5
-_BUSY_S = 0.1
-"""A batch the collector answered ``busy`` goes again after this, doubling with each try (within its ack timeout's
-schedule)."""
-_TURN_BATCHES = 256
-"""Batches formed, and replies read, per turn of the loop, so that one never starves the others."""
 _DROP_LOG_S = 5.0
 """Drops of one kind are logged at most this often (with the count since the last line)."""
 _JOIN_S = 30.0
@@ -100,16 +96,14 @@ class SpanSender:
                              f"({protocol.MAX_FRAME_BYTES}): at most {self._max_span_bytes}, got {max_batch_bytes}")
         self._max_batch, self._max_batch_bytes, self._linger = max_batch_spans, max_batch_bytes, max(linger_s, 0.0)
         self._max_memory, self._max_memory_bytes = max_memory_spans, max_memory_bytes
-        self._ack_timeout, self._max_inflight = ack_timeout_s, max_inflight_batches
+        self._max_inflight = max_inflight_batches
         self._spool = Spool(self.spool_dir, owner, max_spool_bytes)
         # Shared with the callers' threads, under _lock.
         self._lock = threading.Lock()
         self._incoming: deque[tuple[bytes, Entry]] = deque()
         self._incoming_bytes = 0
-        self._held_spans = self._held_bytes = 0  # in memory: in _incoming, _waiting and _inflight
+        self._ledger = Ledger()  # the counts, and the spans in memory: in _incoming and in the backlog
         self._appended = 0  # sequence number of the last span submitted
-        self._tally = dict.fromkeys(("submitted", "sent", "acknowledged", "duplicates", "spooled", "rejected",
-                                     "dropped", "corrupt"), 0)
         self._waiters: list[tuple[int, threading.Event]] = []
         self._closing = self._closed = False
         self._logged: set[str] = set()
@@ -118,10 +112,11 @@ class SpanSender:
         os.set_blocking(self._wake_w, False)
         # The thread's own.
         self._fill_since: float | None = None
-        self._waiting: deque[Batch] = deque()
-        self._inflight: dict[str, Batch] = {}
+        self._backlog = Backlog(self._spool, self._lock, self._ledger, self._drop, token=self._token,
+                                max_batch_spans=max_batch_spans, max_batch_bytes=max_batch_bytes,
+                                max_memory_spans=max_memory_spans, max_memory_bytes=max_memory_bytes,
+                                ack_timeout_s=ack_timeout_s, max_inflight_batches=max_inflight_batches)
         self._away_until = 0.0
-        self._batch_no = 0
         self._unlogged_drops: dict[str, int] = {}
         self._next_drop_log = 0.0
         self._stop = threading.Event()
@@ -138,7 +133,7 @@ class SpanSender:
             except Exception as exc:
                 payload, why = None, f"{type(exc).__name__}: {exc}"
             with self._lock:
-                self._tally["submitted"] += 1
+                self._ledger.add(submitted=1)
                 if self._closed:
                     self._refuse("closed", "lit: a span was submitted after the span sender was shut down; it is "
                                  "dropped, as will be any later ones (see counts.dropped)")
@@ -210,25 +205,24 @@ class SpanSender:
         self._appended += 1
         entry = self._spool.append(payload, self._appended)
         size = len(payload)
-        if entry.segment is not None and (self._held_spans >= self._max_memory
-                                          or self._held_bytes + size > self._max_memory_bytes):
+        if entry.segment is not None and (self._ledger.held_spans >= self._max_memory
+                                          or self._ledger.held_bytes + size > self._max_memory_bytes):
             self._spool.set_aside(entry)
-            self._tally["spooled"] += 1
+            self._ledger.add(spooled=1)
             return
         self._incoming.append((payload, entry))
-        self._held_spans += 1
-        self._held_bytes += size
+        self._ledger.add(1, size)
         before, self._incoming_bytes = self._incoming_bytes, self._incoming_bytes + size
         n = len(self._incoming)
         if n == 1 or n == self._max_batch or before < self._max_batch_bytes <= self._incoming_bytes:
             self._wake()
 
     def _refuse(self, key: str, message: str, *args: Any) -> None:
-        self._tally["dropped"] += 1
+        self._ledger.add(dropped=1)
         self._log_once(key, logging.WARNING, message, *args)
 
     def _counts_locked(self, timed_out: bool = False) -> DeliveryCounts:
-        t = self._tally
+        t = self._ledger.tally
         pending = t["submitted"] - t["acknowledged"] - t["rejected"] - t["dropped"]
         return DeliveryCounts(**t, pending=pending, timed_out=timed_out)
 
@@ -246,8 +240,7 @@ class SpanSender:
 
     def _add(self, **counts: int) -> None:
         with self._lock:
-            for name, n in counts.items():
-                self._tally[name] += n
+            self._ledger.add(**counts)
 
     def _run(self) -> None:
         sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -297,7 +290,7 @@ class SpanSender:
             for _, event in self._waiters:
                 event.set()
             self._waiters.clear()
-        held.extend(e for b in [*self._waiting, *self._inflight.values()] for e in b.entries)
+        held.extend(self._backlog.entries())
         lost = sum(1 for e in held if e.segment is None)  # the others are in the spool, for the next process
         if lost:
             self._drop(lost, "the span sender stopped on an error")
@@ -323,7 +316,7 @@ class SpanSender:
             waiters = list(self._waiters)
         now = time.monotonic()
         self._form_batches(now, force=bool(waiters))
-        self._spill()
+        self._backlog.spill()
         self._send(sock, now)
         if waiters:
             self._settle(waiters)
@@ -338,10 +331,11 @@ class SpanSender:
             deadlines.append(now)
         elif self._fill_since is not None:
             deadlines.append(self._fill_since + self._linger)
-        if self._away_until > now and (self._waiting or self._spool.has_unread()):
+        if self._away_until > now and self._backlog.has_unsent():
             deadlines.append(self._away_until)  # try again then
-        if self._inflight:  # resends wait for the trainer too
-            deadlines.append(max(min(b.resend_at for b in self._inflight.values()), self._away_until))
+        resend_at = self._backlog.next_resend()
+        if resend_at is not None:  # resends wait for the trainer too
+            deadlines.append(max(resend_at, self._away_until))
         return max(0.0, min(deadlines) - now)
 
     def _form_batches(self, now: float, force: bool) -> None:
@@ -352,12 +346,12 @@ class SpanSender:
             if self._fill_since is None:
                 self._fill_since = now
         force = force or now - self._fill_since >= self._linger
-        for _ in range(_TURN_BATCHES):
+        for _ in range(TURN_BATCHES):
             with self._lock:  # one batch at a time: the callers' submit() waits for this lock
                 batch = self._next_batch(force)
             if batch is None:
                 break
-            self._waiting.append(batch)
+            self._backlog.add(batch)
         with self._lock:
             if not self._incoming:
                 self._fill_since = None
@@ -382,51 +376,16 @@ class SpanSender:
             entries.append(entry)
             nbytes += len(payload)
         self._incoming_bytes -= nbytes
-        self._batch_no += 1
-        return Batch(f"{self._token}-{self._batch_no}", payloads, entries, nbytes, entries[0].seq)
-
-    def _spill(self) -> None:
-        """Keep memory within its bounds: the newest waiting batches are left on disk alone."""
-        while self._waiting and (self._held_spans > self._max_memory or self._held_bytes > self._max_memory_bytes):
-            self._set_aside(self._waiting.pop())
-
-    def _set_aside(self, batch: Batch) -> None:
-        """Stop holding a batch in memory: its spans are read back from the spool when their turn comes."""
-        kept = 0
-        for payload, entry in zip(batch.payloads, batch.entries, strict=True):
-            if entry.segment is not None:
-                self._spool.set_aside(entry)
-                kept += 1
-            elif self._spool.write_late(entry, payload):  # its first write failed: try again
-                kept += 1
-        with self._lock:
-            self._held_spans -= batch.n
-            self._held_bytes -= batch.nbytes
-            self._tally["spooled"] += kept
-        if kept < batch.n:
-            self._drop(batch.n - kept, f"the spool at {self.spool_dir} could not keep them (see the warning "
-                                       "about it above)")
+        return Batch(self._backlog.new_id(), payloads, entries, nbytes, entries[0].seq)
 
     def _send(self, sock: zmq.Socket, now: float) -> None:
         if now < self._away_until:
             return
-        for batch in [b for b in self._inflight.values() if b.resend_at <= now]:
-            del self._inflight[batch.batch_id]
-            if not self._transmit(sock, batch, now):
-                self._waiting.appendleft(batch)
-                return
-        for _ in range(self._max_inflight):
-            if len(self._inflight) >= self._max_inflight or (not self._waiting and not self._read_back()):
-                return
-            batch = self._waiting.popleft()
-            if not self._transmit(sock, batch, now):
-                self._waiting.appendleft(batch)
-                return
+        self._backlog.send(now, lambda batch: self._transmit(sock, batch, now))
 
     def _transmit(self, sock: zmq.Socket, batch: Batch, now: float) -> bool:
-        """Send a batch (in parts if it is long: ``protocol.encode_parts``) and count it in flight; False (and the
-        trainer taken as away) if it cannot go now. A frame cut off half-way is sent again whole: the collector
-        drops the parts it got."""
+        """Send a batch (in parts if it is long: ``protocol.encode_parts``); False (and the trainer taken as away) if
+        it cannot go now. A frame cut off half-way is sent again whole: the collector drops the parts it got."""
         frame = b"".join([frame_head(self.sender_id, batch.batch_id, batch.n), *batch.payloads])
         try:
             for message in protocol.encode_parts(batch.batch_id, frame):
@@ -438,51 +397,10 @@ class SpanSender:
             self._log_once(f"send:{exc.errno}", logging.WARNING, "lit: could not send spans: %s", exc)
             self._away_until = now + _PROBE_S
             return False
-        first_time = 0
-        for entry in batch.entries:
-            if not entry.sent:
-                entry.sent = True
-                first_time += 1
-        if first_time:
-            self._add(sent=first_time)
-        batch.attempts += 1
-        backoff = min(2 ** (batch.attempts - 1), _MAX_BACKOFF)
-        batch.resend_at = now + self._ack_timeout * backoff
-        self._inflight[batch.batch_id] = batch
         return True
 
-    def _read_back(self) -> bool:
-        """Move the oldest spans left on disk into memory, as one batch, if there is room; whether one came."""
-        for _ in range(_TURN_BATCHES):
-            with self._lock:
-                room_spans = self._max_memory - self._held_spans
-                room_bytes = self._max_memory_bytes - self._held_bytes
-                empty = self._held_spans == 0
-            if not empty and (room_spans <= 0 or room_bytes <= 0):
-                return False  # one batch at least, however big, when memory holds nothing
-            try:
-                items = self._spool.take(min(self._max_batch, max(room_spans, 1)),
-                                         min(self._max_batch_bytes, max(room_bytes, 1)))
-            except LostRecord as exc:
-                self._add(corrupt=exc.n_spans)
-                self._drop(exc.n_spans, str(exc))
-                continue
-            if not items:
-                return False
-            payloads = [p for p, _ in items]
-            entries = [e for _, e in items]
-            nbytes = sum(map(len, payloads))
-            with self._lock:
-                self._held_spans += len(items)
-                self._held_bytes += nbytes
-            self._batch_no += 1
-            batch_id = f"{self._token}-{self._batch_no}"
-            self._waiting.append(Batch(batch_id, payloads, entries, nbytes, min(e.seq for e in entries)))
-            return True
-        return False
-
     def _receive(self, sock: zmq.Socket) -> None:
-        for _ in range(_TURN_BATCHES):
+        for _ in range(TURN_BATCHES):
             try:
                 data = sock.recv_multipart(zmq.NOBLOCK)[-1]
             except zmq.Again:
@@ -497,44 +415,26 @@ class SpanSender:
                 self._log_once("reply:spans", logging.WARNING, "lit: ignoring a spans frame sent to this sender")
                 continue
             if isinstance(frame, protocol.BusyFrame):
-                self._retry_soon(frame.batch)
+                if self._backlog.retry_soon(frame.batch):
+                    self._log_once("busy", logging.INFO, "lit: the trainer's collector is busy with other large "
+                                   "batches; this one waits and is sent again")
                 continue
-            batch = self._inflight.pop(frame.batch, None)
+            batch = self._backlog.answered(frame.batch)
             if batch is None:
                 continue  # a late ack of a batch resent or set aside since: it is acknowledged again later
             if isinstance(frame, protocol.AckFrame):
-                self._settle_batch(batch, acknowledged=batch.n, duplicates=min(max(frame.duplicates, 0), batch.n))
+                self._backlog.settle(batch, acknowledged=batch.n, duplicates=min(max(frame.duplicates, 0), batch.n))
             else:
                 self._log_once(f"nack:{frame.reason}", logging.WARNING,
                                "lit: the collector refused a batch of spans for good: %s", frame.reason)
-                self._settle_batch(batch, rejected=batch.n)
-
-    def _retry_soon(self, batch_id: str) -> None:
-        """The collector had no room for a batch sent in parts: it is not refused, and goes again after a short
-        wait that doubles with each try (the collector frees room as frames complete or time out)."""
-        batch = self._inflight.get(batch_id)
-        if batch is None:
-            return
-        self._log_once("busy", logging.INFO, "lit: the trainer's collector is busy with other large batches; "
-                       "this one waits and is sent again")
-        batch.resend_at = min(batch.resend_at, time.monotonic() + _BUSY_S * 2 ** min(batch.attempts - 1, 6))
-
-    def _settle_batch(self, batch: Batch, **counts: int) -> None:
-        self._spool.release(batch.entries)
-        with self._lock:
-            self._held_spans -= batch.n
-            self._held_bytes -= batch.nbytes
-            for name, n in counts.items():
-                self._tally[name] += n
+                self._backlog.settle(batch, rejected=batch.n)
 
     def _settle(self, waiters: list[tuple[int, threading.Event]]) -> None:
         """Wake the flushes whose spans are all settled."""
-        seqs = [self._spool.min_seq(), *(b.first_seq for b in self._waiting)]
-        seqs.extend(b.first_seq for b in self._inflight.values())
+        oldest = self._backlog.oldest_seq()
         with self._lock:
             if self._incoming:
-                seqs.append(self._incoming[0][1].seq)
-            oldest = min(seqs)
+                oldest = min(oldest, self._incoming[0][1].seq)
             for waiter in [w for w in waiters if w[0] < oldest]:
                 waiter[1].set()
                 if waiter in self._waiters:
@@ -558,9 +458,6 @@ class SpanSender:
         self._receive(sock)
         while self._incoming:
             self._form_batches(time.monotonic(), force=True)
-        for batch in [*self._inflight.values(), *self._waiting]:
-            self._set_aside(batch)
-        self._inflight.clear()
-        self._waiting.clear()
+        self._backlog.set_aside_all()
         if self._unlogged_drops:
             self._log_drops()
