@@ -22,7 +22,7 @@ def _config(tmp_path: Path, text: str) -> Path:
 @pytest.mark.parametrize("endpoint", ["tcp://0.0.0.0:7373", "tcp://*:7373", "tcp://192.0.2.7:7373"])
 def test_a_non_loopback_endpoint_without_keys_is_refused(tmp_path: Path, section: str, endpoint: str):
     path = _config(tmp_path, f'[{section}]\nendpoint = "{endpoint}"\n')
-    with pytest.raises(ConfigError, match=rf"\[{section}\] endpoint.*lit keys generate.*\[security\] keys_dir"):
+    with pytest.raises(ConfigError, match=rf"{section}\.endpoint.*lit keys generate.*\[security\] keys_dir"):
         load(path)
     cfg = load(path, ["security.keys_dir=/etc/lit/keys"])
     assert getattr(cfg, section).endpoint == endpoint and cfg.security.keys_dir == "/etc/lit/keys"
