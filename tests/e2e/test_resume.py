@@ -129,6 +129,16 @@ def test_a_run_interrupted_between_checkpoints_resumes_and_sets_aside_what_it_tr
               f"{len(run.rollouts(step=3, validation=True, superseded=True))} of the validation after it")
 
 
+def _cmdline(process) -> str:
+    """A process's command line, or "" for one that ended while we looked (a zombie, or gone)."""
+    import psutil
+
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
+
+
 def test_sigterm_stops_lit_train_as_ctrl_c_does_with_its_vllm_server(prepared_model: Path, tmp_path: Path):
     """``kill``, a job scheduler's or a container's stop sends SIGTERM to the trainer alone: it used to end on the
     spot, saying nothing, its vLLM server left to the kernel's parent-death signal. It now stops as Ctrl-C does
@@ -144,7 +154,7 @@ def test_sigterm_stops_lit_train_as_ctrl_c_does_with_its_vllm_server(prepared_mo
             trainer, deadline, server = psutil.Process(proc.pid), time.monotonic() + 300, []
             while not server and time.monotonic() < deadline and proc.poll() is None:
                 time.sleep(0.2)
-                server = [p for p in trainer.children(recursive=True) if "vllm" in " ".join(p.cmdline())]
+                server = [p for p in trainer.children(recursive=True) if "vllm" in _cmdline(p)]
             assert server, "no vLLM server started"
             descendants = trainer.children(recursive=True)
             proc.send_signal(signal.SIGTERM)
