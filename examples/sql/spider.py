@@ -16,7 +16,8 @@ files, a validation question on a database that training also uses is an error, 
 database (then validation measures new questions on a known database, and the script says so). Every gold query
 is run once here, in the agent's sandbox: one that fails is reported and left out (a task whose gold answer cannot
 be computed could only fail its rollouts). Each task's ``db`` is the database's absolute path, and its ``kind`` is
-``join`` when the gold query reads several tables, else ``one table``: lit reports validation accuracy per kind.
+``join`` when the gold query reads several tables, else ``superlative`` when it keeps the first row of an ordering
+(``ORDER BY ... LIMIT 1``), else ``one table``: lit reports validation accuracy per kind.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ VALIDATION_FILES = ("dev.json", "validation.json")
 SUFFIXES = (".sqlite", ".db", ".sqlite3")
 _IDENTIFIER = r'(?:"[^"]+"|`[^`]+`|\[[^\]]+\]|[\w.]+)'
 _SEVERAL_TABLES = re.compile(rf"\bJOIN\b|\bFROM\s+{_IDENTIFIER}(?:\s+(?:AS\s+)?\w+)?\s*,", re.IGNORECASE)
+_FIRST_OF_ORDER = re.compile(r"\bORDER\s+BY\b.*\bLIMIT\s+1\b(?!\s*,)", re.IGNORECASE | re.DOTALL)
 
 
 class SpiderError(ValueError):
@@ -87,8 +89,11 @@ def find_database(source: Path, db_id: str) -> Path:
 
 
 def kind(query: str) -> str:
-    """``join`` when the query reads several tables (a JOIN, or a comma in FROM), else ``one table``."""
-    return "join" if _SEVERAL_TABLES.search(query) else "one table"
+    """``join`` when the query reads several tables (a JOIN, or a comma in FROM); else ``superlative`` when it
+    keeps the first row of an ordering (``ORDER BY ... LIMIT 1``: "the highest"); else ``one table``."""
+    if _SEVERAL_TABLES.search(query):
+        return "join"
+    return "superlative" if _FIRST_OF_ORDER.search(query) else "one table"
 
 
 def splits(source: Path, questions: Path | None, held_out: float) -> tuple[list[dict], list[dict], str]:

@@ -194,6 +194,12 @@ def test_a_source_that_cannot_be_used_is_an_error_naming_the_fix_and_writes_noth
     ("SELECT a, b FROM ship WHERE x IN (1, 2) GROUP BY a, b", "one table"),
     ("SELECT T1.name FROM ship AS T1 JOIN port AS T2 ON T1.port_id = T2.port_id", "join"),
     ("SELECT s.name FROM ship s, port p WHERE s.port_id = p.port_id", "join"),
+    ("SELECT name FROM ship ORDER BY tonnage DESC LIMIT 1", "superlative"),
+    ("select name from ship order by tonnage limit 1 offset 1", "superlative"),
+    ("SELECT name FROM ship ORDER BY tonnage DESC LIMIT 10", "one table"),
+    ("SELECT name FROM ship ORDER BY tonnage DESC LIMIT 1, 5", "one table"),
+    ("SELECT name FROM ship LIMIT 1", "one table"),
+    ("SELECT T1.name FROM ship AS T1 JOIN port AS T2 ON T1.port_id = T2.port_id ORDER BY T1.tonnage LIMIT 1", "join"),
 ])
 def test_the_kind_says_whether_the_gold_query_reads_several_tables(query: str, expected: str):
     assert kind(query) == expected
