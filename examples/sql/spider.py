@@ -141,8 +141,10 @@ def to_tasks(items: list[dict], source: Path, split: str) -> tuple[list[dict], l
         except sqlite3.Error as exc:
             dropped.append(f"{split} question {i} ({item['db_id']}): {exc}")
             continue
-        tasks.append({"id": f"{split}-{i}", "db": path, "question": item["question"].strip(), "gold": gold,
-                      "kind": kind(gold)})
+        task = {"id": f"{split}-{i}", "db": path, "question": item["question"].strip(), "gold": gold,
+                "kind": kind(gold)}
+        # the gold query is what a correct writer answers: demonstrations for sft.source = "references"
+        tasks.append({**task, "reference": {"writer": gold}} if split == "train" else task)
     return tasks, dropped
 
 

@@ -6,6 +6,7 @@ from the command line.
     [data]     tasks = "examples.calc.tasks:make_tasks"
     [train]    steps = 20   output_dir = "runs/calc"
     [rollouts] tasks_per_step = 8   group_size = 8
+    [sft]      source = "references"   steps = 10   # demonstrations before (and beside) RL
     [policy]   learning_rate = 1e-5
     [inference] [weight_sync] [loss] [update] [credit] [advantages] [batching] [dispatch] [collector]
     [security] keys_dir = "~/.lit/keys"   # needed to bind anything but loopback (`lit keys generate`)
@@ -34,6 +35,7 @@ from lit_trainer.learner.batching import BatchingConfig
 from lit_trainer.learner.policy import PolicyConfig
 from lit_trainer.learner.schedule import UpdateConfig
 from lit_trainer.results.trackers import check_trackers
+from lit_trainer.rollouts.demonstrations import SftConfig
 from lit_trainer.rollouts.dispatcher import DispatchConfig
 from lit_trainer.rollouts.runner import AgentConfig
 from lit_trainer.rollouts.sampling import RolloutsConfig
@@ -118,6 +120,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
     rollouts: RolloutsConfig = field(default_factory=RolloutsConfig)
+    sft: SftConfig = field(default_factory=SftConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
@@ -148,6 +151,9 @@ class TrainConfig:
             raise ValueError(f"loss.is_correction = {self.loss.is_correction!r} corrects π_old (the trainer's "
                              "recomputed logprobs) towards vLLM's: set update.recompute_old_logprobs = true, or "
                              "loss.is_correction = 'none'")
+        if self.sft.steps > self.train.steps:
+            raise ValueError(f"sft.steps = {self.sft.steps} is more than train.steps = {self.train.steps}: the SFT "
+                             "steps are the first of train.steps (equal: SFT only)")
         if self.collector.endpoint == self.dispatch_endpoint.endpoint and not self.collector.endpoint.endswith(":0"):
             raise ValueError(f"collector.endpoint and dispatch_endpoint.endpoint are both "
                              f"{self.collector.endpoint}: give each an address of its own (port 0 picks a free one)")

@@ -294,3 +294,14 @@ def policy_loss(
     # The micro-batch's own mean, whatever the normalizer: averaged by tokens over micro-batches, it is the step's.
     metrics["loss/policy"] = float(_aggregate(policy_tokens.detach(), mask, config.aggregation, None))
     return loss, metrics
+
+
+def sft_loss(logp: torch.Tensor, mask: torch.Tensor, normalizer: float, weight: float = 1.0
+             ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Supervised fine-tuning on demonstrations: ``weight`` times the negative log-likelihood of the response tokens
+    (``mask``, bool (B, T)) summed and divided by ``normalizer`` (the step's demonstration tokens, so that
+    micro-batch losses add up to the step's). ``logp`` (B, T): the policy's token logprobs, with their gradient.
+    Metrics: ``sft/nll``, this micro-batch's mean NLL per token."""
+    nll = torch.where(mask, -logp, torch.zeros_like(logp))  # (B, T)
+    tokens = max(int(mask.sum()), 1)
+    return weight * nll.sum() / normalizer, {"sft/nll": float(nll.detach().sum()) / tokens}

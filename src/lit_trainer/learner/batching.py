@@ -100,6 +100,8 @@ class MicroBatch:
     over_budget: bool = False
     """Its forward computes more tokens than the budget (a prompt group or a row that could not be split to fit):
     the policy runs it with gradient checkpointing."""
+    demonstrations: bool = False
+    """Its rows are demonstrations (rollouts/demonstrations.py): trained by their NLL, with no behaviour logprobs."""
 
     def __post_init__(self) -> None:
         if self.temperature is None:

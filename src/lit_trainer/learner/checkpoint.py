@@ -69,6 +69,8 @@ class TrainState:
     """The version of the weights in vLLM (the step that trained them); a resumed run pushes its weights under it."""
     curriculum: dict[str, Any] | None = None
     """What rested when the checkpoint was written (``rollouts/curriculum.py``); None without a curriculum."""
+    phase: str = "rl"
+    """Which phase the last step was: ``sft`` (a step on demonstrations, ``[sft]``) or ``rl``."""
 
 
 def save(output_dir: str | Path, policy: Policy, base_model_dir: Path, state: TrainState,
@@ -262,6 +264,12 @@ def other_model(checkpoint: Checkpoint, model_dir: Path) -> str | None:
         return None
     return (f"{checkpoint.path} was trained from another model than model = '{model_dir}' ({'; '.join(differ)}): "
             "resume with the model the run started from, or choose another train.output_dir for this one")
+
+
+def saved_state(checkpoint: Checkpoint) -> TrainState:
+    """The training state ``checkpoint`` holds, without loading its weights (``lit eval`` names its phase)."""
+    saved = torch.load(checkpoint.state_file, weights_only=False, map_location="cpu")
+    return TrainState(**{f.name: saved[f.name] for f in fields(TrainState) if f.name in saved})
 
 
 def restore(checkpoint: Checkpoint, policy: Policy) -> TrainState:

@@ -203,13 +203,15 @@ class Policy:
         self.optimizer.zero_grad(set_to_none=True)
         total_tokens = sum(mb.n_response_tokens for mb in micro_batches)
         assert total_tokens > 0, "every micro-batch is fully masked: nothing to train on"
+        demo_tokens = sum(mb.n_response_tokens for mb in micro_batches if mb.demonstrations)
         sums: dict[str, float] = {}
         gap_sum, gap_tokens = 0.0, 0
         kept: dict[int, list[float]] = {}
         with precision.tf32_matmuls(self.device, self.precision):
             for mb, real in self.my_share(micro_batches):
                 mb = self.place(mb)
-                weight = mb.n_response_tokens / total_tokens
+                # each kind's metrics averaged over its own tokens (demonstrations and rollouts)
+                weight = mb.n_response_tokens / (demo_tokens if mb.demonstrations else total_tokens - demo_tokens)
                 self._recompute(self.config.gradient_checkpointing or mb.over_budget)
                 logp, entropy = self._logprobs(self.model, mb, with_entropy=self.config.compute_entropy,
                                                entropy_grad=with_entropy)
@@ -221,20 +223,22 @@ class Policy:
                     continue
                 self.accelerator.backward(loss)
                 mask = mb.response_mask
+                if mb.demonstrations:  # no behaviour logprobs to compare, no rollout row to keep them for
+                    _add(sums, metrics, weight)
+                    continue
                 if keep_logprobs is not None:
                     for b, row in enumerate(mb.index):
                         kept[row] = logp[b].detach()[mask[b].bool()].tolist()
                 gap_sum += ((logp.detach() - mb.old_logprobs).abs() * mask).sum().item()
                 gap_tokens += int(mask.sum().item())
-                for key, value in metrics.items():
-                    sums[key] = sums.get(key, 0.0) + float(value) * weight
+                _add(sums, metrics, weight)
         distributed.sum_gradients([p for p in self.trainable if not sharding.is_sharded(p)])  # shards: summed
         sums, gap_sum, gap_tokens = _add_up(distributed.gather((sums, gap_sum, gap_tokens, kept)), keep_logprobs)
         grad_norm = self._clip()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {**sums, "policy/grad_norm": grad_norm, "policy/vllm_logprob_gap": gap_sum / max(gap_tokens, 1),
-                "policy/response_tokens": float(total_tokens)}
+                "policy/response_tokens": float(total_tokens - demo_tokens), "sft/tokens": float(demo_tokens)}
 
     def my_share(self, micro_batches: Sequence[MicroBatch]) -> list[tuple[MicroBatch, bool]]:
         """The micro-batches this process computes, as (micro-batch, real): all of them in one process, else its
@@ -411,6 +415,11 @@ def _load(folder: Path, dtype: torch.dtype) -> torch.nn.Module:
 
     check_model_folder(folder, tokenizer=False)  # the update needs no tokenizer; vLLM's start checks it
     return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+
+
+def _add(sums: dict[str, float], metrics: dict[str, float], weight: float) -> None:
+    for key, value in metrics.items():
+        sums[key] = sums.get(key, 0.0) + float(value) * weight
 
 
 def _add_up(parts: list[tuple[dict[str, float], float, int, dict[int, list[float]]]],

@@ -23,16 +23,16 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lit_trainer.algorithm.loss import LossConfig, normalizer_of, step_loss
+from lit_trainer.algorithm.loss import LossConfig, normalizer_of, sft_loss, step_loss
 from lit_trainer.intake.episodes import Transition
 from lit_trainer.learner import distributed
-from lit_trainer.learner.batching import BatchingConfig, MicroBatch, budget_for, make_micro_batches
+from lit_trainer.learner.batching import BatchingConfig, MicroBatch, budget_for, keep_usable, make_micro_batches
 from lit_trainer.progress import progress_bar
 from lit_trainer.settings import at_least, check, one_of
 
@@ -137,7 +137,8 @@ def learning_rate_at(step: int, steps: int, peak: float, schedule: str = "consta
 
 def run_update(policy: Policy, pairs: Sequence[tuple[Transition, float]], update: UpdateConfig, loss: LossConfig,
                batching: BatchingConfig, pad_id: int, seed: int,
-               trainer_logprobs: dict[int, list[float]] | None = None) -> dict[str, float]:
+               trainer_logprobs: dict[int, list[float]] | None = None, demos: Sequence[Transition] = (),
+               sft_weight: float = 0.0) -> dict[str, float]:
     """Every optimizer step of one training step (module docstring) on ``policy``; their metrics, averaged over
     the optimizer steps by the response tokens each trained on, plus ``update/optimizer_steps``,
     ``update/micro_batches`` (the forward and backward passes of them all, under ``batching``'s token budget, shared
@@ -145,12 +146,14 @@ def run_update(policy: Policy, pairs: Sequence[tuple[Transition, float]], update
     budget: each ran whole with gradient checkpointing; many say the budget is too small for the prompts) and
     ``update/processes`` (how many processes shared them, learner/distributed.py).
     ``trainer_logprobs``: filled with the trainer's token logprobs of each trained pair (by index in ``pairs``) in
-    the first optimizer step that trains it, before that step changes the weights."""
+    the first optimizer step that trains it, before that step changes the weights. ``demos``: demonstrations
+    whose NLL, times ``sft_weight``, every optimizer step adds to its loss (``with_demonstrations``)."""
     batching = budget_for(batching, policy.device.type)
+    demo_batches, _ = demonstration_batches(demos, batching, pad_id)
     pairs = fill_guided_logprobs(policy, pairs, batching, pad_id)
     prox = _old_logprobs(policy, pairs, batching, pad_id) if update.recompute_old_logprobs else None
     sums: dict[str, float] = {}
-    tokens, steps, micro_batches, over_budget = 0.0, 0, 0, 0
+    tokens, rollout_tokens, steps, micro_batches, over_budget = 0.0, 0.0, 0, 0, 0
     bar = progress_bar(total=update.ppo_epochs * update.mini_batches, desc="update", unit="optimizer step",
                        leave=False)
     for epoch in range(update.ppo_epochs):
@@ -159,34 +162,78 @@ def run_update(policy: Policy, pairs: Sequence[tuple[Transition, float]], update
             counted = chosen if loss.normalizer == "batch" else [(t, a) for t, a in chosen if a != 0.0]
             normalizer = normalizer_of([len(t.response_ids) for t, _ in counted], loss.aggregation)
             train = [i for i in part if pairs[i][1] != 0.0 or loss.trains_every_transition]
-            if not train:
+            if not train and not demo_batches:
                 continue
             batches = make_micro_batches([pairs[i][0] for i in train], [pairs[i][1] for i in train], batching,
-                                         pad_id)
+                                         pad_id) if train else []
             if prox is not None:  # mb.index counts rows of ``train``
                 for mb in batches:
                     mb.prox_logprobs = _rows(mb, [prox[i] for i in train])
             kept: dict[int, list[float]] | None = {} if trainer_logprobs is not None and epoch == 0 else None
-            metrics = policy.update(batches, step_loss(loss, batches, normalizer=normalizer), keep_logprobs=kept,
+            loss_fn = with_demonstrations(step_loss(loss, batches, normalizer=normalizer), sft_weight, demo_batches)
+            metrics = policy.update(batches + demo_batches, loss_fn, keep_logprobs=kept,
                                     with_entropy=loss.entropy_coef > 0.0)
             for row, values in (kept or {}).items():
                 trainer_logprobs.setdefault(train[row], values)  # type: ignore[union-attr]
-            weight = metrics["policy/response_tokens"]
+            weight = metrics["policy/response_tokens"] + metrics["sft/tokens"]
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + value * weight
             tokens += weight
+            rollout_tokens += metrics["policy/response_tokens"]
             steps += 1
-            micro_batches += len(batches)
-            over_budget += sum(mb.over_budget for mb in batches)
+            micro_batches += len(batches) + len(demo_batches)
+            over_budget += sum(mb.over_budget for mb in batches + demo_batches)
             bar.update()
     bar.close()
     out = {key: value / max(tokens, 1.0) for key, value in sums.items()}
-    out["policy/response_tokens"] = tokens
+    out["policy/response_tokens"] = rollout_tokens
     out["update/optimizer_steps"] = float(steps)
     out["update/micro_batches"] = float(micro_batches)
     out["update/micro_batches_over_budget"] = float(over_budget)
     out["update/processes"] = float(distributed.world(policy.accelerator)[1])
     return out
+
+
+def run_sft(policy: Policy, demos: Sequence[Transition], batching: BatchingConfig, pad_id: int) -> dict[str, float]:
+    """One SFT step: one optimizer step on the NLL of ``demos``' response tokens (``algorithm/loss.sft_loss``);
+    its metrics (``sft/nll``, ``sft/tokens``, ``sft/demonstrations``, ``sft/skipped``: those the learner cannot
+    use, ``policy/grad_norm``, ``update/micro_batches``)."""
+    batches, skipped = demonstration_batches(demos, budget_for(batching, policy.device.type), pad_id)
+    metrics = {"sft/demonstrations": float(len(demos) - skipped), "sft/skipped": float(skipped),
+               "update/micro_batches": float(len(batches))}
+    if batches:
+        metrics.update(policy.update(batches, with_demonstrations(None, 1.0, batches)))
+        del metrics["policy/vllm_logprob_gap"], metrics["policy/response_tokens"]
+    return metrics
+
+
+def demonstration_batches(demos: Sequence[Transition], batching: BatchingConfig, pad_id: int
+                          ) -> tuple[list[MicroBatch], int]:
+    """``demos`` packed into micro-batches marked as demonstrations, and how many were left out as the learner
+    cannot use them (``batching.keep_usable``: a prompt over ``batching.max_prompt_tokens``, say)."""
+    stand_ins = [(replace(t, logprobs=[0.0] * len(t.response_ids)), 0.0) for t in demos]  # the layout's
+    usable, _ = keep_usable(stand_ins, batching)
+    batches = make_micro_batches([t for t, _ in usable], [0.0] * len(usable), batching, pad_id) if usable else []
+    for mb in batches:
+        mb.demonstrations = True
+    return batches, len(demos) - len(usable)
+
+
+def with_demonstrations(loss_fn: Callable[..., Any] | None, weight: float, demo_batches: Sequence[MicroBatch]
+                        ) -> Callable[..., Any]:
+    """``loss_fn`` for the rollouts' micro-batches, and ``weight`` times the NLL over all ``demo_batches``' tokens
+    for theirs (``sft_loss``, with the step's demonstration tokens as its normaliser)."""
+    if not demo_batches:
+        return loss_fn
+    normalizer = float(max(sum(mb.n_response_tokens for mb in demo_batches), 1))
+
+    def mixed(logp: torch.Tensor, mb: MicroBatch, entropy: torch.Tensor | None = None,
+              ref: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        if mb.demonstrations:
+            return sft_loss(logp, mb.response_mask.bool(), normalizer, weight)
+        return loss_fn(logp, mb, entropy, ref)
+
+    return mixed
 
 
 def fill_guided_logprobs(policy: Policy, pairs: Sequence[tuple[Transition, float]], batching: BatchingConfig,

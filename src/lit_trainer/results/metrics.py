@@ -139,11 +139,16 @@ def step_line(step: int, steps: int, m: dict[str, float]) -> str:
         value = m.get(key)
         return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, fmt)
 
+    if "sft/demonstrations" in m:  # an SFT step (rollouts/demonstrations.py)
+        return (f"step {step}/{steps}  SFT on {f('sft/demonstrations', '.0f')} demonstrations  nll {f('sft/nll')}  "
+                f"time update {f('time/update', '.0f')}s sync {f('time/sync', '.1f')}s")
     more = f" +{f('sampling/extra_rollouts', '.0f')} drawn more" if m.get("sampling/extra_rollouts") else ""
     if m.get("curriculum/resting_tasks"):
         more += f" {f('curriculum/resting_tasks', '.0f')} resting"
     if m.get("guidance/groups"):
         more += f" {f('guidance/groups', '.0f')} guided"
+    if "sft/nll" in m:
+        more += f" sft nll {f('sft/nll')}"
     return (f"step {step}/{steps}  reward {f('reward/mean')}  acc {f('accuracy')}  "
             f"rollouts {f('rollouts/succeeded', '.0f')}/{f('rollouts/requested', '.0f')} "
             f"(failed {f('rollouts/failed', '.0f')}){more}  kl {f('loss/approx_kl', '.1e')}  "

@@ -207,6 +207,11 @@ class RunFolder:
         return new, previous
 
     @property
+    def demonstrations(self) -> Path:
+        """The demonstrations the run collected for ``[sft]`` (``rollouts/demonstrations.save``)."""
+        return self.dir / "demonstrations.jsonl"
+
+    @property
     def curve(self) -> Path:
         return self.dir / "curve.png"
 

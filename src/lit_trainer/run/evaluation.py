@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from lit_trainer.config import TrainConfig
+from lit_trainer.learner import checkpoint as ckpt
 from lit_trainer.models.folders import check_context, check_model_folder, resolve_model
 from lit_trainer.progress import quiet_library_bars
 from lit_trainer.results.metrics import MetricsLog
@@ -54,13 +55,15 @@ def evaluate(cfg: TrainConfig, checkpoint: str | Path | None = None, output: Pat
     latest) or of the base model when None; also written as JSON to ``output``. Its store, result and config go
     into ``output_dir``, by default beside the evaluated run (``runs.eval_folder``: ``RUN/eval/step-N``), where
     ``lit show --run`` opens them. The result holds the metrics and what was evaluated: ``model`` (the folder vLLM
-    served), ``evaluated`` (in words), ``step`` (the checkpoint's, 0 for the base model), ``tasks`` and
-    ``output_dir``."""
+    served), ``evaluated`` (in words), ``step`` (the checkpoint's, 0 for the base model), ``phase`` (``sft`` for a
+    checkpoint of an SFT step, ``rl``, or ``base``), ``tasks`` and ``output_dir``."""
     quiet_library_bars()
-    model, step, what, found = cfg.model, 0, f"the base model {cfg.model}", None
+    model, step, what, found, phase = cfg.model, 0, f"the base model {cfg.model}", None, "base"
     if checkpoint:
         found = resolve_checkpoint(checkpoint)
-        model, step, what = str(found.model_dir), found.step, f"checkpoint {found.path} (step {found.step})"
+        phase = ckpt.saved_state(found).phase
+        model, step = str(found.model_dir), found.step
+        what = f"checkpoint {found.path} (step {found.step}{', an SFT step' if phase == 'sft' else ''})"
         cfg = replace(cfg, model=model, inference=replace(cfg.inference, model=model))
     run = RunFolder(output_dir or eval_folder(found, cfg.train.output_dir))
     if run.store.exists():  # a training run's store: lit show would open it, not the eval's
@@ -78,7 +81,7 @@ def evaluate(cfg: TrainConfig, checkpoint: str | Path | None = None, output: Pat
         log = MetricsLog(run.eval_metrics)
         with services(cfg, run.eval_store, run.spool, run.keys) as svc:
             metrics = validate(svc.runner, val_tasks, log, step, 0.0, title=what)
-    result = {"model": model, "evaluated": what, "step": step, "tasks": len(val_tasks),
+    result = {"model": model, "evaluated": what, "step": step, "phase": phase, "tasks": len(val_tasks),
               "output_dir": str(run.dir), **metrics}
     if output:
         output.write_text(json.dumps(result, indent=2))

@@ -29,6 +29,7 @@ import torch
 
 from lit_trainer.config import TrainConfig, TrainLoopConfig, changed_settings, override_key
 from lit_trainer.engine.fleet import SERVING_DTYPES
+from lit_trainer.intake.episodes import Transition
 from lit_trainer.intake.rows import Store
 from lit_trainer.learner import checkpoint as ckpt
 from lit_trainer.learner import distributed
@@ -39,11 +40,13 @@ from lit_trainer.results.metrics import STEP_LINE_LEGEND, MetricsLog, step_line
 from lit_trainer.results.metrics import read as read_metrics
 from lit_trainer.results.plots import plot_curve
 from lit_trainer.results.runs import Checkpoint, RunFolder
+from lit_trainer.rollouts import demonstrations
 from lit_trainer.rollouts.curriculum import Curriculum
+from lit_trainer.rollouts.demonstrations import batch_of
 from lit_trainer.rollouts.feed import StepFeed, StepPlan
 from lit_trainer.rollouts.guidance import guide, reference_encoder
 from lit_trainer.rollouts.runner import RolloutBatch, RolloutsFailed
-from lit_trainer.run import pipeline
+from lit_trainer.run import demonstration_sources, pipeline
 from lit_trainer.run.evaluation import validate
 from lit_trainer.run.preflight import Ready, preflight
 from lit_trainer.run.services import Services, services
@@ -174,17 +177,20 @@ def _train(cfg: TrainConfig, ready: Ready, state: ckpt.TrainState, trainers: Tra
         curriculum.load(state.curriculum)  # what rested when the checkpoint was written
     plan = StepPlan(cfg.rollouts, train.steps, train.seed, cfg.agent.temperature)
     encode = reference_encoder(ready.base_dir) if ready.references else None
+    demos, state = _demonstrations(cfg, ready, svc, log, state)
     # leaving on an error, the rollouts running ahead end before the services stop under them (StepFeed.abort)
     with StepFeed(svc.runner, ready.train_tasks, plan, curriculum) as feed:
         print(f"lit: {STEP_LINE_LEGEND}", file=sys.stderr)
         while not _done(train, state):
             t0, restarts, step = time.perf_counter(), svc.fleet.restarts, state.step + 1
-            metrics = _step(cfg, step, feed.take(state.step), trainers, svc, ready, encode)
+            phase = "sft" if step <= cfg.sft.steps else "rl"
+            metrics = (_sft_step(cfg, step, demos, trainers, svc) if phase == "sft" else
+                       _step(cfg, step, feed.take(state.step), trainers, svc, ready, encode, demos))
             minutes = state.minutes + (time.perf_counter() - t0) / 60
-            state = ckpt.TrainState(step, minutes, str(step), curriculum.state() if curriculum else None)
+            state = ckpt.TrainState(step, minutes, str(step), curriculum.state() if curriculum else None, phase)
             metrics.update({"engine/restarts": float(svc.fleet.restarts - restarts), "minutes": minutes,
                             **memory_gb(svc.fleet.pids)})
-            log.log(step, metrics)
+            log.log(step, metrics, kind="sft" if phase == "sft" else "train")
             print(step_line(step, train.steps, metrics), flush=True)
             if train.val_every and (step % train.val_every == 0 or _done(train, state)):
                 feed.finish_ahead()  # validation needs the workers to itself
@@ -194,10 +200,47 @@ def _train(cfg: TrainConfig, ready: Ready, state: ckpt.TrainState, trainers: Tra
     return last_val
 
 
+def _demonstrations(cfg: TrainConfig, ready: Ready, svc: Services, log: MetricsLog, state: ckpt.TrainState
+                    ) -> tuple[list[Transition], ckpt.TrainState]:
+    """The run's demonstrations (``[sft]``): those it collected before, or collected now (their minutes counted)
+    and saved for a resume; and the state with those minutes."""
+    if not cfg.sft.on:
+        return [], state
+    path = ready.out.demonstrations
+    if ready.start and path.exists():  # a run started over collects them again: its config may have changed
+        demos = demonstrations.load(path)
+        print(f"lit: {len(demos)} demonstrations read back from {path}", file=sys.stderr)
+        return demos, state
+    t0 = time.perf_counter()
+    demos, metrics = demonstration_sources.collect(cfg.sft, svc.runner, ready.train_tasks, ready.base_dir,
+                                            cfg.train.success_reward, cfg.inference.max_model_len)
+    demonstrations.save(path, demos)
+    seconds = time.perf_counter() - t0
+    log.log(state.step, {**metrics, "time/collect": seconds}, kind="demonstrations")
+    print(f"lit: {len(demos)} demonstrations from sft.source = {cfg.sft.source!r} in {seconds:.0f} s, saved to "
+          f"{path}", file=sys.stderr)
+    return demos, replace(state, minutes=state.minutes + seconds / 60)
+
+
+def _sft_step(cfg: TrainConfig, step: int, demos: list[Transition], trainers: Trainers, svc: Services
+              ) -> dict[str, float]:
+    """One SFT step: an optimizer step on a batch of demonstrations, the push into vLLM and the sync check when
+    due; its metrics."""
+    chosen = [demos[i] for i in batch_of(len(demos), cfg.sft.batch_size, step, cfg.train.seed)]
+    with svc.fleet.hold():
+        job = pipeline.UpdateJob([], _pad_id(trainers.policy), seed=cfg.train.seed * 100_003 + step,
+                                 learning_rate=cfg.sft.learning_rate or cfg.policy.learning_rate, demos=chosen,
+                                 sft=True)
+        metrics = trainers.update(job, cfg, svc.store)
+        metrics.update(pipeline.push(svc.fleet, trainers.gather(), step))
+    pairs = [(t, 0.0) for t in chosen]
+    return {**metrics, **pipeline.check(svc.fleet, trainers.policy, pairs, cfg, step, trainers.score)}
+
+
 def _step(cfg: TrainConfig, step: int, batch: RolloutBatch, trainers: Trainers, svc: Services, ready: Ready,
-          encode: Callable[[str], list[int]] | None) -> dict[str, float]:
-    """One step after its rollouts: the episodes prepared (LightningRL), the update, the push into vLLM and the
-    sync check when due; the step's metrics."""
+          encode: Callable[[str], list[int]] | None, demos: list[Transition]) -> dict[str, float]:
+    """One step after its rollouts: the episodes prepared (LightningRL), the update (with the SFT term on a batch
+    of ``demos``, ``sft.weight``), the push into vLLM and the sync check when due; the step's metrics."""
     nothing = batch.nothing_to_train()
     if nothing:  # a broken agent, tasks it cannot run, a wrong agent.agents: stop now, not after N
         raise RolloutsFailed(f"step {step}: {nothing}. No step can train on that: fix the agent or the config (run "
@@ -211,13 +254,16 @@ def _step(cfg: TrainConfig, step: int, batch: RolloutBatch, trainers: Trainers, 
     work = pipeline.prepare(episodes, cfg, step, batch.dispatched_version)
     svc.store.save_advantages(work.advantages)
     metrics = {**batch.metrics, **guided, **work.metrics}
-    if work.trains:
+    sft = [demos[i] for i in batch_of(len(demos), cfg.sft.batch_size, step, cfg.train.seed)] if cfg.sft.weight else []
+    if work.trains or sft:
         with svc.fleet.hold():  # no server is started again with weights half updated (async rollouts)
             job = pipeline.UpdateJob(work.pairs, _pad_id(trainers.policy), seed=cfg.train.seed * 100_003 + step,
-                                     learning_rate=pipeline.learning_rate(cfg, step))
+                                     learning_rate=pipeline.learning_rate(cfg, step), demos=sft,
+                                     sft_weight=cfg.sft.weight)
             metrics.update(trainers.update(job, cfg, svc.store))
             metrics.update(pipeline.push(svc.fleet, trainers.gather(), step))
-        metrics.update(pipeline.check(svc.fleet, trainers.policy, work.pairs, cfg, step, trainers.score))
+        pairs = work.pairs or [(t, 0.0) for t in sft]
+        metrics.update(pipeline.check(svc.fleet, trainers.policy, pairs, cfg, step, trainers.score))
     return metrics
 
 

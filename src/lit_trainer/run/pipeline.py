@@ -33,7 +33,7 @@ from lit_trainer.engine.weight_sync import WeightSyncError
 from lit_trainer.intake.episodes import Episode, Transition, unsupported_sampling
 from lit_trainer.intake.rows import AdvantageRow, Store
 from lit_trainer.learner.batching import SAMPLING_FIX, keep_usable
-from lit_trainer.learner.schedule import drop_stale, learning_rate_at, mask_overlong, run_update
+from lit_trainer.learner.schedule import drop_stale, learning_rate_at, mask_overlong, run_sft, run_update
 
 if TYPE_CHECKING:
     from lit_trainer.learner.policy import Policy
@@ -67,6 +67,12 @@ class UpdateJob:
     seed: int
     learning_rate: float
     """The step's rate (``policy.lr_schedule``)."""
+    demos: Sequence[Transition] = ()
+    """Demonstrations (rollouts/demonstrations.py): an SFT step's (``sft``), or the SFT term's during RL."""
+    sft_weight: float = 0.0
+    """The SFT term's weight during RL (``sft.weight``)."""
+    sft: bool = False
+    """An SFT step: the NLL of ``demos`` alone (``learner/schedule.run_sft``); ``pairs`` is empty."""
 
 
 def prepare(episodes: Sequence[Episode], cfg: TrainConfig, step: int, dispatched: int | None = None) -> Prepared:
@@ -119,8 +125,11 @@ def update(policy: Policy, job: UpdateJob, cfg: TrainConfig, store: Store | None
     t0 = time.perf_counter()
     trainer_logprobs: dict[int, list[float]] = {}
     policy.set_learning_rate(job.learning_rate)
-    metrics = run_update(policy, job.pairs, cfg.update, cfg.loss, cfg.batching, job.pad_id, seed=job.seed,
-                         trainer_logprobs=trainer_logprobs)
+    if job.sft:
+        metrics = run_sft(policy, job.demos, cfg.batching, job.pad_id)
+    else:
+        metrics = run_update(policy, job.pairs, cfg.update, cfg.loss, cfg.batching, job.pad_id, seed=job.seed,
+                             trainer_logprobs=trainer_logprobs, demos=job.demos, sft_weight=job.sft_weight)
     if store is not None:
         store.save_trainer_logprobs((job.pairs[i][0].rollout_id, job.pairs[i][0].index, values)
                                     for i, values in trainer_logprobs.items())

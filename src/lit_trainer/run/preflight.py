@@ -15,7 +15,8 @@ from lit_trainer.models.folders import ModelError, check_context, check_model_fo
 from lit_trainer.results.runs import Checkpoint, RunFolder
 from lit_trainer.results.trackers import check_wandb_login
 from lit_trainer.rollouts.curriculum import check_rest_by
-from lit_trainer.rollouts.guidance import check_references, references_of
+from lit_trainer.rollouts.demonstrations import check_task_references
+from lit_trainer.rollouts.guidance import check_references, reference_encoder, references_of
 from lit_trainer.rollouts.tasks import load_tasks
 from lit_trainer.run.services import check_agent, check_ports
 
@@ -72,6 +73,10 @@ def preflight(cfg: TrainConfig, resume: bool, out: RunFolder) -> Ready:
         raise ConfigError(problem)
     if cfg.rollouts.guidance and (problem := check_references(train_tasks)):
         raise ConfigError(problem)
+    if cfg.sft.source == "references" and (problem := check_task_references(train_tasks, cfg.agent.agents)):
+        raise ConfigError(problem)
+    if cfg.sft.source == "store" and (problem := check_store(cfg.sft.store, cfg.model)):
+        raise ConfigError(problem)
     check_agent(cfg)  # importable, @lit.trace, (task, llm)
     if distributed.is_launch_main():  # the process that starts the services and whose tracker logs
         check_ports(cfg)  # a busy fixed port
@@ -79,10 +84,43 @@ def preflight(cfg: TrainConfig, resume: bool, out: RunFolder) -> Ready:
     base_dir = resolve_model(cfg.model)
     check_model_folder(base_dir, weights=False)  # vLLM serves it with its tokenizer; the policy checks the weights
     check_context(base_dir, cfg.inference.max_model_len)
+    if cfg.sft.source == "references" and (problem := check_reference_lengths(train_tasks, base_dir,
+                                                                              cfg.inference.max_model_len)):
+        raise ConfigError(problem)
     if start is not None and (problem := ckpt.other_model(start, base_dir)):
         raise ConfigError(problem)
     references = references_of(train_tasks) if cfg.rollouts.guidance else {}
     return Ready(out, start, train_tasks, val_tasks, references, base_dir)
+
+
+def check_store(run_dir: str, model: str) -> str | None:
+    """Why ``sft.store`` cannot give demonstrations to a run of ``model``, or None: it is a run that served the same
+    model (its token ids are that model's)."""
+    out = RunFolder(run_dir)
+    if not out.store.is_file():
+        return f"sft.store = {run_dir!r} is not a run's output folder: it has no {out.store.name}"
+    try:
+        served = out.saved_config().get("model")
+    except (OSError, ValueError):
+        served = None
+    if served is not None and served != model:
+        return (f"sft.store = {run_dir!r} is a run of the model {served!r}, not {model!r}: its token ids are that "
+                "model's; give a run of this model")
+    return None
+
+
+def check_reference_lengths(tasks: list[dict], model_dir: Path, context: int) -> str | None:
+    """The first training task whose reference alone does not fit ``context`` tokens (``inference.max_model_len``)
+    under the model's tokenizer, with its position; None when all do."""
+    encode = reference_encoder(model_dir)
+    for position, task in enumerate(tasks, 1):
+        reference = task.get("reference")
+        texts = reference.values() if isinstance(reference, dict) else [reference] if reference else []
+        for text in texts:
+            if len(encode(text)) >= context:
+                return (f"training task {position} (id {task.get('id')!r}) has a reference of {len(encode(text))} "
+                        f"tokens, which with any prompt is over inference.max_model_len = {context}")
+    return None
 
 
 def memory_of(cfg: TrainConfig) -> str:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from lit_trainer.algorithm.loss import LossConfig, policy_loss
+from lit_trainer.algorithm.loss import LossConfig, policy_loss, sft_loss
 
 LN = math.log
 
@@ -252,3 +252,15 @@ def test_shapes_are_checked():
         policy_loss(new, old, torch.zeros(3), torch.ones(2, 3, dtype=torch.bool), PLAIN)
     with pytest.raises(AssertionError, match="mask"):
         policy_loss(new, old, ADV, torch.ones(2, 4, dtype=torch.bool), PLAIN)
+
+
+def test_the_sft_loss_is_the_weighted_nll_of_the_response_tokens_over_the_normaliser():
+    """Two rows, three response tokens in all (the rest masked): NLL 0.5 + 1.0 + 2.0 = 3.5; normaliser 7 (the
+    step's demonstration tokens), weight 0.5: 0.5 * 3.5 / 7 = 0.25; the metric is the micro-batch's own mean."""
+    logp = torch.tensor([[-9.0, -0.5, -1.0], [-9.0, -9.0, -2.0]], requires_grad=True)
+    mask = torch.tensor([[False, True, True], [False, False, True]])
+    loss, metrics = sft_loss(logp, mask, normalizer=7.0, weight=0.5)
+    assert loss.item() == pytest.approx(0.25)
+    assert metrics == {"sft/nll": pytest.approx(3.5 / 3)}
+    loss.backward()
+    assert_close(logp.grad, torch.tensor([[0.0, -0.5 / 7, -0.5 / 7], [0.0, 0.0, -0.5 / 7]]))

@@ -24,6 +24,7 @@ from lit_trainer.learner.schedule import (
     fill_guided_logprobs,
     learning_rate_at,
     mask_overlong,
+    run_sft,
     run_update,
     split,
 )
@@ -291,3 +292,43 @@ def test_a_guided_response_gets_the_trainers_own_logprobs_and_is_pulled_up(tiny_
     metrics = run_update(policy, pairs, UpdateConfig(), LossConfig(), BATCHING, 0, 0)
     assert metrics["policy/response_tokens"] == 3 + 5 + 6
     assert float(own().sum()) > float(before.sum()) + 1e-3
+
+
+def test_an_sft_step_raises_the_demonstrations_likelihood_and_reports_its_nll(tiny_model: Path):
+    """``run_sft``: one optimizer step on the NLL of the demonstrations' response tokens (no behaviour logprobs);
+    ``sft/nll`` is their mean NLL per token before the step, as computed by hand from the policy's logprobs."""
+    demos = [replace(t, logprobs=None) for t in rows([(4, 3), (6, 5)], seed=11)]
+    policy = Policy(PolicyConfig(model=str(tiny_model), learning_rate=1e-2))
+    probe = make_micro_batches([replace(t, logprobs=[0.0] * len(t.response_ids)) for t in demos], [0.0, 0.0],
+                               BATCHING, pad_id=0)[0]
+
+    def likelihood() -> torch.Tensor:
+        with torch.no_grad():
+            return policy.token_logprobs(probe)[0][probe.response_mask.bool()]  # (8,)
+
+    before = likelihood()
+    metrics = run_sft(policy, demos, BATCHING, 0)
+    assert metrics["sft/demonstrations"] == 2 and metrics["sft/tokens"] == 8 and metrics["sft/skipped"] == 0
+    assert metrics["sft/nll"] == pytest.approx(float(-before.mean()), rel=1e-4)
+    assert float(likelihood().sum()) > float(before.sum()) + 1e-3
+
+
+def test_the_sft_term_joins_the_rl_step_in_one_optimizer_step(tiny_model: Path):
+    """``run_update`` with demonstrations: one optimizer step whose gradient is the policy gradient's plus
+    ``sft_weight`` times the NLL's (each with its own normaliser); the rollouts' metrics are averaged over their
+    own tokens only."""
+    pairs = [(t, 1.0) for t in rows([(4, 3)])]
+    demos = [replace(t, logprobs=None) for t in rows([(5, 4)], seed=3)]
+    grads = {}
+    for name, weight, given in (("rl", 0.0, []), ("sft", 1.0, None), ("both", 0.5, demos)):
+        policy = Policy(PolicyConfig(model=str(tiny_model), learning_rate=1e-2, max_grad_norm=0))  # unclipped
+        captured = first_gradient(policy)
+        if given is None:
+            run_sft(policy, demos, BATCHING, 0)
+        else:
+            metrics = run_update(policy, pairs, UpdateConfig(), LossConfig(), BATCHING, 0, 0, demos=given,
+                                 sft_weight=weight)
+            assert metrics["update/optimizer_steps"] == 1 and metrics["policy/response_tokens"] == 3
+        grads[name] = captured[0]
+    assert_close(grads["both"], grads["rl"] + 0.5 * grads["sft"], atol=1e-6, rtol=1e-4)
+    assert metrics["sft/nll"] > 0 and "loss/ratio_mean" in metrics
