@@ -87,6 +87,14 @@ LLM_CHOICES = "lit.llm.choices"
 """How many choices the engine returned; only choice 0's ids are recorded."""
 LLM_TOKEN_IDS_MISSING = "lit.llm.token_ids_missing"
 """True when the engine did not return token ids (not a lit-managed engine, or an old vLLM)."""
+LLM_REQUEST_MESSAGES = "lit.llm.request_messages"
+"""On an engine call to a teacher (an API lit does not train): the chat request's ``messages`` as a JSON string (the
+translated chat request for the Responses and Messages APIs), from which the trainer tokenizes a demonstration."""
+LLM_REQUEST_TOOLS = "lit.llm.request_tools"
+"""On an engine call to a teacher: the chat request's ``tools`` as a JSON string; absent when it offered none."""
+LLM_RESPONSE_MESSAGE = "lit.llm.response_message"
+"""On an engine call to a teacher: the answer's assistant message (choice 0) as a JSON string
+``{"content": ..., "tool_calls": [...]}``, streamed answers put together."""
 
 # Reward span.
 REWARD_VALUE = "lit.reward.value"

@@ -183,6 +183,25 @@ def build_episode(spans: Iterable[SpanRecord], agents: Collection[str] | None = 
     return Episode(rollout_id, task_id, attempt, transitions, final, episode_return, rewards, skipped)
 
 
+def rollout_return(spans: Iterable[SpanRecord]) -> float | None:
+    """A rollout's return as ``build_episode`` takes it (the traced function's numeric return, else the sum of the
+    root's ``lit.reward`` values), read without its LLM calls: a teacher's carry no token ids, so its rollouts give
+    no episode (``rollouts/teacher.py``). None when the root has not arrived or failed, or there is no reward, or
+    one that is not finite and within ``REWARD_LIMIT``."""
+    unique = _dedupe(spans)
+    root = next((s for s in unique.values() if s.name == sc.ROLLOUT_SPAN and s.parent_id is None), None)
+    if root is None or root.status == STATUS_ERROR:
+        return None
+    final = root.attributes.get(sc.ROLLOUT_RETURN_REWARD)
+    if final is not None:
+        return float(final) if _reward_ok(final) else None
+    values = [s.attributes.get(sc.REWARD_VALUE) for s in _descendants(root, with_engine_calls(unique, root))
+              if s.name == sc.REWARD_SPAN]
+    if not values or not all(_reward_ok(v) for v in values) or not _reward_ok(sum(values)):
+        return None
+    return float(sum(values))
+
+
 _TIME_ORDER = attrgetter("start_ns", "end_ns", "span_id")
 """Calls and rewards in time order (ties: end time, then span id)."""
 

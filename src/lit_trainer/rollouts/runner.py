@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from lit_sdk.resources import LLM
 from lit_trainer.engine.fleet import Fleet, first_line
 from lit_trainer.engine.server import ServerDiedError
 from lit_trainer.intake.collector import Collector
@@ -82,6 +83,9 @@ class RolloutBatch:
     unusable: dict[str, str] = field(default_factory=dict)
     """Why rollouts that succeeded gave no episode, by reason (``rollouts/unusable_<reason>``): its words and the
     first such rollout's detail (``gather_episodes``)."""
+    outcomes: list[Outcome] = field(default_factory=list)
+    """What became of each rollout, in the order they ended (a teacher's rollouts are read from them: they give no
+    episode, ``rollouts/teacher.py``)."""
 
     def nothing_to_train(self) -> str | None:
         """When no rollout gave an episode (every one failed, or gave nothing to train on: no LLM call of the
@@ -144,7 +148,7 @@ class RolloutRunner:
             self.watch()
 
     def run(self, tasks: list[dict], group: int, temperature: float, step: int, label: str, version: int,
-            enough: Callable[[int], bool] | None = None, restarts: int = 0) -> RolloutBatch:
+            enough: Callable[[int], bool] | None = None, restarts: int = 0, llm: LLM | None = None) -> RolloutBatch:
         """``group`` rollouts of each task, recorded under ``step`` (the store's count: steps.py); ``label`` names
         them (ids, progress bar: ``steps.training_label``, ``steps.validation_label``); ``version``: the weight
         version the engine holds as they are handed out. ``enough`` (``Dispatcher.run``): told how many groups
@@ -152,12 +156,12 @@ class RolloutRunner:
         returns them (``rollouts/carried_groups``: groups of an earlier step returned by this call,
         ``rollouts/groups_in_flight``: groups this call left running).
         ``restarts``: how many times a vLLM server that died is started again and the rollouts run again before
-        the error goes up."""
+        the error goes up. ``llm``: what every rollout calls instead of the fleet's servers (a teacher)."""
         for restart in range(restarts + 1):
             seen = self.fleet.restarts
             try:
                 attempt = f"{label}-restart{restart}" if restart else label
-                return self._run(tasks, group, temperature, step, attempt, version, enough)
+                return self._run(tasks, group, temperature, step, attempt, version, enough, llm)
             except ServerDiedError as exc:
                 if restart == restarts:
                     raise
@@ -166,8 +170,8 @@ class RolloutRunner:
         raise AssertionError("unreachable")
 
     def _run(self, tasks: list[dict], group: int, temperature: float, step: int, label: str, version: int,
-             enough: Callable[[int], bool] | None) -> RolloutBatch:
-        llms = [s.llm(temperature, self.agent.max_tokens) for s in self.fleet.servers]
+             enough: Callable[[int], bool] | None, llm: LLM | None = None) -> RolloutBatch:
+        llms = [llm] if llm is not None else [s.llm(temperature, self.agent.max_tokens) for s in self.fleet.servers]
         requests = [RolloutRequest(f"{self.session}-{label}-t{t['id']}-g{g}", str(t["id"]), t,
                                    llms[server_of(k, len(tasks), step, len(llms))], step, version)
                     for k, t in enumerate(tasks) for g in range(group)]
@@ -196,4 +200,4 @@ class RolloutRunner:
         dispatched = min((o.request.version for o in outcomes), default=version)
         failures = [o.errors[-1] if o.errors else o.status.value for o in outcomes
                     if o.status is not RolloutStatus.SUCCEEDED]
-        return RolloutBatch(episodes, metrics, dispatched, failures, unusable)
+        return RolloutBatch(episodes, metrics, dispatched, failures, unusable, outcomes)

@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -104,13 +104,14 @@ def with_keys(cfg: TrainConfig, run_keys: Path) -> tuple[Path, TrainConfig]:
 
 
 @contextlib.contextmanager
-def services(cfg: TrainConfig, store_path: Path, spool_dir: Path, keys_dir: Path, weights: Weights | None = None
-             ) -> Iterator[Services]:
+def services(cfg: TrainConfig, store_path: Path, spool_dir: Path, keys_dir: Path, weights: Weights | None = None,
+             teachers: Sequence[tuple[str, str]] = ()) -> Iterator[Services]:
     """Start everything rollouts need, and stop it all (workers, dispatcher, vLLM, collector, store) on the way
     out. ``weights``: what gives the policy's current weights when the fleet takes them (training); None:
     the fleet only serves (``lit eval``). Local workers spool undelivered spans into ``spool_dir``. The
     channels' keys: ``[security] keys_dir``, or the run's own in ``keys_dir`` (``with_keys``). The caller has
-    checked the agent (``check_agent``: ``preflight``, ``evaluate``)."""
+    checked the agent (``check_agent``: ``preflight``, ``evaluate``). ``teachers``: the endpoints lit's gateway
+    also serves rollouts from (``rollouts.teacher.Teacher.upstream``), for ``rollouts.teacher.collect``."""
     folder, cfg = with_keys(cfg, keys_dir)
     keys = security.load_server_keys(folder)
     with contextlib.ExitStack() as stack:
@@ -124,7 +125,7 @@ def services(cfg: TrainConfig, store_path: Path, spool_dir: Path, keys_dir: Path
         stack.callback(fleet.stop)
         fleet.launch()  # vLLM loads while the workers start: their URLs are known now
         servers = [s.openai_url for s in fleet.servers]
-        gateway = stack.enter_context(Gateway(store, servers, cfg.inference.host))
+        gateway = stack.enter_context(Gateway(store, servers, cfg.inference.host, teachers=teachers))
         dispatcher = stack.enter_context(Dispatcher(store, cfg.dispatch_endpoint.endpoint, collector.endpoint,
                                                     servers, cfg.dispatch, keys=keys, gateway=gateway))
         env = {**os.environ, "LIT_SPOOL_DIR": str(spool_dir), security.KEYS_ENV: str(folder)}

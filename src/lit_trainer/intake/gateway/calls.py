@@ -6,6 +6,10 @@ vLLM's chat and text completions return the engine's ids when asked (``return_to
 ``prompt_token_ids`` (chat: at the top; text: on the choice) and ``choices[i].token_ids``; a stream has the
 prompt's ids in its first chunk and each chunk the ids of its piece. Logprobs come as ``logprobs.content[].logprob``
 (chat) or ``logprobs.token_logprobs`` (text).
+
+A call to a teacher (an OpenAI-compatible API lit does not train: ``teacher=True``) is sent as the client asked,
+without lit's additions, and returns no ids; its record carries the chat request and the answer's assistant message
+instead, from which the trainer tokenizes a demonstration (``rollouts/teacher.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ from lit_sdk import semconv as sc
 from lit_sdk.openai_instrumentor import sampling_attributes
 from lit_sdk.protocol import STATUS_ERROR, STATUS_OK, SpanRecord
 
+LIT_ADDITIONS = ("return_token_ids", "logprobs", "top_logprobs")
+"""What lit (the gateway, or the SDK in the agent's process) adds to a request for vLLM, left out of a request to a
+teacher: a real API refuses the first, and lit has no use for the others there."""
 VERSION_HEADER = "x-lit-weight-version"
 """The header lit's route guard adds to vLLM's answers: the engine's weight version when the request arrived."""
 
@@ -26,8 +33,14 @@ VERSION_HEADER = "x-lit-weight-version"
 class Call:
     """One call being served; ``take_answer`` or ``take_chunk`` as vLLM answers, then ``record()``."""
 
-    def __init__(self, api: str, rollout_id: str, body: dict, agent: str | None, call_id: str | None):
+    def __init__(self, api: str, rollout_id: str, body: dict, agent: str | None, call_id: str | None,
+                 teacher: bool = False):
         self.api, self.rollout_id, self.body, self.agent, self.call_id = api, rollout_id, body, agent, call_id
+        self.teacher = teacher
+        self.chat_request: dict = {}
+        """A teacher's call: the chat request it was sent (the client's, or its translation)."""
+        self.message: dict[str, Any] = {"content": None, "tool_calls": []}
+        """A teacher's call: the answer's assistant message, streamed pieces put together."""
         self.streamed = body.get("stream") is True
         self.start_ns = time.time_ns()
         self.prompt_ids: list[int] | None = None
@@ -46,6 +59,9 @@ class Call:
         """The chat or text request sent to vLLM: the client's (or its translation) asking for the engine's ids
         and the sampled tokens' logprobs."""
         self.sampling = sampling_attributes(request)
+        if self.teacher:
+            self.chat_request = request
+            return {k: v for k, v in request.items() if k not in LIT_ADDITIONS}
         out = {**request, "return_token_ids": True}
         if "messages" in out:
             out["logprobs"] = True
@@ -95,6 +111,32 @@ class Call:
                 self.logprobs.extend(logprobs["token_logprobs"])
         if choice.get("finish_reason"):
             self.finish_reason = str(choice["finish_reason"])
+        if self.teacher:
+            self._take_message(choice)
+
+    def _take_message(self, choice: dict) -> None:
+        """A teacher's assistant message: whole (``message``), or a stream's piece of it (``delta``: content to
+        append, tool calls by ``index`` whose arguments come in pieces)."""
+        message = choice.get("message")
+        if isinstance(message, dict):
+            self.message = {"content": message.get("content"), "tool_calls": list(message.get("tool_calls") or [])}
+            return
+        delta = choice.get("delta")
+        if not isinstance(delta, dict):
+            return
+        if isinstance(delta.get("content"), str):
+            self.message["content"] = (self.message["content"] or "") + delta["content"]
+        calls = self.message["tool_calls"]
+        for piece in delta.get("tool_calls") or ():
+            index = piece.get("index", len(calls)) if isinstance(piece, dict) else None
+            if not isinstance(index, int) or not 0 <= index <= len(calls):
+                continue
+            if index == len(calls):
+                calls.append({"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+            call, function = calls[index], piece.get("function") or {}
+            call["id"] = piece.get("id") or call["id"]
+            call["function"]["name"] += function.get("name") or ""
+            call["function"]["arguments"] += function.get("arguments") or ""
 
     def record(self) -> SpanRecord:
         """The call as a ``lit.engine.call`` span of its rollout attempt."""
@@ -112,6 +154,11 @@ class Call:
                 attrs[sc.LLM_RESPONSE_LOGPROBS] = [float(x) for x in self.logprobs]
         else:
             attrs[sc.LLM_TOKEN_IDS_MISSING] = True
+        if self.teacher:
+            attrs[sc.LLM_REQUEST_MESSAGES] = json.dumps(self.chat_request.get("messages"))
+            if self.chat_request.get("tools"):
+                attrs[sc.LLM_REQUEST_TOOLS] = json.dumps(self.chat_request["tools"])
+            attrs[sc.LLM_RESPONSE_MESSAGE] = json.dumps(self.message)
         return SpanRecord(os.urandom(16).hex(), os.urandom(8).hex(), None, sc.ENGINE_CALL_SPAN, self.start_ns,
                           time.time_ns(), STATUS_ERROR if self.cut else STATUS_OK,
                           "the client left before the answer ended: the call is cut" if self.cut else "",
@@ -133,10 +180,11 @@ def reward_record(rollout_id: str, body: object) -> SpanRecord:
 
 
 def size_of(record: SpanRecord) -> int:
-    """About how many bytes a record takes in the store (its token ids dominate)."""
+    """About how many bytes a record takes in the store (its token ids dominate; a teacher's call: its messages)."""
     attrs = record.attributes
     return 64 + 5 * sum(len(attrs.get(k, ())) for k in (sc.LLM_PROMPT_TOKEN_IDS, sc.LLM_RESPONSE_TOKEN_IDS)) + \
-        9 * len(attrs.get(sc.LLM_RESPONSE_LOGPROBS, ()))
+        9 * len(attrs.get(sc.LLM_RESPONSE_LOGPROBS, ())) + \
+        sum(len(attrs.get(k, "")) for k in (sc.LLM_REQUEST_MESSAGES, sc.LLM_REQUEST_TOOLS, sc.LLM_RESPONSE_MESSAGE))
 
 
 def sse_data(line: bytes) -> str | None:

@@ -15,6 +15,12 @@ the answer's path: an fsync per call would double the gateway's cost). A role na
 ``X-Lit-Agent`` header, and the SDK sends its own span's id in ``X-Lit-Call`` (the episode builder then merges
 the two into one transition).
 
+A rollout URL may name a teacher instead of a vLLM server (``teachers``: an OpenAI-compatible API lit does not
+train, a stronger model whose rollouts become demonstrations, ``rollouts/teacher.py``): its calls go there as the
+client asked, without lit's additions (``calls.LIT_ADDITIONS``), with the teacher's own API key from the trainer's
+environment in place of whatever key the client sent (the key never reaches a worker), streamed or not, and are
+recorded with their chat request and answer (no ids come back).
+
 A program may also post rewards to ``<its base URL without /v1>/reward`` (``{"value": 1.0, "name": "tests"}``),
 recorded as ``lit.engine.reward`` spans: the rollout's rewards, at the time they arrived.
 
@@ -36,6 +42,7 @@ import contextlib
 import hmac
 import json
 import logging
+import os
 import threading
 import uuid
 from collections import OrderedDict
@@ -87,11 +94,17 @@ class Refused(Exception):
 
 
 class Gateway:
-    """``with Gateway(store, [server.openai_url, ...], host) as gateway: ...``; see the module docstring."""
+    """``with Gateway(store, [server.openai_url, ...], host) as gateway: ...``; see the module docstring.
+    ``teachers``: ``(base URL, name of the environment variable holding its API key, or "")`` of each teacher a
+    rollout URL may name (``rollout_url``) beside the vLLM servers ``upstreams``."""
 
-    def __init__(self, store: Store, upstreams: Sequence[str], host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, store: Store, upstreams: Sequence[str], host: str = "127.0.0.1", port: int = 0, *,
+                 teachers: Sequence[tuple[str, str]] = ()):
         self.store = store
-        self.upstreams = [u.rstrip("/") for u in upstreams]
+        self.upstreams = [u.rstrip("/") for u in upstreams] + [url.rstrip("/") for url, _ in teachers]
+        self._teacher_env = {url.rstrip("/"): env for url, env in teachers}
+        self._teacher_headers: dict[str, dict[str, str]] = {}
+        """Each teacher's headers besides the request's content type: its key, read from the environment at start."""
         self.host, self.port = host, port
         self.refused: dict[str, int] = {}
         self.recorded = 0
@@ -116,11 +129,19 @@ class Gateway:
 
     def rollout_url(self, upstream: str, rollout_id: str, secret: str) -> str:
         """The base URL an attempt's agent calls (``/v1`` at its end, as OpenAI clients expect): its calls go to
-        ``upstream`` (one of this gateway's vLLM servers) and are recorded under the attempt."""
+        ``upstream`` (one of this gateway's vLLM servers, or teachers) and are recorded under the attempt."""
         server = self.upstreams.index(upstream.rstrip("/"))
         return f"{self.url}{PREFIX}/{quote(rollout_id, safe='')}/{quote(secret, safe='')}/{server}/v1"
 
     def start(self) -> Gateway:
+        """Listen; GatewayError naming the variable when a teacher's API key is not in the environment."""
+        for url, env in self._teacher_env.items():
+            if env and not os.environ.get(env):
+                raise GatewayError(f"the teacher at {url} takes its API key from the environment variable {env}, "
+                                   f"which is not set: export {env}=<its key> before the run starts")
+            # identity: the answer is read as JSON here, and the session does not decompress (auto_decompress)
+            self._teacher_headers[url] = {"Accept-Encoding": "identity",
+                                          **({"Authorization": f"Bearer {os.environ[env]}"} if env else {})}
         self._thread = threading.Thread(target=self._serve, name="lit-gateway", daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -185,15 +206,16 @@ class Gateway:
         try:
             await self._admit(info["rollout"], info["secret"])
             if request.method != "POST" or route not in RECORDED:
-                return await self._forward(request, f"{upstream}/{route}")
+                return await self._forward(request, f"{upstream}/{route}", upstream)
             body = await request.json(loads=json.loads)
             if not isinstance(body, dict):
                 raise Refused("bad_request", 400, "the request body must be a JSON object")
             call = calls.Call(RECORDED[route], info["rollout"], body, _agent_of(request),
-                              _call_id_of(request.headers.get(CALL_HEADER)))
+                              _call_id_of(request.headers.get(CALL_HEADER)), upstream in self._teacher_env)
+            headers = self._headers(request, upstream)
             if call.api in TRANSLATED:
-                return await self._translated(request, call, f"{upstream}/chat/completions")
-            return await self._recorded(request, call, f"{upstream}/{route}")
+                return await self._translated(request, call, f"{upstream}/chat/completions", headers)
+            return await self._recorded(request, call, f"{upstream}/{route}", headers)
         except Refused as refused:
             self._count(refused.kind)
             return _error(refused.status, str(refused))
@@ -238,19 +260,27 @@ class Gateway:
             raise Refused("too_many_calls", 429, f"lit's gateway: rollout {rollout_id!r} made more calls than one "
                                                  "episode can hold")
 
-    async def _forward(self, request: web.Request, url: str) -> web.StreamResponse:
-        """A route lit does not record: passed to vLLM and back as it is."""
+    def _headers(self, request: web.Request, upstream: str) -> dict[str, str]:
+        """The headers a call takes to ``upstream``: the client's for vLLM; for a teacher, its own key in place of
+        the client's (which is vLLM's, not to be sent out)."""
+        if upstream not in self._teacher_env:
+            return _upstream_headers(request)
+        return {**{k: v for k, v in request.headers.items() if k.lower() in ("content-type", "accept")},
+                **self._teacher_headers[upstream]}
+
+    async def _forward(self, request: web.Request, url: str, upstream_url: str) -> web.StreamResponse:
+        """A route lit does not record: passed to the upstream and back as it is."""
         data = await request.read()
-        async with self.session.request(request.method, url, data=data, headers=_upstream_headers(request),
+        async with self.session.request(request.method, url, data=data, headers=self._headers(request, upstream_url),
                                         params=request.query) as upstream:
             body = await upstream.read()
             return web.Response(status=upstream.status, body=body,
                                 content_type=upstream.content_type or "application/json")
 
-    async def _recorded(self, request: web.Request, call: calls.Call, url: str) -> web.StreamResponse:
+    async def _recorded(self, request: web.Request, call: calls.Call, url: str, headers: dict[str, str]
+                        ) -> web.StreamResponse:
         """Chat and text completions: vLLM's own answer, with the token ids recorded on the way."""
-        async with self.session.post(url, json=call.engine_body(call.body), headers=_upstream_headers(request)
-                                     ) as upstream:
+        async with self.session.post(url, json=call.engine_body(call.body), headers=headers) as upstream:
             call.weight_version = upstream.headers.get(calls.VERSION_HEADER)
             if upstream.status != 200 or not call.streamed:
                 body = await upstream.read()
@@ -261,7 +291,8 @@ class Gateway:
                                     content_type=upstream.content_type or "application/json")
             return await self._relay(request, upstream, call, lambda line, chunk: line)
 
-    async def _translated(self, request: web.Request, call: calls.Call, url: str) -> web.StreamResponse:
+    async def _translated(self, request: web.Request, call: calls.Call, url: str, headers: dict[str, str]
+                          ) -> web.StreamResponse:
         """The Responses API and Anthropic's Messages: a chat call to vLLM, answered in the client's API."""
         api = TRANSLATED[call.api]
         history = self._history.get((call.rollout_id, call.body.get("previous_response_id") or ""))
@@ -274,8 +305,7 @@ class Gateway:
         except TranslationError as exc:
             raise Refused("bad_request", 400, f"lit's gateway: {exc}") from None
         response_id = ("resp_" if call.api == "responses" else "msg_") + uuid.uuid4().hex
-        async with self.session.post(url, json=call.engine_body(chat), headers=_upstream_headers(request)
-                                     ) as upstream:
+        async with self.session.post(url, json=call.engine_body(chat), headers=headers) as upstream:
             call.weight_version = upstream.headers.get(calls.VERSION_HEADER)
             if upstream.status != 200:
                 return web.Response(status=upstream.status, body=await upstream.read(),
