@@ -133,8 +133,9 @@ def guided_parity_tasks(split, n):
 
 def some_solved_parity_tasks(split, n):
     """``parity_tasks`` of which one in seven is ``solved`` (reward 1 whatever the reply): ``train4``, ``train11``,
-    ``train18``. Their ``family`` is ``"solved"``, every other task's its own (a curriculum's category)."""
-    return [{**task, "solved": i % 7 == 4, "family": "solved" if i % 7 == 4 else task["id"]}
+    ``train18``. Their ``family`` is ``"solved"``, every other task's its own (a curriculum's category). Each has a
+    ``reference`` reply (an even one), for demonstrations (``sft.source = "references"``)."""
+    return [{**task, "solved": i % 7 == 4, "family": "solved" if i % 7 == 4 else task["id"], "reference": "Apple!"}
             for i, task in enumerate(parity_tasks(split, n))]
 
 

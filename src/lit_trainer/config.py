@@ -357,7 +357,7 @@ def config_keys(cls: type = TrainConfig, prefix: str = "") -> list[ConfigKey]:
     docs = _field_docs(cls)
     keys = []
     for f in dataclasses.fields(cls):
-        if f.name in NOT_KEYS:
+        if not prefix and f.name in NOT_KEYS:  # a section's own key may share the name (sft.source)
             continue
         default = _default(f)
         if dataclasses.is_dataclass(default):

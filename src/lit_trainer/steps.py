@@ -17,10 +17,10 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-_LABEL = re.compile(r"[^-]+-(?P<kind>s|val)\d+-")
+_LABEL = re.compile(r"[^-]+-(?P<kind>s|val|demo|teacher)\d+-")
 """The session, then the label a rollout id starts with (a run restarted after a vLLM death adds ``-restartK``)."""
 
-Kind = Literal["training", "validation"]
+Kind = Literal["training", "validation", "demonstrations"]
 
 
 def training_label(recorded: int) -> str:
@@ -33,13 +33,19 @@ def validation_label(step: int) -> str:
     return f"val{step}"
 
 
+def demonstrations_label() -> str:
+    """The label of the rollouts that collect demonstrations from the tasks' references (``[sft]``; a teacher's
+    are ``teacher<step>-...``), recorded under step 0."""
+    return "demo0"
+
+
 def kind_of(rollout_id: str) -> Kind | None:
-    """Whether a rollout ran for a training step or a validation, by its id; None for an id the rollout runner did
-    not make (a ``Playground``'s)."""
+    """Whether a rollout ran for a training step, a validation or to collect demonstrations, by its id; None for an
+    id the rollout runner did not make (a ``Playground``'s)."""
     match = _LABEL.match(rollout_id)
     if match is None:
         return None
-    return "validation" if match["kind"] == "val" else "training"
+    return {"val": "validation", "s": "training"}.get(match["kind"], "demonstrations")
 
 
 def recorded_step(step: int, validation: bool = False) -> int:

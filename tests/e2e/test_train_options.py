@@ -19,7 +19,9 @@ checkpoint is written, ``--resume`` continues to step 3, and ``lit eval --checkp
   bf16 autocast and the adapter switched off for the reference; the checkpoint and the weight sync see the model's own
   names). The loss clips asymmetrically under a ratio cap and sums each sequence's tokens (``loss.clip_eps_low/high``,
   ``ratio_cap``, ``aggregation``); replies cut at ``max_tokens`` cost 0.1 of credit each
-  (``credit.auto_reward_weight``).
+  (``credit.auto_reward_weight``). Each step adds the SFT term (``sft.weight``) on demonstrations made from the
+  first two tasks' references (``sft.source = "references"``, ``sft.tasks``, ``sft.batch_size``), collected once
+  and read back by the resumed run.
 - Full fine-tune with every schedule option: KL to a frozen copy, 2 PPO epochs x 2 mini-batches, recomputed old
   logprobs with truncated importance sampling, overlong responses masked, the ``kept`` normaliser; trained by two
   processes (``torchrun --nproc_per_node 2``, gloo) with the model sharded across them (``policy.shard``: the decoder
@@ -94,7 +96,8 @@ OPTIONS = {
                 "rollouts.rest_after=1", "rollouts.rest_by='family'",
                 "policy.lr_schedule='linear'", "policy.min_lr_ratio=0.5", "policy.compile=true",
                 "loss.clip_eps_low=0.1", "loss.clip_eps_high=0.28", "loss.ratio_cap=2.5",
-                "loss.aggregation='seq_mean_token_sum'", "credit.auto_reward_weight=0.1"],
+                "loss.aggregation='seq_mean_token_sum'", "credit.auto_reward_weight=0.1",
+                "sft.source='references'", "sft.weight=0.5", "sft.tasks=2", "sft.batch_size=2"],
     "ppo_schedule": ["loss.kl_beta=0.05", "loss.entropy_coef=0.01", "update.ppo_epochs=2", "update.mini_batches=2",
                      "update.recompute_old_logprobs=true", "loss.is_correction='truncate'", "update.overlong='mask'",
                      "loss.normalizer='kept'", "rollouts.max_staleness=1", "rollouts.min_step_groups=1",
@@ -188,6 +191,12 @@ def test_option_trains_syncs_checkpoints_resumes_and_evaluates(name: str, prepar
         # replies cut at max_tokens (16) cost 0.1 each in the credit (credit.auto_reward_weight)
         assert any(r["credit/auto_penalized_calls"] > 0 for r in train), train
         assert all(r["credit/auto_reward_sum"] == pytest.approx(-0.1 * r["credit/auto_penalized_calls"]) for r in train)
+        # the SFT term (sft.weight) on the references of the first 2 tasks, collected once and read back to resume
+        assert all(r["sft/tokens"] > 0 and r["sft/nll"] > 0 for r in train), train
+        [collected] = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+                       if r["kind"] == "demonstrations"]
+        assert collected["sft/demonstrations_total"] == 2, collected
+        assert "lit: 2 demonstrations read back from" in resumed.stderr, resumed.stderr[-3000:]
     else:
         assert all(r["update/optimizer_steps"] >= 2 for r in trained) and all("mismatch/k3" in r for r in trained)
         # an 8-token budget (batching.max_tokens_per_micro_batch), shorter than any prompt: each prompt group (a
@@ -271,6 +280,7 @@ def two_servers_served(store_path: Path, logs: Path) -> None:
     from lit_sdk import semconv
     from lit_trainer.intake.rows import RolloutStatus
     from lit_trainer.intake.store import SqliteStore
+    from lit_trainer.steps import kind_of
 
     server_of, syncs = {}, {}
     for log in sorted(logs.glob("vllm-*.log")):
@@ -282,8 +292,8 @@ def two_servers_served(store_path: Path, logs: Path) -> None:
         for step in range(3):
             servers_of_task = collections.defaultdict(set)
             for row in store.rollouts_of_step(step):
-                if row.status is not RolloutStatus.SUCCEEDED:
-                    continue  # an attempt that was retried
+                if row.status is not RolloutStatus.SUCCEEDED or kind_of(row.rollout_id) == "demonstrations":
+                    continue  # an attempt that was retried; the rollouts that collected the SFT term's references
                 for span in store.spans_of_rollout(row.rollout_id):
                     if span.name == semconv.LLM_SPAN:
                         servers_of_task[row.task_id].add(server_of[span.attributes[semconv.LLM_RESPONSE_ID]])

@@ -49,3 +49,25 @@ def test_a_store_of_another_model_or_no_run_at_all_is_refused_at_load(tmp_path: 
                                                                                      "smollm2-135m")
     assert "is not a run's output folder" in check_store(str(tmp_path / "nothing"), "smollm2-135m")
     assert json.loads((tmp_path / "earlier" / "config.json").read_text())["model"] == "other-model"
+
+
+def test_the_rollouts_that_collect_demonstrations_are_no_training_steps(tmp_path: Path):
+    """The rollouts run to collect demonstrations (references: ``demo0``, a teacher: ``teacher0-...``) are recorded
+    under step 0 beside training step 1's, which ``lit show`` and ``sft.source = "store"`` read without them; the
+    viewer names them for what they are."""
+    from lit_trainer.results import viewer
+    from lit_trainer.results.runs import Run
+    from lit_trainer.steps import kind_of
+
+    run = RunFolder(tmp_path / "run")
+    run.create()
+    with SqliteStore(run.store) as store:
+        ids = fill_run(store, [("demo0", 0, 1), ("teacher0-a1b2c3", 0, 1), ("s0", 0, 1)])
+    assert [kind_of(i) for i in ids] == ["demonstrations", "demonstrations", "training"]
+    opened = Run(run.dir)
+    try:
+        assert [row.rollout_id for row in opened.rollouts(1)] == [ids[2]]
+        assert viewer._step(opened.store().get_rollout(ids[0])) == "collecting demonstrations ([sft]), before step 1"
+    finally:
+        opened.close()
+    assert [d.rollout_id for d in from_store(run.dir, (), 1.0)] == [ids[2]]

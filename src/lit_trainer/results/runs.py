@@ -379,8 +379,8 @@ class Run:
 
     def _rollouts_recorded(self, recorded: int, validation: bool, superseded: bool = False) -> list[RolloutRow]:
         """The store's rollouts of its step ``recorded``: the training or validation ones, superseded or not."""
-        rows = [row for row in self.store().rollouts_of_step(recorded)
-                if (steps.kind_of(row.rollout_id) == "validation") == validation]
+        kinds = ("validation",) if validation else ("training", None)  # None: a Playground's
+        rows = [row for row in self.store().rollouts_of_step(recorded) if steps.kind_of(row.rollout_id) in kinds]
         marked = self.store().superseded([row.rollout_id for row in rows])
         return [row for row in rows if (row.rollout_id in marked) == superseded]
 

@@ -245,6 +245,8 @@ def _step(rollout: RolloutRow) -> str:
     kind = steps.kind_of(rollout.rollout_id)
     if kind is None:  # not a training or validation rollout (a Playground's)
         return f"none (recorded under {rollout.step})"
+    if kind == "demonstrations":
+        return "collecting demonstrations ([sft]), before step 1"
     validation = kind == "validation"
     return steps.step_name(steps.shown_step(rollout.step, validation), validation)
 

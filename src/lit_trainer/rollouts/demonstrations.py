@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from lit_trainer.intake.episodes import Episode, Transition
+from lit_trainer.rollouts.teacher import Teacher
 from lit_trainer.settings import at_least, check, one_of
 
 SOURCES = ("", "references", "teacher", "store")
@@ -45,7 +46,8 @@ class SftConfig:
              "weight": at_least(0, "(0: no SFT term during RL)"), "tasks": at_least(0, "(0: every training task)")}
 
     source: str = ""
-    """Where the demonstrations come from: ``references``, ``teacher`` or ``store`` (module docstring); '': none."""
+    """Where the demonstrations come from: ``references`` (each training task's reference answer), ``teacher`` (your
+    agent run against another endpoint) or ``store`` (an earlier run's successful rollouts); '': none."""
     steps: int = 0
     """The first this many of ``train.steps`` are SFT steps: one optimizer step each on ``batch_size``
     demonstrations (token-level NLL of their response tokens, taken in order, reshuffled each pass), then the weight
@@ -85,6 +87,12 @@ class SftConfig:
     @property
     def on(self) -> bool:
         return bool(self.source)
+
+    @property
+    def teacher(self) -> Teacher | None:
+        """The teacher of ``source = "teacher"``; None for the other sources."""
+        return Teacher(self.teacher_url, self.teacher_model, self.teacher_api_key_env) if self.source == "teacher" \
+            else None
 
 
 def check_task_references(tasks: Sequence[dict], agents: Sequence[str]) -> str | None:

@@ -12,6 +12,8 @@ from lit_trainer.results.runs import Run
 from lit_trainer.rollouts.demonstrations import SftConfig, demonstration, from_references, refuse_unfit
 from lit_trainer.rollouts.guidance import reference_encoder, references_of
 from lit_trainer.rollouts.runner import RolloutRunner
+from lit_trainer.rollouts.teacher import collect as from_teacher
+from lit_trainer.steps import demonstrations_label
 
 
 def collect(sft: SftConfig, runner: RolloutRunner, tasks: list[dict], model_dir: Path, success_reward: float,
@@ -24,15 +26,12 @@ def collect(sft: SftConfig, runner: RolloutRunner, tasks: list[dict], model_dir:
         demos = from_store(sft.store, runner.agent.agents, success_reward)
     elif sft.source == "references":
         referenced = [task for task in chosen if task.get("reference") is not None]
-        batch = runner.run(referenced, 1, runner.agent.val_temperature, 0, "demo", version=0)
+        batch = runner.run(referenced, 1, runner.agent.val_temperature, 0, demonstrations_label(), version=0)
         demos = from_references(batch.episodes, references_of(referenced), reference_encoder(model_dir))
         metrics = {"sft/collect_rollouts": float(len(referenced)), "sft/collect_failed": float(len(batch.failures))}
     else:
-        from lit_trainer.rollouts.teacher import Teacher  # TODO(merge): top-level once teacher.py lands
-        from lit_trainer.rollouts.teacher import collect as from_teacher
-
-        teacher = Teacher(sft.teacher_url, sft.teacher_model, sft.teacher_api_key_env)
-        demos, metrics = from_teacher(runner, chosen, teacher, runner.agent.val_temperature, success_reward, model_dir)
+        demos, metrics = from_teacher(runner, chosen, sft.teacher, runner.agent.val_temperature, success_reward,
+                                      model_dir)
     if not demos:
         raise ValueError(f"sft.source = {sft.source!r} gave no demonstration (of the roles trained, "
                          f"agent.agents = {list(runner.agent.agents) or 'all'}): {NONE_WHY[sft.source]}")

@@ -132,7 +132,8 @@ def _run(cfg: TrainConfig, resume: bool, out: RunFolder) -> dict[str, Any]:
         print(f"lit: --resume with settings other than those of the run that stopped (its {out.config.name}): "
               f"{changed}", file=sys.stderr)
     out.save_config(settings)
-    with services(cfg, out.store, out.spool, out.keys, weights=trainers.latest) as svc:
+    teachers = [cfg.sft.teacher.upstream] if cfg.sft.teacher else []
+    with services(cfg, out.store, out.spool, out.keys, weights=trainers.latest, teachers=teachers) as svc:
         if ready.start:
             svc.fleet.push_weights(trainers.latest(), version=state.weight_version)
             print(f"lit: resumed from {ready.start.path} (step {state.step})", file=sys.stderr)
@@ -213,7 +214,7 @@ def _demonstrations(cfg: TrainConfig, ready: Ready, svc: Services, log: MetricsL
         return demos, state
     t0 = time.perf_counter()
     demos, metrics = demonstration_sources.collect(cfg.sft, svc.runner, ready.train_tasks, ready.base_dir,
-                                            cfg.train.success_reward, cfg.inference.max_model_len)
+                                                   cfg.train.success_reward, cfg.inference.max_model_len)
     demonstrations.save(path, demos)
     seconds = time.perf_counter() - t0
     log.log(state.step, {**metrics, "time/collect": seconds}, kind="demonstrations")

@@ -4,6 +4,7 @@ data, the agent, the model folder or the run folder fails in seconds (``lit trai
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +78,10 @@ def preflight(cfg: TrainConfig, resume: bool, out: RunFolder) -> Ready:
         raise ConfigError(problem)
     if cfg.sft.source == "store" and (problem := check_store(cfg.sft.store, cfg.model)):
         raise ConfigError(problem)
+    if cfg.sft.teacher_api_key_env and cfg.sft.teacher and not os.environ.get(cfg.sft.teacher_api_key_env):
+        raise ConfigError(f"sft.teacher_api_key_env = {cfg.sft.teacher_api_key_env!r}: that environment variable is "
+                          "not set here; export the teacher's API key in it, or leave the setting empty for a "
+                          "teacher that needs none")
     check_agent(cfg)  # importable, @lit.trace, (task, llm)
     if distributed.is_launch_main():  # the process that starts the services and whose tracker logs
         check_ports(cfg)  # a busy fixed port

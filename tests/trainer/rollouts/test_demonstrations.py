@@ -88,6 +88,15 @@ def test_sft_settings_that_cannot_work_are_refused_naming_the_key(settings, mess
         from_dict(settings)
 
 
+def test_every_sft_key_is_listed_by_lit_config_keys():
+    """``sft.source`` too, though the config's own record of its file is also named ``source``."""
+    from lit_trainer.config import config_keys
+
+    assert [k.name for k in config_keys() if k.name.startswith("sft.")] == [
+        f"sft.{name}" for name in ("source", "steps", "batch_size", "learning_rate", "weight", "tasks", "teacher_url",
+                                   "teacher_model", "teacher_api_key_env", "store")]
+
+
 def test_sft_only_is_sft_steps_equal_to_train_steps():
     cfg = from_dict({"sft": {"source": "references", "steps": 20}, "train": {"steps": 20}})
     assert cfg.sft == SftConfig(source="references", steps=20)
