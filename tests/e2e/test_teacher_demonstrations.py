@@ -88,7 +88,7 @@ def test_a_teachers_right_rollouts_train_then_a_stored_runs_do(prepared_model: P
     config.write_text(CONFIG.format(model=prepared_model, logs=tmp_path / "logs"))
     first = tmp_path / "teacher-run"
     with ScriptedTeacher(reply, key="sk-teacher") as api:
-        options = [f"train.output_dir={first}", "sft.source='teacher'", "sft.weight=0.5",
+        options = [f"train.output_dir={first}", "sft.source='teacher'", "sft.weight=0.5", "sft.learning_rate=2e-5",
                    f"sft.teacher_url='{api.base_url}'", "sft.teacher_model='big-model'",
                    f"sft.teacher_api_key_env={KEY_ENV}"]
         _lit("train", str(config), *options)
@@ -114,6 +114,7 @@ def test_a_teachers_right_rollouts_train_then_a_stored_runs_do(prepared_model: P
     # trained on: step 1 on both demonstrations, the resumed step 2 RL beside the SFT term; each synced, checkpointed
     [sft] = _records(first, "sft")
     assert sft["step"] == 1 and sft["sft/demonstrations"] == 2 and sft["sft/nll"] > 0, sft
+    assert sft["policy/learning_rate"] == 2e-5, sft  # sft.learning_rate; the RL step's is policy.learning_rate
     assert sft["sync/logprob_gap_max"] < 0.02, sft
     [rl] = _records(first, "train")
     assert rl["step"] == 2 and rl["sft/tokens"] > 0 and rl["sync/logprob_gap_max"] < 0.02, rl

@@ -127,6 +127,27 @@ def test_plot_curve_writes_a_png_and_nothing_without_data(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
 
+def test_a_run_with_sft_steps_shades_them_and_draws_their_loss(tmp_path, monkeypatch):
+    """The SFT steps (kind ``sft``) span minutes 0 to the last one's, and their NLL is drawn (capped at 1)."""
+    import matplotlib.axes
+
+    path = tmp_path / "metrics.jsonl"
+    records = [{"kind": "validation", "step": 0, "minutes": 0.0, "accuracy": 0.1},
+               {"kind": "sft", "step": 1, "minutes": 1.5, "sft/nll": 2.5},
+               {"kind": "sft", "step": 2, "minutes": 2.0, "sft/nll": 0.4},
+               {"kind": "validation", "step": 2, "minutes": 2.0, "accuracy": 0.6},
+               {"kind": "train", "step": 3, "minutes": 3.0, "accuracy": 0.7}]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    spans, lines = [], []
+    span, plot = matplotlib.axes.Axes.axvspan, matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "axvspan", lambda ax, *a, **k: spans.append(a) or span(ax, *a, **k))
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda ax, *a, **k: lines.append((k.get("label"), a[:2])) or
+                        plot(ax, *a, **k))
+    assert plot_curve(path, tmp_path / "curve.png") == tmp_path / "curve.png"
+    assert spans == [(0, 2.0)]
+    assert ("SFT loss (NLL per token, capped at 1)", ([1.5, 2.0], [1.0, 0.4])) in lines
+
+
 def test_memory_figures_are_this_process_peak_and_the_servers_largest_processes():
     import subprocess
     import sys

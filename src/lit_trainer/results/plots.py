@@ -10,13 +10,19 @@ from lit_trainer.results.metrics import read
 
 
 def plot_curve(metrics_path: Path, png: Path, title: str = "") -> Path | None:
-    """Training reward per step and held-out accuracy against minutes of training; None without data."""
+    """Training reward per step and held-out accuracy against minutes of training, the SFT steps' span shaded and
+    their NLL drawn (``[sft]``); None without data."""
     records = read(metrics_path)
     train = [r for r in records if r["kind"] == "train"]
     val = [r for r in records if r["kind"] == "validation"]
+    sft = [r for r in records if r["kind"] == "sft"]
     if not train and not val:
         return None
     fig, ax = _figure()
+    if sft:
+        ax.axvspan(0, sft[-1]["minutes"], color="0.9", label="SFT steps (collecting and training on demonstrations)")
+        ax.plot([r["minutes"] for r in sft], [min(r["sft/nll"], 1.0) for r in sft], "x:", color="0.4",
+                label="SFT loss (NLL per token, capped at 1)")
     if train:
         ax.plot([r["minutes"] for r in train], [r.get("accuracy", math.nan) for r in train], ".-", alpha=0.6,
                 label="training accuracy (sampled rollouts)")
