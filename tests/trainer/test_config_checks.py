@@ -27,8 +27,12 @@ COMPANIONS: dict[tuple[str, Any], dict[str, dict[str, Any]]] = {
     ("weight_sync.transport", "ipc"): {"inference": {"weight_transfer_backend": "ipc"}},
     ("loss.is_correction", "truncate"): {"update": {"recompute_old_logprobs": True}},
     ("loss.is_correction", "mask"): {"update": {"recompute_old_logprobs": True}},
+    ("sft.source", "references"): {"sft": {"steps": 1}},
+    ("sft.source", "teacher"): {"sft": {"steps": 1, "teacher_url": "http://127.0.0.1:9/v1", "teacher_model": "m"}},
+    ("sft.source", "store"): {"sft": {"steps": 1, "store": "runs/earlier"}},
 }
-"""What another section must say for a value inside its range to load (the cross-section rules of TrainConfig)."""
+"""What another section, or another key of the same one, must say for a value inside its range to load (the rules
+between keys)."""
 LIBRARY_ONLY = {("weight_sync.mode", "lora")}
 """Values a section accepts that ``lit train`` refuses (a cross-section rule): checked on the class alone."""
 
@@ -79,7 +83,8 @@ def test_a_value_just_inside_its_declared_range_loads(section, name, value):
     if (key, value) in LIBRARY_ONLY:
         assert getattr(SECTIONS[section](**{name: value}), name) == value
         return
-    loaded = from_dict({**COMPANIONS.get((key, value), {}), section: {name: value}})
+    companions = COMPANIONS.get((key, value), {})
+    loaded = from_dict({**companions, section: {**companions.get(section, {}), name: value}})
     assert getattr(getattr(loaded, section), name) == value
 
 

@@ -45,3 +45,24 @@ def test_lit_eval_writes_beside_the_run_or_where_train_output_dir_says(tmp_path:
     err = capsys.readouterr().err
     assert f"lit: error: {chosen} holds a training run (lit.sqlite)" in err, err
     assert not (tmp_path / "runs" / "calc").exists()
+
+
+@pytest.mark.parametrize(("state", "says", "phase"), [
+    ({"step": 20, "phase": "sft"}, " (step 20, an SFT step)", "sft"),
+    ({"step": 20, "phase": "rl"}, " (step 20)", "rl"),
+    ({"step": 20}, " (step 20)", "rl"),  # a checkpoint written before [sft]
+    (None, " (step 20)", "unknown"),
+])
+def test_lit_eval_names_a_checkpoints_phase(tmp_path: Path, state, says: str, phase: str):
+    """``lit eval`` reads the phase from the checkpoint's training state (``TrainState.phase``): an SFT step's says
+    so in the line it prints and in its result's ``phase``."""
+    import torch
+
+    from lit_trainer.run.evaluation import described
+
+    found = Checkpoint(tmp_path / "step-000020", 20)
+    found.path.mkdir()
+    if state is not None:
+        torch.save({**state, "minutes": 1.0, "rng": {}}, found.state_file)
+    assert described(found) == (f"checkpoint {found.path}{says}", phase)
+

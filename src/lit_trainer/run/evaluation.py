@@ -15,7 +15,7 @@ from lit_trainer.learner import checkpoint as ckpt
 from lit_trainer.models.folders import check_context, check_model_folder, resolve_model
 from lit_trainer.progress import quiet_library_bars
 from lit_trainer.results.metrics import MetricsLog
-from lit_trainer.results.runs import RunFolder, eval_folder, resolve_checkpoint
+from lit_trainer.results.runs import Checkpoint, RunFolder, eval_folder, resolve_checkpoint
 from lit_trainer.rollouts.runner import RolloutRunner
 from lit_trainer.rollouts.tasks import load_tasks
 from lit_trainer.run.services import check_agent, services
@@ -49,21 +49,27 @@ def accuracy_line(metrics: dict[str, float]) -> str:
     return f"accuracy {metrics['accuracy']:.3f}" + (f" ({', '.join(kinds)})" if kinds else "")
 
 
+def described(found: Checkpoint) -> tuple[str, str]:
+    """How ``lit eval`` names a checkpoint, and its phase: ``sft`` (an SFT step's, said in the name), ``rl``, or
+    ``unknown`` for a folder without a training state."""
+    phase = ckpt.saved_state(found).phase if found.state_file.is_file() else "unknown"
+    return f"checkpoint {found.path} (step {found.step}{', an SFT step' if phase == 'sft' else ''})", phase
+
+
 def evaluate(cfg: TrainConfig, checkpoint: str | Path | None = None, output: Path | None = None,
              output_dir: str | Path | None = None) -> dict[str, Any]:
     """``lit eval``: validation of a checkpoint (a ``checkpoints/step-N`` folder or a run's output_dir: its
     latest) or of the base model when None; also written as JSON to ``output``. Its store, result and config go
     into ``output_dir``, by default beside the evaluated run (``runs.eval_folder``: ``RUN/eval/step-N``), where
     ``lit show --run`` opens them. The result holds the metrics and what was evaluated: ``model`` (the folder vLLM
-    served), ``evaluated`` (in words), ``step`` (the checkpoint's, 0 for the base model), ``phase`` (``sft`` for a
-    checkpoint of an SFT step, ``rl``, or ``base``), ``tasks`` and ``output_dir``."""
+    served), ``evaluated`` (in words), ``step`` (the checkpoint's, 0 for the base model), ``phase``
+    (``described``; ``base`` for the base model), ``tasks`` and ``output_dir``."""
     quiet_library_bars()
     model, step, what, found, phase = cfg.model, 0, f"the base model {cfg.model}", None, "base"
     if checkpoint:
         found = resolve_checkpoint(checkpoint)
-        phase = ckpt.saved_state(found).phase
         model, step = str(found.model_dir), found.step
-        what = f"checkpoint {found.path} (step {found.step}{', an SFT step' if phase == 'sft' else ''})"
+        what, phase = described(found)
         cfg = replace(cfg, model=model, inference=replace(cfg.inference, model=model))
     run = RunFolder(output_dir or eval_folder(found, cfg.train.output_dir))
     if run.store.exists():  # a training run's store: lit show would open it, not the eval's
