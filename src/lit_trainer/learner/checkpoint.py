@@ -268,7 +268,17 @@ def other_model(checkpoint: Checkpoint, model_dir: Path) -> str | None:
 
 def saved_state(checkpoint: Checkpoint) -> TrainState:
     """The training state ``checkpoint`` holds, without loading its weights (``lit eval`` names its phase)."""
-    saved = torch.load(checkpoint.state_file, weights_only=False, map_location="cpu")
+    return _train_state(_read_state(checkpoint))
+
+
+def _read_state(checkpoint: Checkpoint) -> dict[str, Any]:
+    """The training state file's contents: the ``TrainState`` fields and the RNG states."""
+    # onto the CPU: under several GPU processes each would otherwise load it onto the device that saved it
+    return torch.load(checkpoint.state_file, weights_only=False, map_location="cpu")
+
+
+def _train_state(saved: dict[str, Any]) -> TrainState:
+    """The ``TrainState`` of a state file's contents (a field an older lit did not write keeps its default)."""
     return TrainState(**{f.name: saved[f.name] for f in fields(TrainState) if f.name in saved})
 
 
@@ -284,13 +294,12 @@ def restore(checkpoint: Checkpoint, policy: Policy) -> TrainState:
     _check_kind(checkpoint, policy)
     if checkpoint.adapter_dir is not None:
         lora.load_adapter(policy.unwrapped(), checkpoint.adapter_dir)
-    # onto the CPU: under several GPU processes each would otherwise load it onto the device that saved it
-    saved = torch.load(checkpoint.state_file, weights_only=False, map_location="cpu")
+    saved = _read_state(checkpoint)
     _load_optimizer(checkpoint.optimizer_dir, policy)
     random.setstate(saved["rng"]["python"])
     np.random.set_state(saved["rng"]["numpy"])
     torch.set_rng_state(saved["rng"]["torch"])
-    return TrainState(**{f.name: saved[f.name] for f in fields(TrainState) if f.name in saved})
+    return _train_state(saved)
 
 
 def _load_optimizer(folder: Path, policy: Policy) -> None:

@@ -165,6 +165,11 @@ def batch_of(n: int, size: int, step: int, seed: int) -> list[int]:
     return out
 
 
+def step_batch(demos: Sequence[Transition], size: int, step: int, seed: int) -> list[Transition]:
+    """The demonstrations step ``step`` trains on (``batch_of``): an SFT step's, or an RL step's SFT term's."""
+    return [demos[i] for i in batch_of(len(demos), size, step, seed)]
+
+
 def save(path: Path, demos: Sequence[Transition]) -> None:
     """Write ``demos`` to ``path`` (JSON lines), atomically."""
     staging = path.with_name(f".tmp-{path.name}")

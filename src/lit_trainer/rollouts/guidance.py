@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from lit_trainer.intake.episodes import Episode
 
@@ -51,18 +52,26 @@ def reference_encoder(model_dir: str | Path) -> Callable[[str], list[int]]:
     """``guide``'s ``encode`` for the model in ``model_dir``: a reference's token ids under the model's tokenizer,
     without special tokens at the start, then its end-of-turn token (the tokenizer's ``eos_token``), as the
     engine's responses end."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = tokenizer_with_end(model_dir)
     end = tokenizer.eos_token_id
-    if end is None:
-        raise ValueError(f"rollouts.guidance: the tokenizer of {model_dir} has no eos_token, so lit cannot end a "
-                         "reference as the engine ends a response; set rollouts.guidance = false for this model")
 
     def encode(text: str) -> list[int]:
         return [*tokenizer.encode(text, add_special_tokens=False), int(end)]
 
     return encode
+
+
+def tokenizer_with_end(model_dir: str | Path) -> Any:
+    """The tokenizer of the model in ``model_dir``; ValueError when it has no end-of-turn token (``eos_token``),
+    with which a reference or a demonstration must end as the engine's responses do."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.eos_token is None or tokenizer.eos_token_id is None:
+        raise ValueError(f"the tokenizer of {model_dir} has no eos_token, so lit cannot end a reference or a "
+                         "demonstration as the engine ends a response: rollouts.guidance and [sft] need a model "
+                         "with an end-of-turn token (set rollouts.guidance = false and leave [sft] out)")
+    return tokenizer
 
 
 def references_of(tasks: Iterable[dict]) -> dict[str, str]:

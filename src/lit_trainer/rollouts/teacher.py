@@ -32,6 +32,7 @@ from lit_sdk.resources import LLM
 from lit_trainer.engine.served_model import chat_template_for
 from lit_trainer.intake.episodes import Transition, rollout_return
 from lit_trainer.intake.rows import RolloutStatus
+from lit_trainer.rollouts.guidance import tokenizer_with_end
 from lit_trainer.rollouts.runner import RolloutRunner
 
 Encode = Callable[[list, list | None, dict], tuple[list[int], list[int]] | None]
@@ -145,15 +146,10 @@ def _encode_call(attrs: dict[str, Any], encode: Encode) -> tuple[list[int], list
 def demonstration_encoder(model_dir: str | Path, template: Path | None = None) -> Encode:
     """``Encode`` for the model in ``model_dir`` with the chat template in ``template`` (None: the model's own), as
     its vLLM serves it (``engine.served_model.chat_template_for``); see the module docstring."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = tokenizer_with_end(model_dir)
     if template is not None:
         tokenizer.chat_template = template.read_text()
     end, end_id = tokenizer.eos_token, tokenizer.eos_token_id
-    if end is None or end_id is None:
-        raise ValueError(f"the tokenizer of {model_dir} has no eos_token, so lit cannot end a demonstration's "
-                         "response as the engine ends one; demonstrations need a model with an end-of-turn token")
 
     def encode(messages: list, tools: list | None, answer: dict) -> tuple[list[int], list[int]] | None:
         try:

@@ -42,7 +42,7 @@ from lit_trainer.results.plots import plot_curve
 from lit_trainer.results.runs import Checkpoint, RunFolder
 from lit_trainer.rollouts import demonstrations
 from lit_trainer.rollouts.curriculum import Curriculum
-from lit_trainer.rollouts.demonstrations import batch_of
+from lit_trainer.rollouts.demonstrations import step_batch
 from lit_trainer.rollouts.feed import StepFeed, StepPlan
 from lit_trainer.rollouts.guidance import guide, reference_encoder
 from lit_trainer.rollouts.runner import RolloutBatch, RolloutsFailed
@@ -227,7 +227,7 @@ def _sft_step(cfg: TrainConfig, step: int, demos: list[Transition], trainers: Tr
               ) -> dict[str, float]:
     """One SFT step: an optimizer step on a batch of demonstrations, the push into vLLM and the sync check when
     due; its metrics."""
-    chosen = [demos[i] for i in batch_of(len(demos), cfg.sft.batch_size, step, cfg.train.seed)]
+    chosen = step_batch(demos, cfg.sft.batch_size, step, cfg.train.seed)
     with svc.fleet.hold():
         job = pipeline.UpdateJob([], _pad_id(trainers.policy), seed=cfg.train.seed * 100_003 + step,
                                  learning_rate=cfg.sft.learning_rate or cfg.policy.learning_rate, demos=chosen,
@@ -255,7 +255,7 @@ def _step(cfg: TrainConfig, step: int, batch: RolloutBatch, trainers: Trainers, 
     work = pipeline.prepare(episodes, cfg, step, batch.dispatched_version)
     svc.store.save_advantages(work.advantages)
     metrics = {**batch.metrics, **guided, **work.metrics}
-    sft = [demos[i] for i in batch_of(len(demos), cfg.sft.batch_size, step, cfg.train.seed)] if cfg.sft.weight else []
+    sft = step_batch(demos, cfg.sft.batch_size, step, cfg.train.seed) if cfg.sft.weight else []
     if work.trains or sft:
         with svc.fleet.hold():  # no server is started again with weights half updated (async rollouts)
             job = pipeline.UpdateJob(work.pairs, _pad_id(trainers.policy), seed=cfg.train.seed * 100_003 + step,
