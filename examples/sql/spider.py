@@ -143,8 +143,8 @@ def to_tasks(items: list[dict], source: Path, split: str) -> tuple[list[dict], l
             continue
         task = {"id": f"{split}-{i}", "db": path, "question": item["question"].strip(), "gold": gold,
                 "kind": kind(gold)}
-        # the gold query is what a correct writer, and rewriter, answers: demonstrations for sft.source = "references"
-        tasks.append({**task, "reference": {"writer": gold, "rewriter": gold}} if split == "train" else task)
+        # the gold query is what a correct writer answers: demonstrations for sft.source = "references"
+        tasks.append({**task, "reference": {"writer": gold}} if split == "train" else task)
     return tasks, dropped
 
 

@@ -1,7 +1,7 @@
 """Questions with gold SQL over the SQL agent's databases (``databases.py``), Spider style.
 
     make_tasks("train", 2000)      # [{"id": "train-0", "db": "students", "question": "...", "gold": "SELECT ...",
-                                   #   "reference": {"writer": "SELECT ...", "rewriter": "SELECT ..."}}]
+                                   #   "reference": {"writer": "SELECT ..."}}]
     make_tasks("validation", 64)   # questions on the held-out databases only
 
 Training questions are about ``TRAIN_DOMAINS``, validation questions about ``HELD_OUT_DOMAINS``: no table, column or
@@ -141,7 +141,7 @@ def make_tasks(split: str, n: int) -> list[dict]:
         seen.add(key)
         task = {"id": f"{split}-{len(tasks)}", "db": domain.table, "question": question, "gold": gold,
                 "kind": form.__name__}
-        # what a correct writer answers, and a correct rewriter whatever the objection: for sft.source =
-        # "references" (the training split's only)
-        tasks.append({**task, "reference": {"writer": gold, "rewriter": gold}} if split == "train" else task)
+        # what a correct writer answers, for sft.source = "references" (the training split's only); the gold query
+        # as the rewriter's reference too measured worse (docs/experiments/2026-12-06-sql-sft-twelve-databases.md)
+        tasks.append({**task, "reference": {"writer": gold}} if split == "train" else task)
     return tasks

@@ -56,8 +56,8 @@ def test_tasks_are_deterministic_distinct_and_every_gold_query_runs():
     assert len(val) == 64 and len(train) > 200
     assert len({(t["db"], t["question"]) for t in train}) == len(train)
     assert {t["kind"] for t in val} == {f.__name__ for f in FORMS}
-    # sft.source = "references": both trained roles answer the gold query; held-out tasks teach nothing
-    assert all(t["reference"] == {"writer": t["gold"], "rewriter": t["gold"]} for t in train)
+    # sft.source = "references": the writer answers the gold query; held-out tasks teach nothing
+    assert all(t["reference"] == {"writer": t["gold"]} for t in train)
     assert not any("reference" in t for t in val)
     for task in train + val:
         assert run_query(task["db"], task["gold"]), task  # every gold answer is a non-empty result
