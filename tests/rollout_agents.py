@@ -175,3 +175,40 @@ async def posts_a_reward_to_its_url(task, llm):
     request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
     await asyncio.to_thread(lambda: urllib.request.urlopen(request, timeout=10).read())
     return url
+
+
+async def _say(llm, agent_prompt: str) -> str:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key)
+    chat = await client.chat.completions.create(
+        model=llm.model, messages=[{"role": "user", "content": agent_prompt}],
+        temperature=llm.temperature, max_tokens=llm.max_tokens)
+    await client.close()
+    return chat.choices[0].message.content or ""
+
+
+@lit.trace(agent="writer")
+async def _writer(task, llm):
+    return await _say(llm, task["question"])
+
+
+@lit.trace(agent="rewriter")
+async def _rewriter(draft, llm):
+    return await _say(llm, f"Say it again, shorter: {draft}")
+
+
+@lit.trace(agent="checker")
+async def _checker(text, llm):
+    return await _say(llm, f"Is this a word? {text}")
+
+
+@lit.trace
+async def three_role_parity(task, llm):
+    """Three agents, each named by a nested ``@lit.trace(agent=...)``: a writer, a rewriter of its draft, and a
+    checker whose answer does not count. Every call passes the one ``llm.model`` it was given: which adapter serves
+    it is lit's business ([roles]). Reward 1 when the rewritten reply has an even number of characters."""
+    draft = await _writer(task, llm)
+    final = await _rewriter(draft, llm)
+    await _checker(final, llm)
+    return float(len(final) % 2 == 0)

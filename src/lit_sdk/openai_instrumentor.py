@@ -46,6 +46,9 @@ _TARGETS = (
 CALL_HEADER = "X-Lit-Call"
 """The header that carries the ``lit.llm`` span's id with the call, so that lit's gateway, which records the call at
 the engine, names the same call (``semconv.LLM_CALL_ID``; ``lit_trainer.intake.gateway.server.CALL_HEADER``)."""
+AGENT_HEADER = "X-Lit-Agent"
+"""The header that names the calling agent to lit's gateway, which serves the call by that agent's adapter when the
+run has a ``[roles]`` table (``lit_trainer.intake.gateway.server.AGENT_HEADER``)."""
 
 
 ENGINE_VERSION_FIELD = "lit_weight_version"
@@ -183,10 +186,8 @@ class _Call:
         self.streamed = kwargs.get("stream") is True
         self.kwargs = dict(kwargs) if self.streamed or self.api == "responses" else _with_token_ids(kwargs, self.api)
         parent = otel_trace.get_current_span()
-        attrs: dict[str, Any] = {
-            semconv.LLM_API: self.api,
-            semconv.AGENT_NAME: _agents.resolve_agent(self.processor, parent),
-        }
+        agent = _agents.resolve_agent(self.processor, parent)
+        attrs: dict[str, Any] = {semconv.LLM_API: self.api, semconv.AGENT_NAME: agent}
         attrs.update(sampling_attributes(kwargs))
         rollout = _context.current_rollout()
         if rollout is not None and rollout.weight_version is not None:
@@ -198,6 +199,8 @@ class _Call:
         headers = self.kwargs.get("extra_headers")
         self.kwargs["extra_headers"] = {**(headers if isinstance(headers, dict) else {}),
                                         CALL_HEADER: format(self.span.get_span_context().span_id, "016x")}
+        if agent and agent.isascii() and agent.isprintable():  # HTTP headers are ASCII
+            self.kwargs["extra_headers"][AGENT_HEADER] = agent
 
     def finish(self, result: Any) -> None:
         with quietly("record an LLM response"):

@@ -285,6 +285,8 @@ def _toml_value(value: object) -> str:
         return "true" if value else "false"
     if isinstance(value, (tuple, list)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table: inference.lora_modules
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(v)}" for k, v in value.items()) + "}"
     if isinstance(value, (int, float)):
         return repr(value)
     return json.dumps(str(value))

@@ -35,6 +35,7 @@ from lit_trainer.learner.batching import BatchingConfig
 from lit_trainer.learner.policy import PolicyConfig
 from lit_trainer.learner.schedule import UpdateConfig
 from lit_trainer.results.trackers import check_trackers
+from lit_trainer.roles import Roles
 from lit_trainer.rollouts.demonstrations import SftConfig
 from lit_trainer.rollouts.dispatcher import DispatchConfig
 from lit_trainer.rollouts.runner import AgentConfig
@@ -133,6 +134,11 @@ class TrainConfig:
     dispatch_endpoint: EndpointConfig = field(default_factory=EndpointConfig)
     collector: EndpointConfig = field(default_factory=EndpointConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    roles: dict[str, str] = field(default_factory=dict)
+    """Agent name -> ``own`` (a LoRA adapter of its own), ``shared`` (one adapter for all ``shared`` agents), ``base``
+    (the base model, not trained) or an adapter folder (served, not trained); lit_trainer/roles.py. Empty: every
+    selected agent trains one policy. A table needs ``policy.lora_rank`` > 0, and sets ``agent.agents`` (the ``own``
+    and ``shared`` agents) and the LoRA settings of ``[inference]``."""
     source: str = ""
     """The file this config was read from (set by ``load``)."""
     overrides: tuple[str, ...] = ()
@@ -179,7 +185,36 @@ class TrainConfig:
         if self.weight_sync.mode == "lora":
             raise ValueError("weight_sync.mode = 'lora' is not supported by lit train: a LoRA policy "
                              "(policy.lora_rank > 0) is pushed as merged full weights, the fast path on CPU; "
-                             "leave weight_sync.mode = 'full'")
+                             "a [roles] table pushes one adapter per role. Leave weight_sync.mode = 'full'")
+        if self.roles:
+            self._take_roles()
+
+    def role_table(self) -> Roles | None:
+        """The ``[roles]`` table, checked; None without one."""
+        return Roles(self.roles, self.inference.served_model_name) if self.roles else None
+
+    def _take_roles(self) -> None:
+        """Check the role table against the other sections, and set what it implies: the trained agents and vLLM's
+        LoRA serving (each time the config is built, so a changed table changes them)."""
+        roles = self.role_table()
+        assert roles is not None
+        if not self.policy.lora_rank:
+            raise ValueError("a [roles] table trains one LoRA adapter per role: set policy.lora_rank (e.g. 16), or "
+                             "remove the table")
+        if roles.served_adapters > self.inference.max_loras:
+            raise ValueError(f"the [roles] table serves {roles.served_adapters} LoRA adapters but vLLM serves at most "
+                             f"inference.max_loras = {self.inference.max_loras}: raise it, or share adapters "
+                             "(\"shared\")")
+        if self.agent.agents and set(self.agent.agents) != set(roles.trained_agents):
+            raise ValueError(f"agent.agents = {list(self.agent.agents)} and the [roles] table both choose what trains: "
+                             f"leave agent.agents out (the table trains {list(roles.trained_agents)})")
+        if self.weight_sync.transport != "shm":
+            raise ValueError("a [roles] table loads each adapter into vLLM from shared memory: set "
+                             "weight_sync.transport = 'shm'")
+        inference = dataclasses.replace(self.inference, enable_lora=True, lora_modules=roles.fixed,
+                                        max_lora_rank=max(self.inference.max_lora_rank, self.policy.lora_rank))
+        object.__setattr__(self, "inference", inference)
+        object.__setattr__(self, "agent", dataclasses.replace(self.agent, agents=roles.trained_agents))
 
     def to_dict(self) -> dict[str, Any]:
         """Every setting, for ``config.json`` and the trackers; an API key written in the config shows as ``***``."""

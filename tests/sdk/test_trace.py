@@ -169,6 +169,26 @@ def test_a_streamed_call_is_recorded_without_ids_and_names_itself_to_the_engine(
     assert tracing.llm.headers[-1]["x-lit-call"] == llm["span_id"]
 
 
+def test_every_recorded_call_names_its_agent_to_the_engine(tracing):
+    """The agent name lit records goes with the call too (X-Lit-Agent): with a [roles] table, lit's gateway serves
+    the call by that agent's adapter. A name HTTP cannot carry (not ASCII) is left out, the call made as ever."""
+    client = OpenAI(base_url=tracing.llm.base_url, api_key="x")
+
+    @lit.trace(agent="writer")
+    def write() -> None:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+
+    @lit.trace(agent="rédacteur")
+    def rédiger() -> None:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+
+    write()
+    rédiger()
+    assert tracing.llm.headers[0]["x-lit-agent"] == "writer" and "x-lit-agent" not in tracing.llm.headers[1]
+    assert [s["attributes"][sc.AGENT_NAME] for s in by_name(tracing.delivered(), sc.LLM_SPAN)] == ["writer",
+                                                                                                  "rédacteur"]
+
+
 def test_calls_to_other_endpoints_pass_through_unrecorded(tracing):
     from fake_llm import FakeLLM
 

@@ -142,6 +142,15 @@ def test_config_show_prints_the_config_with_overrides_as_toml(tmp_path):
     assert from_dict(table).train.steps == 3  # what it prints is a config lit reads back
     assert "# api_key is not set" in out.stdout and "api_key" not in table["inference"]  # not the key "None"
     assert from_dict(table).inference.api_key is None
+    # a role table, and the adapters it serves (an inline table), print and read back too
+    (tmp_path / "judge").mkdir()
+    (tmp_path / "judge" / "adapter_config.json").write_text("{}")
+    roles = _cli("config", "show", str(config), "policy.lora_rank=8", "roles.writer=own",
+                 f"roles.judge='{tmp_path}/judge'")
+    assert roles.returncode == 0, roles.stderr
+    back = from_dict(tomllib.loads(roles.stdout))
+    assert back.roles == {"writer": "own", "judge": f"{tmp_path}/judge"}
+    assert back.inference.lora_modules == {"policy-judge": str((tmp_path / "judge").resolve())}
 
 
 def test_config_show_ends_with_what_the_policy_needs_in_memory(tmp_path, tiny_model):

@@ -197,3 +197,39 @@ def test_the_sync_check_scores_a_bf16_lora_policy_in_float32(tiny_model: Path):
     assert pipeline.check(fleet, policy, work.pairs, cfg, step=1)["sync/servers_checked"] == 1.0
     assert fleet.asked[1] == [torch.float32]
     assert policy.unwrapped().get_output_embeddings().weight.dtype == torch.bfloat16  # and back after
+
+
+def role_episode(rollout_id: str, reward: float, *calls: tuple[str, str]) -> Episode:
+    """A rollout of task ``a`` that returned ``reward``, with one call per (agent, the model that answered it)."""
+    from lit_trainer.intake.episodes import Transition
+
+    transitions = [Transition([1, 2], [3], [-1.0], None, agent, rollout_id, "a", i, f"s{i}", finish_reason="stop",
+                              model=model) for i, (agent, model) in enumerate(calls)]
+    return Episode(rollout_id, "a", 1, transitions, reward, reward)
+
+
+def test_each_roles_adapter_is_normalised_among_its_own_calls_and_a_call_another_adapter_served_is_skipped():
+    cfg = from_dict({"roles": {"writer": "own", "rewriter": "own", "checker": "base"}, "policy": {"lora_rank": 8}})
+    w, r = ("writer", "policy-writer"), ("rewriter", "policy-rewriter")
+    episodes = [role_episode("a1", 1.0, w, r), role_episode("a2", 0.0, w), role_episode("a3", 0.0, w, r),
+                role_episode("a4", 1.0, ("writer", "policy"))]  # a writer's call the base model answered
+    work = pipeline.prepare(episodes, cfg, step=1)
+    # the writer's group: all four rollouts, returns 1 0 0 1: mean 1/2, Bessel std sqrt(1/3); the rewriter's: the
+    # two rollouts in which it called, returns 1 0: mean 1/2, std sqrt(1/2)
+    w_up, r_up = 0.5 / math.sqrt(1 / 3), 0.5 / math.sqrt(1 / 2)
+    assert [(a.rollout_id, a.index, a.advantage) for a in work.advantages] == [
+        ("a1", 0, pytest.approx(w_up, abs=1e-5)), ("a1", 1, pytest.approx(r_up, abs=1e-5)),
+        ("a2", 0, pytest.approx(-w_up, abs=1e-5)),
+        ("a3", 0, pytest.approx(-w_up, abs=1e-5)), ("a3", 1, pytest.approx(-r_up, abs=1e-5)),
+        ("a4", 0, pytest.approx(w_up, abs=1e-5))]
+    assert [(t.rollout_id, t.index) for t, _ in work.pairs] == [("a1", 0), ("a1", 1), ("a2", 0), ("a3", 0), ("a3", 1)]
+    assert work.metrics["update/skipped_wrong_adapter"] == 1.0
+    assert work.metrics["role/writer/calls"] == 4.0 and work.metrics["role/rewriter/calls"] == 2.0
+    assert work.metrics["role/rewriter/rollouts"] == 2.0 and work.metrics["role/rewriter/adv/groups"] == 1.0
+
+    # one adapter shared by both: one group of every call, as without a table
+    shared = from_dict({"roles": {"writer": "shared", "rewriter": "shared"}, "policy": {"lora_rank": 8}})
+    s = ("writer", "policy-shared")
+    episodes = [role_episode("a1", 1.0, s, ("rewriter", "policy-shared")), role_episode("a2", 0.0, s)]
+    assert [a.advantage for a in pipeline.prepare(episodes, shared, step=1).advantages] == pytest.approx(
+        [a.advantage for a in pipeline.prepare(episodes, TrainConfig(), step=1).advantages])

@@ -454,12 +454,13 @@ def test_a_programs_rollout_shows_the_calls_lit_recorded_at_the_engine(tmp_path)
     root = r.add(sc.ROLLOUT_SPAN, None, 0, **{sc.ROLLOUT_RETURN_REWARD: 1.0})
     sdk = r.add(sc.LLM_SPAN, root, 1, **{sc.AGENT_NAME: "writer", sc.LLM_STREAMED: True})
     engine = {sc.LLM_PROMPT_TOKEN_IDS: [1, 2], sc.LLM_RESPONSE_TOKEN_IDS: [3], sc.LLM_RESPONSE_LOGPROBS: [-0.5]}
-    r.add(sc.ENGINE_CALL_SPAN, None, 2, **engine, **{sc.LLM_CALL_ID: sdk})
+    r.add(sc.ENGINE_CALL_SPAN, None, 2, **engine, **{sc.LLM_CALL_ID: sdk, sc.LLM_MODEL: "policy-writer"})
     r.add(sc.ENGINE_CALL_SPAN, None, 8, **engine, **{sc.AGENT_NAME: "checker"})
     with SqliteStore(tmp_path / "lit.sqlite") as store:
         r.store(store)
         page = viewer.view_rollout(store, r.rollout_id)._repr_html_()
     assert "LLM calls (2)" in page and "lit.engine.call" not in page
     assert "agent writer" in page and "agent checker" in page
+    assert page.count("served by") == 1 and "served by policy-writer" in page  # the adapter the engine named
     assert "not trained on: agent not selected" not in page  # both calls are the episode's transitions
     assert [text for text, _ in tokens_of(page).of(2, "response")] == ["[3]"]  # no tokenizer: ids

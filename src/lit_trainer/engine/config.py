@@ -36,7 +36,7 @@ class InferenceConfig:
              "dtype": one_of(_DTYPES, "(vLLM's --dtype)"), "max_model_len": at_least(16),
              "cpu_kv_cache_gb": at_least(1, "(GiB)"), "gpu_memory_utilization": between(0, 1, low_open=True),
              "startup_timeout_s": positive("(seconds)"), "shutdown_timeout_s": positive("(seconds)"),
-             "weight_transfer_backend": one_of(("", "nccl", "ipc"))}
+             "weight_transfer_backend": one_of(("", "nccl", "ipc")), "max_loras": at_least(1)}
 
     model: str = "smollm2-135m"
     """A Hugging Face causal-LM folder, or ``smollm2-135m`` for the embedded default model."""
@@ -103,6 +103,12 @@ class InferenceConfig:
     this disables torch.compile and halves throughput."""
     max_lora_rank: int = 16
     """Largest LoRA rank the server accepts (with ``enable_lora``)."""
+    max_loras: int = 4
+    """Most LoRA adapters one batch of the server serves at once (``--max-loras``, with ``enable_lora``): a
+    ``[roles]`` table needs one per adapter it serves."""
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    """Adapters served from the start (``--lora-modules``): served name -> adapter folder. A ``[roles]`` table sets
+    it to its fixed adapters."""
     python: str = ""
     """Interpreter that runs vLLM. Empty: that of the environment ``vllm/`` inside this one when it exists (where
     ``run.sh`` installs vLLM, apart from the agent frameworks), else this one."""

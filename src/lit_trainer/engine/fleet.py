@@ -27,12 +27,12 @@ from lit_trainer.engine.config import InferenceConfig, WeightSyncConfig
 from lit_trainer.engine.launch import server_ports
 from lit_trainer.engine.logprob_check import LogprobGap, Sample, logprob_gap, sample_from_vllm
 from lit_trainer.engine.server import InferenceServer, ServerDiedError
-from lit_trainer.engine.weight_sync import SyncReport, WeightSync, WeightSyncError
+from lit_trainer.engine.weight_sync import Adapters, SyncReport, WeightSync, WeightSyncError
 
 if TYPE_CHECKING:
     from typing import Self
 
-Weights = Callable[[], Mapping[str, Any]]
+Weights = Callable[[], "Mapping[str, Any] | Adapters"]
 """What gives the policy's current weights (its ``state_dict``), for a server started again."""
 
 Score = Callable[[Sequence[Sample]], Sequence[torch.Tensor]]
@@ -174,12 +174,12 @@ class Fleet:
         started again (that took the time)."""
         with self._lock:
             reports, died = [], []
-            served = for_serving(state, self.inference.dtype)
+            served = state if isinstance(state, Adapters) else for_serving(state, self.inference.dtype)
             for index, sync in enumerate(self.syncs):
                 server = self.servers[index]
                 try:
                     server.check_alive()
-                    reports.append(sync.push_weights(served, version=version))
+                    reports.append(_push(sync, served, version))
                 except (ServerDiedError, WeightSyncError) as exc:
                     if not server.exited(within_s=5.0):  # an error of a live server is no death: it stops the run
                         raise
@@ -220,18 +220,21 @@ class Fleet:
             self.restarts += 1
             if self.weights is not None:
                 self.syncs[index] = self._open_sync(index)
-                self.syncs[index].push_weights(for_serving(self.weights(), self.inference.dtype), version=version)
+                latest = self.weights()
+                _push(self.syncs[index], latest if isinstance(latest, Adapters) else
+                      for_serving(latest, self.inference.dtype), version)
 
     def logprob_gaps(self, score: Score, prompts: Sequence[Sequence[int]], tolerance: float,
-                     max_tokens: int = 8) -> dict[str, LogprobGap]:
+                     max_tokens: int = 8, model: str | None = None) -> dict[str, LogprobGap]:
         """Each server's logprobs of greedy continuations of ``prompts`` against the trainer's (``score``: its
-        logprobs of a server's samples), by base URL: whether the weights pushed last reached every server."""
+        logprobs of a server's samples), by base URL: whether the weights pushed last reached every server.
+        ``model``: the served model to ask (an adapter's name; default the base model's)."""
         gaps = {}
         with self._lock:  # no server is being started again meanwhile (asynchronous rollouts)
             for s in self.servers:
                 s.check_alive()
                 try:
-                    samples = sample_from_vllm(s.base_url, s.model_name, prompts, max_tokens=max_tokens,
+                    samples = sample_from_vllm(s.base_url, model or s.model_name, prompts, max_tokens=max_tokens,
                                                api_key=s.api_key)
                 except Exception:
                     if s.exited(within_s=5.0):  # it died under the request: say so, with its log
@@ -247,6 +250,13 @@ class Fleet:
             config = replace(config, nccl_master_port=config.nccl_master_port + index)
         server = self.servers[index]
         return WeightSync(server.base_url, config, credentials=server.credentials)
+
+
+def _push(sync: WeightSync, state: Adapters | Mapping[str, Any], version: str) -> SyncReport:
+    """Whole weights (in the serving dtype) or adapters into one server."""
+    if isinstance(state, Adapters):
+        return sync.push_adapters(state, version=version)
+    return sync.push_weights(state, version=version)
 
 
 def first_line(exc: BaseException) -> str:

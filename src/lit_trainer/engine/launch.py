@@ -166,7 +166,9 @@ def build_command(
     if config.weight_transfer_backend:
         cmd += ["--weight-transfer-config", json.dumps({"backend": config.weight_transfer_backend})]
     if config.enable_lora:
-        cmd += ["--enable-lora", "--max-lora-rank", str(config.max_lora_rank)]
+        cmd += ["--enable-lora", "--max-lora-rank", str(config.max_lora_rank), "--max-loras", str(config.max_loras)]
+        if config.lora_modules:
+            cmd += ["--lora-modules", *(f"{name}={folder}" for name, folder in config.lora_modules.items())]
     if config.tensor_parallel_size > 1:
         cmd += ["--tensor-parallel-size", str(config.tensor_parallel_size)]
     elif resolve_device(config) == "cpu":  # the model runs in the engine's own process (build_env: ONE_PROCESS)

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import requests
 import torch
+from safetensors.torch import save_file
 
 from lit_sdk.install import pip_install
 from lit_trainer.engine.config import WeightSyncConfig
@@ -48,6 +49,14 @@ if TYPE_CHECKING:
 WEIGHTS_FILE = "model.safetensors"
 FOLDER_PREFIX = "lit-weights-"
 """The weight sync's folder in shared memory: ``owned_folders`` removes those of killed trainers."""
+
+
+@dataclass(frozen=True)
+class Adapters:
+    """LoRA adapters for vLLM to serve beside its base model, which stays as it is (a ``[roles]`` table's): served
+    name -> (``adapter_config.json`` as a dict, the weights by peft's names)."""
+
+    by_name: Mapping[str, tuple[Mapping[str, Any], Mapping[str, torch.Tensor]]]
 
 
 class WeightSyncError(RuntimeError):
@@ -209,6 +218,29 @@ class WeightSync:
                 adapter.save_pretrained(str(folder))
         body = {"lora_name": self.config.lora_name, "lora_path": str(folder), "load_inplace": True}
         self._paused_round(clock, "load_adapter", lambda: self.post("/v1/load_lora_adapter", json=body), report.version)
+        return report
+
+    def push_adapters(self, adapters: Adapters, version: str | None = None) -> SyncReport:
+        """Hot-load every adapter of ``adapters`` in place under its served name (new names are added), in one
+        paused round, all tagged ``version``: written into this server's shared-memory folder, then
+        ``/v1/load_lora_adapter`` each (the server needs ``inference.enable_lora``)."""
+        report = self._start_report(version)
+        clock = _Clock(report)
+        folders = {}
+        with clock("serialize"):
+            for name, (config, state) in adapters.by_name.items():
+                folders[name] = folder = self.folder / "lora" / name
+                folder.mkdir(parents=True, exist_ok=True)
+                tensors = {k: v.detach().contiguous() for k, v in state.items()}
+                save_file(tensors, str(folder / "adapter_model.safetensors"))
+                (folder / "adapter_config.json").write_text(json.dumps(config, default=str))
+
+        def move() -> None:
+            for name, folder in folders.items():
+                self.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(folder),
+                                                         "load_inplace": True})
+
+        self._paused_round(clock, "load_adapter", move, report.version)
         return report
 
     def _start_report(self, version: str | None) -> SyncReport:

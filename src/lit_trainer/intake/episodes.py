@@ -87,6 +87,9 @@ class Transition:
     guided: bool = False
     """The response is a task's reference, not sampled (``rollouts/guidance.py``): ``logprobs`` is None and the
     learner takes its own before the update for the behaviour policy's (``learner/schedule.fill_guided_logprobs``)."""
+    model: str = ""
+    """The served model that answered the call, as the engine named it (``semconv.LLM_MODEL``): the base model's
+    name, or with a ``[roles]`` table the adapter that served it; "" when unrecorded."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -459,6 +462,7 @@ def _transitions(
                 temperature=_temperature(attrs.get(sc.LLM_TEMPERATURE)),
                 sampling_unsupported=str(attrs.get(sc.LLM_SAMPLING_UNSUPPORTED, "")),
                 weight_version=_weight_version(attrs.get(sc.LLM_WEIGHT_VERSION)),
+                model=str(attrs.get(sc.LLM_MODEL, "")),
             )
         )
     return transitions

@@ -33,7 +33,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -102,6 +102,8 @@ class MicroBatch:
     the policy runs it with gradient checkpointing."""
     demonstrations: bool = False
     """Its rows are demonstrations (rollouts/demonstrations.py): trained by their NLL, with no behaviour logprobs."""
+    adapter: str | None = None
+    """The LoRA adapter every row of it is computed with (a ``[roles]`` table's; None: the one policy)."""
 
     def __post_init__(self) -> None:
         if self.temperature is None:
@@ -130,6 +132,7 @@ def make_micro_batches(
     pad_id: int,
     *,
     share_prompts: bool = True,
+    adapter_of: Callable[[Transition], str | None] | None = None,
 ) -> list[MicroBatch]:
     """Pack transitions (with one advantage each) into micro-batches: rows with the same prompt together, groups in
     the order of their prompts. A group costs its prompt once plus its rows' responses (module docstring); a
@@ -137,8 +140,19 @@ def make_micro_batches(
     prompts once plus each group's rest (``layout_tokens``: the cheaper). ``share_prompts=False`` costs every row
     whole (rows x padded length), in order of length,
     for a forward pass that runs each row in full (``logprobs.plain_token_logprobs``). A budget of 0 is a CPU's
-    (``budget_for``)."""
+    (``budget_for``). ``adapter_of``: the adapter of each transition (one per role): a micro-batch holds one
+    adapter's rows (``MicroBatch.adapter``)."""
     assert len(transitions) == len(advantages), f"{len(transitions)} transitions, {len(advantages)} advantages"
+    if adapter_of is not None:
+        keys = [adapter_of(t) for t in transitions]
+        out = []
+        for key in dict.fromkeys(keys):
+            chosen = [i for i, k in enumerate(keys) if k == key]
+            for mb in make_micro_batches([transitions[i] for i in chosen], [float(advantages[i]) for i in chosen],
+                                         config, pad_id, share_prompts=share_prompts):
+                mb.index, mb.adapter = [chosen[j] for j in mb.index], key
+                out.append(mb)
+        return out
     config = budget_for(config, "cpu")  # 0: run_update resolved it for the learner's device already, else a CPU's
     rows = [_row(t, config) for t in transitions]
     if share_prompts:

@@ -4,6 +4,9 @@ needs to continue exactly: the optimizer state, the step, the RNG states and the
     <output_dir>/checkpoints/step-000012/
         model/               config.json, model.safetensors, tokenizer files
         adapter/             LoRA only: adapter_config.json, adapter_model.safetensors (peft's format)
+        adapters/<name>/     a [roles] table's adapters instead, one folder each (peft's format); model/ then
+                             holds the base model's config and tokenizer only: vLLM serves the base model with
+                             these adapters
         optimizer/           the AdamW moments and step counts by parameter name (torch.distributed.checkpoint:
                              .metadata, *.distcp); the learning rate and the like come from the config
         trainer_state.pt     the training state (``TrainState``) and the RNG states
@@ -42,7 +45,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
 from lit_trainer.learner import lora
 from lit_trainer.learner.memory import GB
@@ -116,7 +123,10 @@ def _write(staging: Checkpoint, policy: Policy, base_model_dir: Path, state: Tra
     if main:  # before the first collective below: the other processes write into it only after that
         shutil.rmtree(staging.path, ignore_errors=True)
         staging.model_dir.mkdir(parents=True)
-    if policy.config.lora_rank:
+    if policy.adapters:  # peft writes each adapter but "default" into a folder of its name
+        policy.unwrapped().save_pretrained(str(staging.adapters_path), selected_adapters=list(policy.adapter_names),
+                                           safe_serialization=True)
+    elif policy.config.lora_rank:
         lora.save_merged(policy.unwrapped(), staging.model_dir)
         lora.save_adapter(policy.unwrapped(), staging.adapter_path)
     else:
@@ -130,7 +140,7 @@ def _write(staging: Checkpoint, policy: Policy, base_model_dir: Path, state: Tra
                  checkpoint_id=staging.optimizer_dir, no_dist=not policy.sharded)
     if not main:
         return
-    for name in TOKENIZER_FILES:
+    for name in (*TOKENIZER_FILES, "config.json") if policy.adapters else TOKENIZER_FILES:  # the base it is on
         if (base_model_dir / name).exists():
             shutil.copy2(base_model_dir / name, staging.model_dir / name)
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
@@ -294,6 +304,13 @@ def restore(checkpoint: Checkpoint, policy: Policy) -> TrainState:
     _check_kind(checkpoint, policy)
     if checkpoint.adapter_dir is not None:
         lora.load_adapter(policy.unwrapped(), checkpoint.adapter_dir)
+    saved_adapters = checkpoint.adapter_folders()
+    if set(saved_adapters) != set(policy.adapter_names):
+        raise ValueError(f"{checkpoint.path} holds the adapters {sorted(saved_adapters) or 'of no role'} but the "
+                         f"[roles] table trains {sorted(policy.adapter_names) or 'none'}: resume with the run's "
+                         "[roles] table")
+    for name, folder in saved_adapters.items():
+        lora.load_adapter(policy.unwrapped(), folder, adapter=name)
     saved = _read_state(checkpoint)
     _load_optimizer(checkpoint.optimizer_dir, policy)
     random.setstate(saved["rng"]["python"])
@@ -307,11 +324,17 @@ def _load_optimizer(folder: Path, policy: Policy) -> None:
     shard, or the whole of each tensor), matched by parameter name."""
     # the optimizer's own state as the template of what to read (an empty one is first made by a zero step)
     own = get_optimizer_state_dict(policy.model, policy.optimizer)
-    into = {"optimizer": own["state"]}
+    # a parameter that never had a gradient (the adapter of a role that has not called yet) has no saved state:
+    # it starts fresh, as it would have had the run gone on
+    saved = {key.split(".", 1)[1].rsplit(".", 1)[0]
+             for key in dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata}
+    into = {"optimizer": {name: state for name, state in own["state"].items() if name in saved}}
     with _one_process_is_meant():
         dcp.load(into, checkpoint_id=folder, no_dist=not policy.sharded)
+    fresh = len(into["optimizer"]) < len(own["state"])
     set_optimizer_state_dict(policy.model, policy.optimizer, {"state": into["optimizer"],
-                                                              "param_groups": own["param_groups"]})
+                                                              "param_groups": own["param_groups"]},
+                             options=StateDictOptions(strict=not fresh))
 
 
 @contextlib.contextmanager
@@ -325,6 +348,8 @@ def _one_process_is_meant() -> Iterator[None]:
 
 def _check_kind(checkpoint: Checkpoint, policy: Policy) -> None:
     rank = policy.config.lora_rank
+    if policy.adapters:
+        return  # restore compares the adapters by name
     if rank and checkpoint.adapter_dir is None:
         raise ValueError(f"{checkpoint.path} is a full fine-tune's checkpoint (no adapter/) but policy.lora_rank = "
                          f"{rank}: resume it with policy.lora_rank = 0")

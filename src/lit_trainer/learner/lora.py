@@ -12,7 +12,10 @@ drifts the frozen weights away from the base model.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -145,3 +148,55 @@ def load_adapter(peft_model: torch.nn.Module, folder: str | Path, adapter: str =
 
 def _comparable(value: object) -> object:
     return sorted(value) if isinstance(value, (set, list, tuple)) else value
+
+
+def add_adapters(model: torch.nn.Module, config: Any, names: Sequence[str]) -> torch.nn.Module:
+    """``model`` with one LoRA adapter of ``config`` per name (a ``[roles]`` table's), every one trainable; the
+    first is active."""
+    from peft import get_peft_model
+
+    peft_model = get_peft_model(model, config, adapter_name=names[0])
+    for name in names[1:]:
+        peft_model.add_adapter(name, config)
+    for key, param in peft_model.named_parameters():
+        if "lora_" in key:
+            param.requires_grad_(True)  # add_adapter leaves the new ones frozen: one optimizer trains them all
+    return peft_model
+
+
+def activate(peft_model: torch.nn.Module, name: str) -> None:
+    """Make adapter ``name`` the one the next forward passes use. Unlike peft's ``set_adapter`` it leaves every
+    adapter trainable, so that the gradients of one step's micro-batches of several adapters add up for one
+    optimizer step."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in peft_model.modules():
+        if isinstance(module, BaseTunerLayer) and name in getattr(module, "lora_A", {}):
+            module._active_adapter = [name]
+
+
+@contextlib.contextmanager
+def adapters_off(peft_model: torch.nn.Module) -> Iterator[None]:
+    """The base model computes while this lasts (peft's ``disable_adapter``), and every parameter that was trainable
+    is again after: peft's own makes only the active adapter trainable when it ends, which would leave the other
+    roles' adapters out of the step."""
+    trainable = [p for p in peft_model.parameters() if p.requires_grad]
+    try:
+        with peft_model.disable_adapter():
+            yield
+    finally:
+        for param in trainable:
+            param.requires_grad_(True)
+
+
+def adapter_state(peft_model: torch.nn.Module, name: str) -> dict[str, torch.Tensor]:
+    """Adapter ``name``'s weights as peft saves them (``adapter_model.safetensors``'s keys), detached."""
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach() for k, v in get_peft_model_state_dict(peft_model, adapter_name=name).items()}
+
+
+def adapter_config(peft_model: torch.nn.Module, name: str) -> dict[str, Any]:
+    """Adapter ``name``'s ``adapter_config.json``, as a dict."""
+    config = peft_model.peft_config[name].to_dict()
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}

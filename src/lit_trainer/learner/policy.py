@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,7 +114,7 @@ class PolicyConfig:
 
 class Policy:
     def __init__(self, config: PolicyConfig, trackers: Sequence[str] = (), project_dir: str | None = None,
-                 reference: str | None = None):
+                 reference: str | None = None, adapters: Mapping[str, str] | None = None):
         """``trackers`` (e.g. ``["tensorboard"]``) go to accelerate's ``log_with``, logging under ``project_dir``.
 
         ``reference``: a model folder (or ``smollm2-135m``) whose frozen logprobs the loss's KL term compares with
@@ -124,8 +124,17 @@ class Policy:
 
         ``config.shard``: with several processes, shard the decoder layers of the policy and of the reference
         across them (learner/sharding.py); ``state_dict``, ``token_logprobs`` and ``update`` are then collectives:
-        every process calls them, in the same order."""
+        every process calls them, in the same order.
+
+        ``adapters``: agent name -> LoRA adapter (a ``[roles]`` table's, lit_trainer/roles.py): one adapter per
+        name on the one frozen base, each micro-batch computed with its rows' agent's (``adapter_for``), one
+        optimizer over them all. Needs ``config.lora_rank``."""
         self.config = config
+        self.adapters = dict(adapters or {})
+        """Agent name -> the adapter its calls train (empty: one policy)."""
+        self.adapter_names = tuple(dict.fromkeys(self.adapters.values()))
+        if self.adapters and not config.lora_rank:
+            raise ValueError("one adapter per role needs policy.lora_rank > 0")
         self.accelerator = _accelerator(trackers, project_dir)
         device = self.accelerator.device
         self.precision = precision.resolve(config.precision, device)
@@ -134,14 +143,14 @@ class Policy:
         self.sharded = config.shard and self.accelerator.num_processes > 1
         """Whether the decoder layers are sharded across the processes (``config.shard``)."""
         self.memory = memory_plan(config, self.precision, reference is not None, self.accelerator.num_processes,
-                                  self.sharded)
+                                  self.sharded, max(len(self.adapter_names), 1))
         """What this process holds for the policy before activations (learner/memory.py)."""
         free = memory.available(device)
         memory.check_fits(self.memory, free, device)  # before any weight is read
         if self.accelerator.is_main_process:
             room = f"; {free / memory.GB:.1f} GB free on {device}" if free is not None else ""
             print(f"lit: {self.memory.describe()}{room}", file=sys.stderr)
-        model = _build_model(config, self.precision, self.sharded)
+        model = _build_model(config, self.precision, self.sharded, self.adapter_names)
         # Not wrapped in DDP: the processes sum their gradients themselves (learner/distributed.py says why).
         self.model = self.accelerator.prepare_model(model, evaluation_mode=self.accelerator.num_processes > 1)
         self.optimizer = self.accelerator.prepare_optimizer(_optimizer(model, config))
@@ -177,8 +186,21 @@ class Policy:
         token was drawn from (0 elsewhere). Both (B, T), on the learner's device, computed in its precision."""
         return self._logprobs(self.model, self.place(batch), with_entropy)
 
+    def adapter_for(self, agent: str) -> str | None:
+        """The adapter that trains ``agent``'s calls (None: the one policy)."""
+        return self.adapters.get(agent)
+
+    def use_adapter(self, name: str | None) -> None:
+        """Compute the next forward passes with adapter ``name`` (one of ``adapter_names``; None with one policy)."""
+        if name is not None:
+            lora.activate(self.unwrapped(), name)
+        elif self.adapters:
+            raise ValueError("a micro-batch of no role's adapter: every row of a policy of one adapter per role must "
+                             f"come from an agent of the [roles] table that trains ({sorted(self.adapters)})")
+
     def _logprobs(self, model: torch.nn.Module, batch: MicroBatch, with_entropy: bool = False,
                   entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self.use_adapter(batch.adapter)
         with precision.autocast(self.device, self.precision):
             return logprobs.token_logprobs(model, batch, with_entropy=with_entropy, entropy_grad=entropy_grad)
 
@@ -261,7 +283,7 @@ class Policy:
             raise RuntimeError("this Policy has no reference model: build it with reference=<model folder>")
         batch = self.place(batch)
         if self.reference is None:  # LoRA: the base weights are the reference
-            with self.unwrapped().disable_adapter():
+            with lora.adapters_off(self.unwrapped()):
                 return self._logprobs(self.model, batch)[0]
         return self._logprobs(self.reference, batch)[0]
 
@@ -295,12 +317,20 @@ class Policy:
         twice as fast as its LoRA mode). Sharded: gathered (a collective: every process calls it) into the main
         process alone ({} elsewhere), cast to ``dtype`` and moved to ``device`` tensor by tensor when given;
         unsharded both are left to the caller (the policy's own tensors are returned, no copy)."""
+        if self.adapters:
+            raise RuntimeError("a policy of one adapter per role has no one model: push adapter_states()")
         if self.config.lora_rank:
             return lora.merged_state_dict(self.unwrapped())
         if self.sharded:
             return sharding.full_state_dict(self.unwrapped(), keep=self.accelerator.is_main_process, dtype=dtype,
                                             device=device)
         return self.unwrapped().state_dict()
+
+    def adapter_states(self) -> dict[str, tuple[dict[str, object], dict[str, torch.Tensor]]]:
+        """Each adapter's ``adapter_config.json`` and weights (peft's keys), by adapter name, for vLLM."""
+        model = self.unwrapped()
+        return {name: (lora.adapter_config(model, name), lora.adapter_state(model, name))
+                for name in self.adapter_names}
 
     @contextlib.contextmanager
     def in_float32(self) -> Iterator[torch.nn.Module]:
@@ -331,11 +361,13 @@ def _cast_hook(params: list[torch.nn.Parameter], dtype: torch.dtype) -> Callable
 
 
 def memory_plan(config: PolicyConfig, used: str, reference: bool, processes: int = 1,
-                sharded: bool = False) -> memory.MemoryPlan:
+                sharded: bool = False, adapters: int = 1) -> memory.MemoryPlan:
     """What one trainer process holds for a policy of ``config`` trained in ``used`` precision, before activations
-    (learner/memory.py), from the model's config alone: no weight is read. ``reference``: with a KL reference."""
+    (learner/memory.py), from the model's config alone: no weight is read. ``reference``: with a KL reference.
+    ``adapters``: LoRA adapters on the base (one per role of a ``[roles]`` table)."""
     _, model_config = _model_config(config.model)
-    return memory.plan(*memory.count(model_config, config.lora_rank, config.lora_target_modules), precision=used,
+    parameters, layers, trained = memory.count(model_config, config.lora_rank, config.lora_target_modules)
+    return memory.plan(parameters, layers, trained * adapters, precision=used,
                        lora=bool(config.lora_rank), reference=reference and not config.lora_rank,
                        processes=processes, sharded=sharded)
 
@@ -366,7 +398,7 @@ def _check_device(config: PolicyConfig, used: str, device: torch.device, main: b
         log.warning("lit: %s", slow)
 
 
-def _build_model(config: PolicyConfig, used: str, sharded: bool) -> torch.nn.Module:
+def _build_model(config: PolicyConfig, used: str, sharded: bool, adapters: Sequence[str] = ()) -> torch.nn.Module:
     """The model to train: its trained weights are float32 masters (a LoRA policy's frozen base may live in
     bfloat16), with LoRA adapters when ``config.lora_rank``; sharded as it is built when ``sharded`` (each layer
     goes to the device as it is sharded: the whole model never is there at once)."""
@@ -378,7 +410,7 @@ def _build_model(config: PolicyConfig, used: str, sharded: bool) -> torch.nn.Mod
 
         lora_config = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha,
                                  target_modules=list(config.lora_target_modules), task_type="CAUSAL_LM")
-        model = get_peft_model(model, lora_config)
+        model = lora.add_adapters(model, lora_config, adapters) if adapters else get_peft_model(model, lora_config)
     if sharded:
         sharding.shard(model)
     return model

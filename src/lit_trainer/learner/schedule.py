@@ -149,7 +149,7 @@ def run_update(policy: Policy, pairs: Sequence[tuple[Transition, float]], update
     the first optimizer step that trains it, before that step changes the weights. ``demos``: demonstrations
     whose NLL, times ``sft_weight``, every optimizer step adds to its loss (``with_demonstrations``)."""
     batching = budget_for(batching, policy.device.type)
-    demo_batches, _ = demonstration_batches(demos, batching, pad_id)
+    demo_batches, _ = demonstration_batches(demos, batching, pad_id, _adapter_of(policy))
     pairs = fill_guided_logprobs(policy, pairs, batching, pad_id)
     prox = _old_logprobs(policy, pairs, batching, pad_id) if update.recompute_old_logprobs else None
     sums: dict[str, float] = {}
@@ -165,7 +165,7 @@ def run_update(policy: Policy, pairs: Sequence[tuple[Transition, float]], update
             if not train and not demo_batches:
                 continue
             batches = make_micro_batches([pairs[i][0] for i in train], [pairs[i][1] for i in train], batching,
-                                         pad_id) if train else []
+                                         pad_id, adapter_of=_adapter_of(policy)) if train else []
             if prox is not None:  # mb.index counts rows of ``train``
                 for mb in batches:
                     mb.prox_logprobs = _rows(mb, [prox[i] for i in train])
@@ -198,7 +198,8 @@ def run_sft(policy: Policy, demos: Sequence[Transition], batching: BatchingConfi
     """One SFT step: one optimizer step on the NLL of ``demos``' response tokens (``algorithm/loss.sft_loss``);
     its metrics (``sft/nll``, ``sft/tokens``, ``sft/demonstrations``, ``sft/skipped``: those the learner cannot
     use, ``policy/grad_norm``, ``update/micro_batches``)."""
-    batches, skipped = demonstration_batches(demos, budget_for(batching, policy.device.type), pad_id)
+    batches, skipped = demonstration_batches(demos, budget_for(batching, policy.device.type), pad_id,
+                                             _adapter_of(policy))
     metrics = {"sft/demonstrations": float(len(demos) - skipped), "sft/skipped": float(skipped),
                "update/micro_batches": float(len(batches))}
     if batches:
@@ -207,13 +208,15 @@ def run_sft(policy: Policy, demos: Sequence[Transition], batching: BatchingConfi
     return metrics
 
 
-def demonstration_batches(demos: Sequence[Transition], batching: BatchingConfig, pad_id: int
+def demonstration_batches(demos: Sequence[Transition], batching: BatchingConfig, pad_id: int,
+                          adapter_of: Callable[[Transition], str | None] | None = None
                           ) -> tuple[list[MicroBatch], int]:
     """``demos`` packed into micro-batches marked as demonstrations, and how many were left out as the learner
     cannot use them (``batching.keep_usable``: a prompt over ``batching.max_prompt_tokens``, say)."""
     stand_ins = [(replace(t, logprobs=[0.0] * len(t.response_ids)), 0.0) for t in demos]  # the layout's
     usable, _ = keep_usable(stand_ins, batching)
-    batches = make_micro_batches([t for t, _ in usable], [0.0] * len(usable), batching, pad_id) if usable else []
+    batches = make_micro_batches([t for t, _ in usable], [0.0] * len(usable), batching, pad_id,
+                                 adapter_of=adapter_of) if usable else []
     for mb in batches:
         mb.demonstrations = True
     return batches, len(demos) - len(usable)
@@ -260,7 +263,8 @@ def _old_logprobs(policy: Policy, pairs: Sequence[tuple[Transition, float]], bat
     """The trainer's logprobs of every pair's response tokens under its current weights, in ``pairs``' order (each
     process computes its share of the micro-batches, and every process gets them all)."""
     out: list[list[float]] = [[] for _ in pairs]
-    batches = make_micro_batches([t for t, _ in pairs], [a for _, a in pairs], batching, pad_id)
+    batches = make_micro_batches([t for t, _ in pairs], [a for _, a in pairs], batching, pad_id,
+                                 adapter_of=_adapter_of(policy))
     mine: dict[int, list[float]] = {}
     for mb, real in policy.my_share(batches):
         mb = policy.place(mb)
@@ -282,3 +286,8 @@ def _rows(mb: MicroBatch, responses: list[list[float]]) -> torch.Tensor:
         where = mb.response_mask[b].bool()  # (T,)
         out[b, where] = torch.tensor(responses[i], dtype=out.dtype)
     return out
+
+
+def _adapter_of(policy: Policy) -> Callable[[Transition], str | None] | None:
+    """Which adapter trains a transition, for a policy of one adapter per role; None for one policy."""
+    return (lambda t: policy.adapter_for(t.agent)) if policy.adapters else None

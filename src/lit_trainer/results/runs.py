@@ -89,6 +89,16 @@ class Checkpoint:
         return self.adapter_path if self.adapter_path.is_dir() else None
 
     @property
+    def adapters_path(self) -> Path:
+        """Where the checkpoint of a run with a ``[roles]`` table holds each adapter (``adapters/<name>/``)."""
+        return self.path / "adapters"
+
+    def adapter_folders(self) -> dict[str, Path]:
+        """Adapter name -> its folder, of a ``[roles]`` run's checkpoint ({} for any other)."""
+        found = sorted(self.adapters_path.iterdir()) if self.adapters_path.is_dir() else []
+        return {folder.name: folder for folder in found if folder.is_dir()}
+
+    @property
     def state_file(self) -> Path:
         """The step, RNG states, data position and weight version (and, in checkpoints written before the optimizer
         had a folder of its own, the optimizer state)."""

@@ -314,7 +314,8 @@ def _call(span: SpanRecord, uid: str, k: int, t: Transition | None, advantages: 
     advantage = advantages.get(t.index) if t is not None else None
     head = (f'<div class="call"{_attrs({"id": f"{uid}c{k}"})}><b>call #{k}</b>'
             + _tag(f"agent {_str(a.get(sc.AGENT_NAME, ''))}") + _tag(f"finish {_str(a.get(sc.LLM_FINISH_REASON, '?'))}")
-            + _tag(f"temperature {_str(a.get(sc.LLM_TEMPERATURE, 'default'))}"))
+            + _tag(f"temperature {_str(a.get(sc.LLM_TEMPERATURE, 'default'))}")
+            + (_tag(f"served by {_str(a[sc.LLM_MODEL])}") if a.get(sc.LLM_MODEL) else ""))
     if t is not None:
         head += _tag(f"transition {t.index}") + _advantage_tag(advantage, True)
         head += _tag(f"reward {_num(t.reward)} attached", "rew") if t.reward is not None else ""

@@ -16,6 +16,7 @@ from lit_trainer.models.folders import check_context, check_model_folder, resolv
 from lit_trainer.progress import quiet_library_bars
 from lit_trainer.results.metrics import MetricsLog
 from lit_trainer.results.runs import Checkpoint, RunFolder, eval_folder, resolve_checkpoint
+from lit_trainer.roles import Roles
 from lit_trainer.rollouts.runner import RolloutRunner
 from lit_trainer.rollouts.tasks import load_tasks
 from lit_trainer.run.services import check_agent, services
@@ -56,6 +57,16 @@ def described(found: Checkpoint) -> tuple[str, str]:
     return f"checkpoint {found.path} (step {found.step}{', an SFT step' if phase == 'sft' else ''})", phase
 
 
+def _frozen_roles(roles: Roles, found: Checkpoint) -> Roles:
+    """The ``[roles]`` table with each trained adapter served from the checkpoint's folder of it."""
+    folders = found.adapter_folders()
+    missing = sorted(set(roles.adapters) - set(folders))
+    if missing:
+        raise ValueError(f"{found.path} holds no adapter {missing} of the [roles] table (it holds "
+                         f"{sorted(folders) or 'none'}): evaluate it with the run's own config")
+    return roles.frozen_into(folders)
+
+
 def evaluate(cfg: TrainConfig, checkpoint: str | Path | None = None, output: Path | None = None,
              output_dir: str | Path | None = None) -> dict[str, Any]:
     """``lit eval``: validation of a checkpoint (a ``checkpoints/step-N`` folder or a run's output_dir: its
@@ -68,9 +79,14 @@ def evaluate(cfg: TrainConfig, checkpoint: str | Path | None = None, output: Pat
     model, step, what, found, phase = cfg.model, 0, f"the base model {cfg.model}", None, "base"
     if checkpoint:
         found = resolve_checkpoint(checkpoint)
-        model, step = str(found.model_dir), found.step
+        step = found.step
         what, phase = described(found)
-        cfg = replace(cfg, model=model, inference=replace(cfg.inference, model=model))
+        if not cfg.roles:
+            model = str(found.model_dir)
+            cfg = replace(cfg, model=model, inference=replace(cfg.inference, model=model))
+    if roles := cfg.role_table():  # the base model with the checkpoint's adapters, served as fixed ones
+        served = _frozen_roles(roles, found) if found else roles.on_base()
+        cfg = replace(cfg, roles=dict(served.table), agent=replace(cfg.agent, agents=()))
     run = RunFolder(output_dir or eval_folder(found, cfg.train.output_dir))
     if run.store.exists():  # a training run's store: lit show would open it, not the eval's
         raise ValueError(f"{run.dir} holds a training run ({run.store.name}): lit eval writes a folder of its own; "

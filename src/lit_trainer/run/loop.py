@@ -120,8 +120,10 @@ def _run(cfg: TrainConfig, resume: bool, out: RunFolder) -> dict[str, Any]:
         done = [r for r in read_metrics(out.metrics) if r["kind"] == "validation"]
         return done[-1] if done else {}
     torch.manual_seed(cfg.train.seed)
+    roles = cfg.role_table()
     trainers = Trainers(_policy(cfg, ready), SERVING_DTYPES.get(cfg.inference.dtype),
-                        "cpu" if cfg.weight_sync.transport == "shm" else None)
+                        "cpu" if cfg.weight_sync.transport == "shm" else None,
+                        served={a: roles.adapter_served_name(a) for a in roles.adapters} if roles else None)
     state = trainers.restore(ready.start)
     if not trainers.main:
         trainers.follow()
@@ -134,8 +136,9 @@ def _run(cfg: TrainConfig, resume: bool, out: RunFolder) -> dict[str, Any]:
     out.save_config(settings)
     teachers = [cfg.sft.teacher.upstream] if cfg.sft.teacher else []
     with services(cfg, out.store, out.spool, out.keys, weights=trainers.latest, teachers=teachers) as svc:
-        if ready.start:
+        if ready.start or roles:  # the roles' adapters are vLLM's to load, the first time too
             svc.fleet.push_weights(trainers.latest(), version=state.weight_version)
+        if ready.start:
             print(f"lit: resumed from {ready.start.path} (step {state.step})", file=sys.stderr)
         if superseded := _supersede(out, svc.store, ready.start):
             print(f"lit: {superseded}", file=sys.stderr)
@@ -156,8 +159,10 @@ def _policy(cfg: TrainConfig, ready: Ready) -> Policy:
     weights. Before vLLM starts: one checkpoint of it fits on the disk, or it raises."""
     start = ready.start
     policy_cfg = replace(cfg.policy, model=str(start.model_dir)) if start and not cfg.policy.lora_rank else cfg.policy
+    roles = cfg.role_table()
     policy = Policy(policy_cfg, cfg.train.trackers, project_dir=str(ready.out.dir),
-                    reference=str(ready.base_dir) if cfg.loss.kl_beta > 0 else None)
+                    reference=str(ready.base_dir) if cfg.loss.kl_beta > 0 else None,
+                    adapters=roles.adapter_map() if roles else None)
     room = ckpt.check_room(ready.out, ckpt.size_estimate(policy.memory.parameters, policy.memory.trained),
                            cfg.train.keep_checkpoints,
                            ckpt.saves_left(start.step if start else 0, cfg.train.steps, cfg.train.checkpoint_every))
@@ -252,6 +257,8 @@ def _step(cfg: TrainConfig, step: int, batch: RolloutBatch, trainers: Trainers, 
     if encode:  # a reference for each failed group whose task has one
         more, guided = guide(episodes, ready.references, encode, cfg.train.success_reward, cfg.rollouts.min_group_size)
         episodes = episodes + more
+    if step == cfg.sft.steps + 1 and (silent := _silent_roles(cfg, episodes)):
+        print(f"lit: warning: {silent}", file=sys.stderr)
     work = pipeline.prepare(episodes, cfg, step, batch.dispatched_version)
     svc.store.save_advantages(work.advantages)
     metrics = {**batch.metrics, **guided, **work.metrics}
@@ -268,6 +275,22 @@ def _step(cfg: TrainConfig, step: int, batch: RolloutBatch, trainers: Trainers, 
     return metrics
 
 
+def _silent_roles(cfg: TrainConfig, episodes: list[Any]) -> str:
+    """The trained agents of the ``[roles]`` table that no call of the first step's rollouts came from, in words
+    ("" when every one called): their adapters would train on nothing."""
+    roles = cfg.role_table()
+    if roles is None:
+        return ""
+    seen = {t.agent for e in episodes for t in e.transitions}
+    silent = [agent for agent in roles.trained_agents if agent not in seen]
+    if not silent:
+        return ""
+    return (f"the [roles] table trains {silent}, but no call of the first step came from "
+            f"{'it' if len(silent) == 1 else 'them'} (the trained agents that called: {sorted(seen) or 'none'}): "
+            "an adapter trains on nothing until its agent calls. Is the name the one lit records? (lit show shows "
+            "each call's agent)")
+
+
 def _done(train: TrainLoopConfig, state: ckpt.TrainState) -> bool:
     """Whether the run has trained to ``train.steps``, or for ``train.max_minutes``."""
     return state.step >= train.steps or bool(train.max_minutes and state.minutes >= train.max_minutes)
@@ -280,7 +303,9 @@ def _say_what_next(cfg: TrainConfig, out: RunFolder) -> None:
         print(f"lit: curve written to {png}", file=sys.stderr)
     final = out.latest_checkpoint()
     if final is not None:
-        print(f"lit: trained to step {final.step}: the model is {final.model_dir} (a Hugging Face folder). Next: "
+        model = (f"the adapters of the [roles] table are in {final.adapters_path} (peft's format, on {cfg.model})"
+                 if cfg.roles else f"the model is {final.model_dir} (a Hugging Face folder)")
+        print(f"lit: trained to step {final.step}: {model}. Next: "
               f"`{_command(cfg, 'eval', '--checkpoint', str(out.dir))}` evaluates it, "
               f"`{shlex.join(['lit', 'show', '--run', str(out.dir)])}` shows its rollouts, "
               f"`{_command(cfg, 'train', '--resume', f'train.steps={final.step * 2}')}` trains on", file=sys.stderr)

@@ -22,8 +22,10 @@ import collections
 import functools
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from lit_trainer.algorithm.advantages import episode_advantages
 from lit_trainer.config import ConfigError, TrainConfig
@@ -34,6 +36,7 @@ from lit_trainer.intake.episodes import Episode, Transition, unsupported_samplin
 from lit_trainer.intake.rows import AdvantageRow, Store
 from lit_trainer.learner.batching import SAMPLING_FIX, keep_usable
 from lit_trainer.learner.schedule import drop_stale, learning_rate_at, mask_overlong, run_sft, run_update
+from lit_trainer.roles import Roles
 
 if TYPE_CHECKING:
     from lit_trainer.learner.policy import Policy
@@ -93,11 +96,17 @@ def prepare(episodes: Sequence[Episode], cfg: TrainConfig, step: int, dispatched
                           f"{SAMPLING_FIX}")
     advantages, adv_metrics = episode_advantages(kept, cfg.credit, cfg.advantages)
     metrics.update(adv_metrics)
+    roles = cfg.role_table()
+    if roles is not None:  # each adapter's calls are a group of their own: normalised among themselves
+        advantages = _role_advantages(kept, roles, cfg, advantages, metrics)
     # rollouts run for nothing: their group gave no call an advantage (all rewards equal, or a group of one)
     metrics["rollouts/without_signal"] = float(sum(not bool(a.any()) for a in advantages))
     pairs = [(t, float(a)) for e, adv in zip(kept, advantages, strict=True)
              for t, a in zip(e.transitions, adv.tolist(), strict=True)]
     rows = [AdvantageRow(t.rollout_id, t.index, step, a) for t, a in pairs]
+    if roles is not None:
+        pairs, wrong = _served_by_own_adapter(pairs, roles)
+        metrics["update/skipped_wrong_adapter"] = float(wrong)
     pairs, skipped = keep_usable(pairs, cfg.batching)  # a bad transition costs itself, not the step
     metrics.update({f"update/skipped_{reason}": float(n) for reason, n in skipped.items()})
     if cfg.rollouts.max_staleness:
@@ -110,6 +119,35 @@ def prepare(episodes: Sequence[Episode], cfg: TrainConfig, step: int, dispatched
     if not cfg.loss.trains_every_transition and not any(a != 0.0 for _, a in pairs):
         pairs = []  # all-correct or all-wrong groups (or only unusable transitions): nothing to learn from
     return Prepared(pairs, rows, metrics)
+
+
+def _role_advantages(episodes: Sequence[Episode], roles: Roles, cfg: TrainConfig, advantages: list[torch.Tensor],
+                     metrics: dict[str, float]) -> list[torch.Tensor]:
+    """The advantages with each trained adapter's calls credited and normalised among themselves (the groups of a
+    task made of the rollouts in which that adapter's agents called at all); ``role/<adapter>/...`` metrics added."""
+    out = [a.clone() for a in advantages]
+    for adapter in roles.adapters:
+        own = [(i, [j for j, t in enumerate(e.transitions) if roles.adapter_of(t.agent) == adapter])
+               for i, e in enumerate(episodes)]
+        own = [(i, where) for i, where in own if where]
+        metrics[f"role/{adapter}/calls"] = float(sum(len(where) for _, where in own))
+        metrics[f"role/{adapter}/rollouts"] = float(len(own))
+        if not own:
+            continue
+        parts = [replace(episodes[i], transitions=[replace(episodes[i].transitions[j], index=k)
+                                                   for k, j in enumerate(where)]) for i, where in own]
+        values, role_metrics = episode_advantages(parts, cfg.credit, cfg.advantages)
+        metrics.update({f"role/{adapter}/{key}": value for key, value in role_metrics.items()})
+        for (i, where), value in zip(own, values, strict=True):
+            out[i][where] = value
+    return out
+
+
+def _served_by_own_adapter(pairs: Pairs, roles: Roles) -> tuple[Pairs, int]:
+    """The pairs whose call the engine answered with its agent's adapter (``Transition.model``), and how many were
+    not: their behaviour logprobs are another policy's (a demonstration or a guided reference has none)."""
+    kept = [(t, a) for t, a in pairs if t.guided or t.model == roles.served_name(t.agent)]
+    return kept, len(pairs) - len(kept)
 
 
 def learning_rate(cfg: TrainConfig, step: int) -> float:
@@ -152,9 +190,11 @@ def push(fleet: Fleet, state: Mapping[str, Any], step: int) -> dict[str, float]:
     return {"time/sync": report.total_s if report is not None else time.perf_counter() - t0}
 
 
-def score(policy: Policy, samples: Sequence[logprob_check.Sample]) -> list[Any]:
+def score(policy: Policy, samples: Sequence[logprob_check.Sample], adapter: str | None = None) -> list[Any]:
     """The trainer's logprobs of vLLM's ``samples``, computed in float32 whatever the policy's precision: the
-    weights vLLM was given."""
+    weights vLLM was given (``adapter``: by that adapter, with one per role)."""
+    if adapter is not None:
+        policy.use_adapter(adapter)
     with policy.in_float32() as model:
         return logprob_check.score(model, samples)
 
@@ -168,11 +208,29 @@ def check(fleet: Fleet, policy: Policy, pairs: Pairs, cfg: TrainConfig, step: in
     every = cfg.train.check_sync_every
     if not every or not (step == 1 or step % every == 0):
         return {}
-    prompts = [t.prompt_ids for t, _ in pairs[:2]]
-    gaps = fleet.logprob_gaps(scorer or functools.partial(score, policy), prompts, cfg.weight_sync.logprob_tolerance)
+    scorer = scorer or functools.partial(score, policy)
+    roles = cfg.role_table()
+    if roles is None:
+        return _gap_metrics(fleet.logprob_gaps(scorer, [t.prompt_ids for t, _ in pairs[:2]],
+                                               cfg.weight_sync.logprob_tolerance), step, "")
+    metrics: dict[str, float] = {}
+    for adapter in roles.adapters:  # each adapter against its own served copy
+        prompts = [t.prompt_ids for t, _ in pairs if roles.adapter_of(t.agent) == adapter][:2]
+        if prompts:
+            gaps = fleet.logprob_gaps(functools.partial(scorer, adapter=adapter), prompts,
+                                      cfg.weight_sync.logprob_tolerance, model=roles.adapter_served_name(adapter))
+            role = _gap_metrics(gaps, step, f" (adapter {adapter!r})")
+            gap = metrics[f"role/{adapter}/sync_logprob_gap"] = role["sync/logprob_gap_max"]
+            metrics["sync/logprob_gap_max"] = max(metrics.get("sync/logprob_gap_max", 0.0), gap)
+            metrics["sync/servers_checked"] = role["sync/servers_checked"]
+    return metrics
+
+
+def _gap_metrics(gaps: Mapping[str, logprob_check.LogprobGap], step: int, what: str) -> dict[str, float]:
+    """The sync check's metrics of ``gaps`` (by server); WeightSyncError when one is over its tolerance."""
     worst = max(gaps, key=lambda url: gaps[url].max_abs)
     if not gaps[worst].ok:
-        raise WeightSyncError(f"after the weight sync of step {step}, the logprobs of vLLM at {worst} differ "
+        raise WeightSyncError(f"after the weight sync of step {step}, the logprobs of vLLM at {worst}{what} differ "
                               f"from the trainer's by up to {gaps[worst].max_abs:.4f} nats (tolerance "
                               f"{gaps[worst].tolerance}): the new weights did not reach it. See its log; or set "
                               "inference.dtype=float32")

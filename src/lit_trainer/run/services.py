@@ -125,7 +125,10 @@ def services(cfg: TrainConfig, store_path: Path, spool_dir: Path, keys_dir: Path
         stack.callback(fleet.stop)
         fleet.launch()  # vLLM loads while the workers start: their URLs are known now
         servers = [s.openai_url for s in fleet.servers]
-        gateway = stack.enter_context(Gateway(store, servers, cfg.inference.host, teachers=teachers))
+        roles = cfg.role_table()
+        gateway = stack.enter_context(Gateway(store, servers, cfg.inference.host, teachers=teachers,
+                                              routes=roles.routes() if roles else None,
+                                              base_model=cfg.inference.served_model_name))
         dispatcher = stack.enter_context(Dispatcher(store, cfg.dispatch_endpoint.endpoint, collector.endpoint,
                                                     servers, cfg.dispatch, keys=keys, gateway=gateway))
         env = {**os.environ, "LIT_SPOOL_DIR": str(spool_dir), security.KEYS_ENV: str(folder)}

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from lit_trainer.engine.weight_sync import Adapters
 from lit_trainer.intake.rows import Store
 from lit_trainer.learner import checkpoint as ckpt
 from lit_trainer.learner import distributed
@@ -29,8 +30,10 @@ class Trainers:
     """The policy in every trainer process. ``dtype``, ``device``: how the weights are gathered for vLLM (its
     serving dtype; the CPU for the ``shm`` transport, where the gathered copy need not take room on the GPU)."""
 
-    def __init__(self, policy: Policy, dtype: torch.dtype | None = None, device: str | None = None) -> None:
-        self.policy, self.dtype, self.device = policy, dtype, device
+    def __init__(self, policy: Policy, dtype: torch.dtype | None = None, device: str | None = None,
+                 served: dict[str, str] | None = None) -> None:
+        """``served``: with one adapter per role, each adapter's served name in vLLM."""
+        self.policy, self.dtype, self.device, self.served = policy, dtype, device, served or {}
         self.main = policy.accelerator.is_main_process
         self._last: dict[str, Any] | None = None
 
@@ -43,24 +46,30 @@ class Trainers:
         """One step's update, each process taking its share; its metrics."""
         return self._together(pipeline.update, job, cfg, main_only={"store": store})
 
-    def gather(self) -> dict[str, Any]:
-        """The policy's whole weights for vLLM. Unsharded they are the policy's own tensors; sharded, every process
-        takes part and the main process keeps the copy (``latest``)."""
+    def gather(self) -> dict[str, Any] | Adapters:
+        """The policy's whole weights for vLLM, or its adapters by served name with one per role. Unsharded they
+        are the policy's own tensors; sharded, every process takes part and the main process keeps the copy
+        (``latest``)."""
+        if self.policy.adapters:
+            return Adapters({self.served[name]: state for name, state in self.policy.adapter_states().items()})
         if not self.policy.sharded:
             return self.policy.state_dict()
         self._last = self._together(pipeline.weights, self.dtype, self.device)
         return self._last
 
-    def latest(self) -> dict[str, Any]:
+    def latest(self) -> dict[str, Any] | Adapters:
         """The weights last gathered, for a vLLM started again between two pushes: from whatever thread notices the
         death, without the other processes (which may be anywhere in their loop): the main process gathers once
         before the services start. Sharded, that copy costs the main process one whole model in the serving dtype
         (learner/memory.py, ``gathered``)."""
+        if self.policy.adapters:
+            return self.gather()
         return self._last if self._last is not None else self.policy.state_dict()
 
-    def score(self, samples: Sequence[Any]) -> list[Any]:
-        """The trainer's logprobs of vLLM's samples, for the sync check (``pipeline.score``)."""
-        return self._together(pipeline.score, samples)
+    def score(self, samples: Sequence[Any], adapter: str | None = None) -> list[Any]:
+        """The trainer's logprobs of vLLM's samples (by ``adapter``, one role's), for the sync check
+        (``pipeline.score``)."""
+        return self._together(pipeline.score, samples, adapter)
 
     def save(self, output_dir: Path, base_dir: Path, state: ckpt.TrainState, keep: int) -> None:
         """The checkpoint of ``state.step`` (``learner/checkpoint.save``)."""

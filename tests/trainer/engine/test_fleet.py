@@ -18,7 +18,7 @@ from lit_trainer.engine.config import InferenceConfig, WeightSyncConfig
 from lit_trainer.engine.fleet import Fleet
 from lit_trainer.engine.logprob_check import Sample
 from lit_trainer.engine.server import ServerDiedError
-from lit_trainer.engine.weight_sync import SyncReport, WeightSyncError
+from lit_trainer.engine.weight_sync import Adapters, SyncReport, WeightSyncError
 
 
 class Server:
@@ -73,6 +73,10 @@ class RecordingSync:
             raise self.fail
         self.pushed.append((version, state["w"]))
         return SyncReport(version, {"reload": 1.0 if self.base_url.endswith(":8001") else 0.5, "resume": 0.25})
+
+    def push_adapters(self, adapters, version):
+        self.pushed.append((version, sorted(adapters.by_name)))
+        return SyncReport(version, {"load_adapter": 0.1})
 
     def close(self) -> None:
         self.closed = True
@@ -149,6 +153,16 @@ def test_a_push_reaches_every_server():
     # one after the other: the total is both syncs (0.75 s and 1.25 s), the slowest the second
     assert report.version == "1" and report.total_s == pytest.approx(2.0) and report.slowest_s == pytest.approx(1.25)
     assert [r.version for r in report.reports] == ["1", "1"] and fleet.restarts == 0 and fleet.version == "1"
+
+
+def test_a_roles_adapters_reach_every_server_and_a_server_started_again_gets_them(capsys):
+    adapters = Adapters({"policy-writer": ({}, {}), "policy-rewriter": ({}, {})})
+    fleet = Fleet(InferenceConfig(port=8000, servers=2), WeightSyncConfig(), weights=lambda: adapters).start()
+    fleet.push_weights(adapters, version="1")
+    assert [s.pushed for s in fleet.syncs] == [[("1", ["policy-rewriter", "policy-writer"])]] * 2
+    fleet.servers[0].dead = True
+    assert fleet.push_weights(adapters, version="2") is None  # started again with the current adapters
+    assert fleet.syncs[0].pushed == [("2", ["policy-rewriter", "policy-writer"])] and fleet.restarts == 1
 
 
 def test_one_dead_server_of_two_is_restarted_alone_on_its_port_with_the_current_weights(capsys):

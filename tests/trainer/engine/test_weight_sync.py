@@ -26,6 +26,7 @@ from lit_trainer.engine.owned_folders import remove_abandoned
 from lit_trainer.engine.server import InferenceServer
 from lit_trainer.engine.weight_sync import (
     FOLDER_PREFIX,
+    Adapters,
     ShmCheckpoint,
     WeightSync,
     WeightSyncError,
@@ -187,6 +188,28 @@ def test_lora_push_hot_loads_the_adapter_in_place(fake_vllm: str, tmp_path: Path
     body = dict(_FakeVLLM.calls)["/v1/load_lora_adapter"]
     assert body == {"lora_name": "policy-lora", "lora_path": str(tmp_path / "adapter"), "load_inplace": True}
     assert dict(_FakeVLLM.calls)["/update_weight_version"] == {"new_version": "step-3"}
+
+
+def test_a_roles_adapters_are_written_and_loaded_in_place_in_one_paused_round(fake_vllm: str, tmp_path: Path):
+    from safetensors.torch import load_file
+
+    config = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "peft_type": "LORA"}
+    adapters = Adapters({"policy-writer": (config, {"a.lora_A.weight": torch.ones(4, 2)}),
+                         "policy-rewriter": (config, {"a.lora_A.weight": torch.zeros(4, 2)})})
+    with WeightSync(fake_vllm, WeightSyncConfig(shm_dir=str(tmp_path))) as sync:
+        report = sync.push_adapters(adapters, version="5")
+        loads = [body for path, body in _FakeVLLM.calls if path == "/v1/load_lora_adapter"]
+        assert [(b["lora_name"], b["load_inplace"]) for b in loads] == [("policy-writer", True),
+                                                                       ("policy-rewriter", True)]
+        for body, value in zip(loads, (1.0, 0.0), strict=True):  # what vLLM reads: peft's two files
+            folder = Path(body["lora_path"])
+            assert json.loads((folder / "adapter_config.json").read_text()) == config
+            assert torch.equal(load_file(str(folder / "adapter_model.safetensors"))["a.lora_A.weight"],
+                               torch.full((4, 2), value))
+    routes = [path.split("?")[0] for path, _ in _FakeVLLM.calls]
+    assert routes == ["/pause", "/v1/load_lora_adapter", "/v1/load_lora_adapter", "/reset_prefix_cache",
+                      "/update_weight_version", "/resume"]
+    assert report.version == "5" and dict(_FakeVLLM.calls)["/update_weight_version"] == {"new_version": "5"}
 
 
 def test_nccl_group_holds_the_trainer_and_every_vllm_worker(vllm_modules):

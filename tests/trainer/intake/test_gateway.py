@@ -222,3 +222,18 @@ def test_a_store_that_cannot_write_stops_the_gateway_loudly(served, monkeypatch:
     with pytest.raises(gateway_module.GatewayError, match="disk is full"):
         gw.settle()
     assert gw.recorded == 0
+
+
+def test_with_a_role_table_each_agents_calls_go_to_its_adapter_whatever_model_it_asked(tmp_path):
+    routes = {"writer": "policy-writer", "checker": "policy"}
+    with FakeLLM() as engine, SqliteStore(tmp_path / "lit.sqlite") as store, \
+            Gateway(store, [engine.base_url], routes=routes, base_model="policy") as gw:
+        rid, secret = hand_out(store)
+        client = OpenAI(base_url=gw.rollout_url(engine.base_url, rid, secret), api_key="x")
+        for agent, asked in (("writer", "policy"), ("checker", "policy-writer"), ("unnamed", "policy-writer"),
+                             (None, "policy-writer")):
+            headers = {"X-Lit-Agent": agent} if agent else {}
+            client.chat.completions.create(model=asked, messages=MESSAGES, extra_headers=headers)
+        assert [r["model"] for r in engine.requests] == ["policy-writer", "policy", "policy", "policy"]
+        models = [dict(s.attributes)[sc.LLM_MODEL] for s in engine_calls(gw, store, rid)]
+        assert sorted(models) == ["policy", "policy", "policy", "policy-writer"]  # the engine's answers say so

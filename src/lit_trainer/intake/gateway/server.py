@@ -46,7 +46,7 @@ import os
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import quote
@@ -96,11 +96,16 @@ class Refused(Exception):
 class Gateway:
     """``with Gateway(store, [server.openai_url, ...], host) as gateway: ...``; see the module docstring.
     ``teachers``: ``(base URL, name of the environment variable holding its API key, or "")`` of each teacher a
-    rollout URL may name (``rollout_url``) beside the vLLM servers ``upstreams``."""
+    rollout URL may name (``rollout_url``) beside the vLLM servers ``upstreams``. ``routes``: with a ``[roles]``
+    table, the served model of each agent's calls (agent name -> model, from ``AGENT_HEADER``); a call of an agent
+    it does not name goes to ``base_model``. The request's own ``model`` is replaced: an agent cannot pick an adapter
+    lit did not give it."""
 
     def __init__(self, store: Store, upstreams: Sequence[str], host: str = "127.0.0.1", port: int = 0, *,
-                 teachers: Sequence[tuple[str, str]] = ()):
+                 teachers: Sequence[tuple[str, str]] = (), routes: Mapping[str, str] | None = None,
+                 base_model: str = ""):
         self.store = store
+        self.routes, self.base_model = routes, base_model
         self.upstreams = [u.rstrip("/") for u in upstreams] + [url.rstrip("/") for url, _ in teachers]
         self._teacher_env = {url.rstrip("/"): env for url, env in teachers}
         self._teacher_headers: dict[str, dict[str, str]] = {}
@@ -210,6 +215,8 @@ class Gateway:
             body = await request.json(loads=json.loads)
             if not isinstance(body, dict):
                 raise Refused("bad_request", 400, "the request body must be a JSON object")
+            if self.routes is not None and upstream not in self._teacher_env:
+                body["model"] = self.routes.get(_agent_of(request) or "", self.base_model)
             call = calls.Call(RECORDED[route], info["rollout"], body, _agent_of(request),
                               _call_id_of(request.headers.get(CALL_HEADER)), upstream in self._teacher_env)
             headers = self._headers(request, upstream)
