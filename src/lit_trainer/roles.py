@@ -59,7 +59,8 @@ class Roles:
         """The trained adapter ``agent``'s calls train and are served by; None when it trains none."""
         value = self.table.get(agent)
         if value == OWN:
-            return _UNSAFE.sub("_", agent) if _UNSAFE.sub("_", agent) != SHARED_ADAPTER else "shared_"
+            name = _UNSAFE.sub("_", agent)
+            return name if name != SHARED_ADAPTER else "shared_"
         return SHARED_ADAPTER if value == SHARED else None
 
     def _fixed_name(self, agent: str) -> str | None:
@@ -90,7 +91,7 @@ class Roles:
     def served_name(self, agent: str | None) -> str:
         """The ``model`` a call of ``agent`` is served by: its adapter's name, or the base model's."""
         adapter = (self.adapter_of(agent) or self._fixed_name(agent)) if agent is not None else None
-        return f"{self.served}-{adapter}" if adapter else self.served
+        return self.adapter_served_name(adapter) if adapter else self.served
 
     def adapter_served_name(self, adapter: str) -> str:
         """The served name of trained adapter ``adapter``."""
