@@ -190,6 +190,10 @@ case "$job" in
   test)
     need_room "${TMPDIR:-/tmp}" "$tests_gb" "the test suite (its temporary folder)" \
       "point TMPDIR at a folder on another disk"
+    # OpenMP threads that wait sleep instead of spinning: the two workers' torch processes (and vLLM's) share 2 cores,
+    # and a spinning pool takes the core the other side needs (the README snippet's test ran 2.2x slower beside the
+    # learner's unit tests with spinning threads than with sleeping ones). A value you set wins.
+    export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
     # Two workers (pytest-xdist): the tests that start vLLM one after another on one of them, the other files on
     # both (tests/conftest.py); LIT_TEST_WORKERS=0 runs everything in this process.
     # pytest's own exit code goes out unchanged: 5 (no tests collected) is a failure, not a pass.
