@@ -7,6 +7,11 @@ planned before loading, and its peak RSS. The figure: bytes per parameter per pr
 process to the unsharded one. What stays whole in every process (the embeddings, tied to the head, and the final
 norm: 21 % of SmolLM2-135M) sets how far it can fall.
 
+The load: N processes unsharded, then N sharded, each reports how far its resident memory rose above what it held
+after the imports while the policy was built (its peak RSS then, less its RSS before): the whole model read by
+each, against each process's share read by each (``learner/sharded_load.py``). Their sums are the figure: what a
+node's host memory must hold at start, less the libraries.
+
     .venv/bin/python bench/shard_memory.py                 # 1 process, then 2 sharded
     .venv/bin/python bench/shard_memory.py --processes 3
 """
@@ -28,7 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def measure(shard: bool, out: Path) -> None:
     """One process's part: a policy, one update, its bytes into ``out`` (rank 0 writes, every rank reports)."""
+    import accelerate  # noqa: F401  (imported before the baseline: the load is what is measured)
     import torch
+    import transformers  # noqa: F401
 
     from lit_trainer.algorithm.loss import LossConfig
     from lit_trainer.intake.episodes import Transition
@@ -38,7 +45,9 @@ def measure(shard: bool, out: Path) -> None:
     from lit_trainer.learner.schedule import UpdateConfig, run_update
 
     torch.manual_seed(0)
+    before = rss_bytes()
     policy = Policy(PolicyConfig(precision="fp32", learning_rate=1e-6, shard=shard))
+    load_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     rng = random.Random(0)
     pairs = []
     for group in range(4):
@@ -51,7 +60,7 @@ def measure(shard: bool, out: Path) -> None:
     held = sharding.local_bytes(policy.model, policy.optimizer)
     report = {"rank": policy.accelerator.process_index, "processes": policy.accelerator.num_processes,
               "held_bytes": held, "planned_bytes": policy.memory.weights + policy.memory.optimizer,
-              "parameters": policy.memory.parameters,
+              "parameters": policy.memory.parameters, "load_peak_bytes": load_peak,
               "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6}
     reports = [None] * report["processes"]
     if report["processes"] > 1:
@@ -60,6 +69,14 @@ def measure(shard: bool, out: Path) -> None:
         reports = [report]
     if report["rank"] == 0:
         out.write_text(json.dumps(reports))
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
 
 
 def run(processes: int, shard: bool, out: Path) -> list[dict]:
@@ -84,6 +101,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         whole = run(1, False, Path(tmp) / "one.json")[0]
+        unsharded = run(args.processes, False, Path(tmp) / "unsharded.json")
         sharded = run(args.processes, True, Path(tmp) / "sharded.json")
     params = whole["parameters"]
     print(f"{params / 1e6:.1f}M parameters; bytes of parameters + AdamW state held after one step, per process")
@@ -94,6 +112,11 @@ def main() -> None:
             print(f"{label:<22} {r['rank']:>4} {r['held_bytes'] / 1e9:>8.3f} {r['held_bytes'] / params:>11.2f} "
                   f"{r['planned_bytes'] / 1e9:>10.3f} {r['held_bytes'] / whole['held_bytes']:>12.3f} "
                   f"{r['peak_rss_gb']:>11.2f}")
+    plain, cut = (sum(r["load_peak_bytes"] for r in rows) for rows in (unsharded, sharded))
+    print(f"\nloading the policy, peak host memory above what the imports took, all {args.processes} processes "
+          f"together: {plain / 1e9:.3f} GB unsharded, {cut / 1e9:.3f} GB sharded: {cut / plain:.3f}x "
+          f"(per process: {[round(r['load_peak_bytes'] / 1e9, 3) for r in unsharded]} vs "
+          f"{[round(r['load_peak_bytes'] / 1e9, 3) for r in sharded]})")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from lit_trainer.learner import compiling, distributed, logprobs, lora, memory, precision, sharding
+from lit_trainer.learner import compiling, distributed, logprobs, lora, memory, precision, sharded_load, sharding
 from lit_trainer.learner.batching import MicroBatch
 from lit_trainer.learner.schedule import LR_SCHEDULES
 from lit_trainer.models.folders import check_model_folder, resolve_model
@@ -150,7 +150,7 @@ class Policy:
         if self.accelerator.is_main_process:
             room = f"; {free / memory.GB:.1f} GB free on {device}" if free is not None else ""
             print(f"lit: {self.memory.describe()}{room}", file=sys.stderr)
-        model = _build_model(config, self.precision, self.sharded, self.adapter_names)
+        model = _build_model(config, self.precision, device if self.sharded else None, self.adapter_names)
         # Not wrapped in DDP: the processes sum their gradients themselves (learner/distributed.py says why).
         self.model = self.accelerator.prepare_model(model, evaluation_mode=self.accelerator.num_processes > 1)
         self.optimizer = self.accelerator.prepare_optimizer(_optimizer(model, config))
@@ -162,9 +162,8 @@ class Policy:
         self.has_reference = reference is not None
         self.reference: torch.nn.Module | None = None
         if reference is not None and not config.lora_rank:  # LoRA's reference is the base under the adapter
-            frozen = _load(_model_config(reference)[0], precision.weights_dtype(self.precision, frozen=True))
-            if self.sharded:
-                sharding.shard(frozen)
+            folder, dtype = _model_config(reference)[0], precision.weights_dtype(self.precision, frozen=True)
+            frozen = _load(folder, dtype, device if self.sharded else None)
             self.reference = frozen.to(device).eval().requires_grad_(False)
 
     @property
@@ -398,12 +397,14 @@ def _check_device(config: PolicyConfig, used: str, device: torch.device, main: b
         log.warning("lit: %s", slow)
 
 
-def _build_model(config: PolicyConfig, used: str, sharded: bool, adapters: Sequence[str] = ()) -> torch.nn.Module:
+def _build_model(config: PolicyConfig, used: str, sharded_on: torch.device | None, adapters: Sequence[str] = ()
+                 ) -> torch.nn.Module:
     """The model to train: its trained weights are float32 masters (a LoRA policy's frozen base may live in
-    bfloat16), with LoRA adapters when ``config.lora_rank``; sharded as it is built when ``sharded`` (each layer
-    goes to the device as it is sharded: the whole model never is there at once)."""
+    bfloat16), with LoRA adapters when ``config.lora_rank``; with ``sharded_on`` (a full fine-tune), built sharded
+    on that device, each process reading only what it keeps (``sharded_load``)."""
     folder, _ = _model_config(config.model)
-    model = _load(folder, precision.weights_dtype(used, frozen=bool(config.lora_rank)))
+    dtype = precision.weights_dtype(used, frozen=bool(config.lora_rank))
+    model = _load(folder, dtype, sharded_on)
     model.config.use_cache = False  # no KV cache in training; gradient checkpointing refuses one
     if config.lora_rank:
         from peft import LoraConfig, get_peft_model
@@ -411,8 +412,6 @@ def _build_model(config: PolicyConfig, used: str, sharded: bool, adapters: Seque
         lora_config = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha,
                                  target_modules=list(config.lora_target_modules), task_type="CAUSAL_LM")
         model = lora.add_adapters(model, lora_config, adapters) if adapters else get_peft_model(model, lora_config)
-    if sharded:
-        sharding.shard(model)
     return model
 
 
@@ -441,11 +440,14 @@ def _model_config(model: str) -> tuple[Path, object]:
     return folder, config
 
 
-def _load(folder: Path, dtype: torch.dtype) -> torch.nn.Module:
-    """The causal LM in ``folder`` with its weights in ``dtype``."""
+def _load(folder: Path, dtype: torch.dtype, sharded_on: torch.device | None = None) -> torch.nn.Module:
+    """The causal LM in ``folder`` with its weights in ``dtype``; with ``sharded_on``, its decoder layers sharded
+    across the processes on that device, each reading only what it keeps (``sharded_load``)."""
     from transformers import AutoModelForCausalLM
 
     check_model_folder(folder, tokenizer=False)  # the update needs no tokenizer; vLLM's start checks it
+    if sharded_on is not None:
+        return sharded_load.load_sharded(folder, dtype, sharded_on)
     return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
 
 

@@ -1,18 +1,18 @@
-"""FSDP2's layer sharding (learner/sharding.py) in a one-process group, against the same model whole: the same
-logits, gradients, clipped norm and gathered weights. With one GPU this is the most of the sharded path that can run
+"""FSDP2's layer sharding (learner/sharding.py) in a one-process group, the model built sharded as the policy
+builds it (learner/sharded_load.py), against the same model whole: the same buffers, logits, gradients, clipped
+norm and gathered weights. With one GPU this is the most of the sharded path that can run
 on CUDA: NCCL refuses two processes on one device, and lit's own ``policy.shard`` changes nothing in one process.
 test_cuda.py runs it on the GPU over NCCL, test_distributed.py here on the CPU over gloo."""
 
 from __future__ import annotations
 
-import copy
 import tempfile
 from pathlib import Path
 
 import torch
 from torch.testing import assert_close
 
-from lit_trainer.learner import sharding
+from lit_trainer.learner import sharded_load, sharding
 
 
 def check(model_dir: Path, device: str, backend: str, compile_: bool = False) -> None:
@@ -28,8 +28,14 @@ def check(model_dir: Path, device: str, backend: str, compile_: bool = False) ->
                                 device_id=torch.device(device) if device != "cpu" else None)
         try:
             whole = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-            sharded = copy.deepcopy(whole)
-            assert sharding.shard(sharded) == len(sharding.decoder_layers(whole)) > 0
+            # built sharded on the meta device, each tensor read from the file as it is loaded (sharded_load)
+            sharded = sharded_load.load_sharded(model_dir, torch.float32, torch.device(device))
+            assert len(sharding.decoder_layers(sharded)) == len(sharding.decoder_layers(whole)) > 0
+            assert [name for name, _ in sharded.named_buffers()] == [name for name, _ in whole.named_buffers()]
+            for (name, buffer), (_, expected) in zip(sharded.named_buffers(), whole.named_buffers(), strict=True):
+                assert torch.equal(buffer.cpu(), expected), name  # the rotary frequencies, computed, not read
+            if whole.config.tie_word_embeddings:
+                assert sharded.lm_head.weight is sharded.get_input_embeddings().weight
             if compile_:  # the sharded layers are still found as the model's layers (FSDP2 subclasses them)
                 assert compiling.compile_decoder(sharded) == len(compiling.decoder_modules(whole))
             whole.to(device)
