@@ -35,6 +35,14 @@ async def returns_after_its_seconds(task, llm):
 
 
 @lit.trace
+async def slower_on_a_slow_server(task, llm):
+    """Takes 0.6 s when its LLM's URL names a slow server, else 0.05 s; its reward says which (1: the slow one)."""
+    slow = "slow" in llm.base_url
+    await asyncio.sleep(0.6 if slow else 0.05)
+    return 1.0 if slow else 0.0
+
+
+@lit.trace
 async def rewards_where_it_runs(task, llm):
     """Gives its reward with ``lit.reward`` and returns where it ran: its process and its network namespace, which
     the stored root span keeps as the rollout's output."""

@@ -162,6 +162,23 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="list a validation's rollouts instead: the last one, or with --step N the one after step "
                       "N (0: before training); a folder of lit eval has only these")
     show.set_defaults(run=_show)
+    serve = commands.add_parser(
+        "serve", help="run a vLLM server on this host for a trainer on another (its inference.remote)",
+        epilog="It needs the trainer's keys folder (lit keys generate; [security] keys_dir), all of it: the link to "
+        "the trainer is encrypted with the trainer's own keypair, and the server takes the run's API key. "
+        f"{CONFIG_HELP}")
+    serve.add_argument("config", type=Path, help="the run's config: its [inference] section sets the server")
+    serve.add_argument("overrides", nargs="*", default=[], metavar="section.key=value",
+                       help="change config values (inference.model: the model's folder on this host)")
+    serve.add_argument("--listen", default="tcp://0.0.0.0:7400",
+                       help="where the trainer connects (default %(default)s)")
+    serve.add_argument("--host", default="0.0.0.0", help="address vLLM binds (default %(default)s)")
+    serve.add_argument("--port", type=int, default=8000,
+                       help="vLLM's port (default %(default)s; a fixed one, so that the trainer finds the server "
+                       "at the same address when it comes back)")
+    serve.add_argument("--keys", help="the trainer's keys folder (default: the config's [security] keys_dir, else "
+                       "$LIT_KEYS_DIR)")
+    serve.set_defaults(run=_serve)
     worker = commands.add_parser("worker", help="run agent rollouts for a trainer", add_help=False)
     worker.add_argument("rest", nargs=argparse.REMAINDER)
     worker.set_defaults(run=lambda args: _worker_main(args.rest))
@@ -292,6 +309,29 @@ def _toml_value(value: object) -> str:
     return json.dumps(str(value))
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    import lit_trainer
+    from lit_sdk.protocol.security import API_KEY, HOW_TO_MAKE, keys_dir_from_env
+    from lit_trainer.engine.serve import serve
+
+    config = lit_trainer.load_config(args.config, args.overrides)
+    keys = args.keys or config.security.keys_dir or keys_dir_from_env()
+    if not keys:
+        raise ValueError(f"lit serve needs the trainer's keys: {HOW_TO_MAKE}, copy that folder here and give it "
+                         "with --keys (or [security] keys_dir, or $LIT_KEYS_DIR)")
+    key = {} if config.inference.api_key or config.inference.api_key_file else {
+        "api_key_file": str(Path(keys).expanduser() / API_KEY)}  # the run's, which its agents send
+    inference = replace(config.inference, host=args.host, port=args.port, **key)
+    with sigterm_as_interrupt():
+        try:
+            serve(inference, config.weight_sync, str(keys), args.listen)
+        except KeyboardInterrupt:
+            print("lit serve: stopped", file=sys.stderr)
+    return 0
+
+
 def _keys_generate(args: argparse.Namespace) -> int:
     from lit_sdk.protocol.security import CLIENT_SECRET, KEYS_ENV, SERVER_PUBLIC, generate_keys
 
@@ -305,7 +345,8 @@ On this (the trainer's) host, add to the training config:
 On each host that runs `lit worker`, copy only {CLIENT_SECRET} and {SERVER_PUBLIC} into a folder that only you
 can read (mkdir -m 700 ~/.lit/keys; keep {CLIENT_SECRET} at mode 600), then:
     {KEYS_ENV}=~/.lit/keys lit worker --connect tcp://TRAINER:PORT module:function
-server.key_secret and api_key never leave this host.""", file=sys.stderr)
+server.key_secret and api_key go to no worker host. A host that runs `lit serve` for the trainer (a vLLM server
+that takes its weights) gets the whole folder, as the trainer's own.""", file=sys.stderr)
     return 0
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lit_sdk.protocol.security import API_KEY, check_bind, is_local_endpoint
+from lit_sdk.protocol.security import API_KEY, HOW_TO_MAKE, check_bind, is_local_endpoint
 from lit_trainer.algorithm.advantages import AdvantageConfig
 from lit_trainer.algorithm.credit import CreditConfig
 from lit_trainer.algorithm.loss import LossConfig
@@ -177,6 +177,18 @@ class TrainConfig:
             raise ValueError(f"weight_sync.nccl_master_port = {self.weight_sync.nccl_master_port} + inference.servers "
                              f"= {self.inference.servers} runs past port 65535 (server i meets on that port + i): "
                              "lower weight_sync.nccl_master_port")
+        if self.inference.layout == "colocated" and self.rollouts.max_staleness:
+            raise ValueError(f"inference.layout = 'colocated' puts vLLM to sleep during each update, and "
+                             f"rollouts.max_staleness = {self.rollouts.max_staleness} generates meanwhile: set "
+                             "max_staleness = 0, or layout = 'dedicated' (vLLM on GPUs of its own)")
+        if self.inference.remote and not self.security.keys_dir:
+            raise ValueError("inference.remote needs [security] keys_dir: the weights travel to the other hosts "
+                             f"encrypted with its keys ({HOW_TO_MAKE}, and copy that folder to each host that runs "
+                             "`lit serve`)")
+        if self.inference.remote and self.weight_sync.transport != "shm":
+            raise ValueError(f"inference.remote takes weights over the network, and weight_sync.transport = "
+                             f"{self.weight_sync.transport!r} (a GPU transport of local servers) has not been run "
+                             "beside it: set weight_sync.transport = 'shm'")
         if self.weight_sync.transport != "shm" and \
                 self.inference.weight_transfer_backend != self.weight_sync.transport:
             raise ValueError(f"weight_sync.transport = {self.weight_sync.transport!r} needs vLLM started with the same "
@@ -332,7 +344,7 @@ def _build(cls: type, table: dict[str, Any], where: str, section: str = "") -> A
         if dataclasses.is_dataclass(default):
             kwargs[name] = _build(type(default), value, f"{where} [{name}]", name)
         else:
-            kwargs[name] = _coerce(value, default, key)
+            kwargs[name] = _coerce(value, default, key, ints="[int]" in str(fields[name].type))
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as exc:
@@ -350,8 +362,9 @@ def _default(f: dataclasses.Field) -> Any:
     return None
 
 
-def _coerce(value: Any, default: Any, key: str) -> Any:
-    """Check ``value`` against the type of the field's default (TOML has no tuples and writes 1 for 1.0)."""
+def _coerce(value: Any, default: Any, key: str, ints: bool = False) -> Any:
+    """Check ``value`` against the type of the field's default (TOML has no tuples and writes 1 for 1.0); a list
+    holds texts, or integers where the field says so (``ints``: ``list[int]``)."""
     if default is None:
         return value
     if isinstance(default, bool):
@@ -361,13 +374,16 @@ def _coerce(value: Any, default: Any, key: str) -> Any:
         value = float(value) if ok else value
     elif isinstance(default, int):
         ok = isinstance(value, int) and not isinstance(value, bool)
-    elif isinstance(default, (tuple, list)):  # every list key is a list of texts
-        ok = isinstance(value, list) and all(isinstance(item, str) for item in value)
+    elif isinstance(default, (tuple, list)):
+        item_ok = (lambda i: isinstance(i, int) and not isinstance(i, bool)) if ints else (
+            lambda i: isinstance(i, str))
+        ok = isinstance(value, list) and all(item_ok(item) for item in value)
         value = type(default)(value) if ok else value
     else:
         ok = isinstance(value, type(default))
     if not ok:
-        like = "a list of texts" if isinstance(default, (tuple, list)) else type(default).__name__
+        items = "integers" if ints else "texts"
+        like = f"a list of {items}" if isinstance(default, (tuple, list)) else type(default).__name__
         raise ConfigError(f"{key} must be {like} (like {default!r}), got {value!r}")
     return value
 

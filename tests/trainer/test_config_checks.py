@@ -30,6 +30,7 @@ COMPANIONS: dict[tuple[str, Any], dict[str, dict[str, Any]]] = {
     ("sft.source", "references"): {"sft": {"steps": 1}},
     ("sft.source", "teacher"): {"sft": {"steps": 1, "teacher_url": "http://127.0.0.1:9/v1", "teacher_model": "m"}},
     ("sft.source", "store"): {"sft": {"steps": 1, "store": "runs/earlier"}},
+    ("inference.layout", "dedicated"): {"inference": {"gpus": [1]}},
 }
 """What another section, or another key of the same one, must say for a value inside its range to load (the rules
 between keys)."""

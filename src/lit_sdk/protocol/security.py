@@ -142,6 +142,15 @@ def load_client_keys(folder: str | os.PathLike[str]) -> ClientKeys:
     return ClientKeys(public, secret, server_public, folder)
 
 
+def load_engine_link_keys(folder: str | os.PathLike[str]) -> tuple[ServerKeys, ClientKeys]:
+    """The keys of the link between a trainer and a vLLM server it uses on another host (``lit serve``): the
+    trainer's own keypair (``server.key_secret``) at both ends, so that only who holds it gets in, never a worker,
+    whose client key opens the dispatcher and the collector only. (``lit serve``'s side, the trainer's side)."""
+    folder = _folder(folder)
+    public, secret = _load(folder / SERVER_SECRET, secret=True)
+    return ServerKeys(public, secret, (public,), folder), ClientKeys(public, secret, public, folder)
+
+
 def read_api_key(path: str | os.PathLike[str]) -> str:
     """The bearer token in ``path`` (``api_key`` of a keys folder), after checking nobody else can read it."""
     path = Path(path).expanduser()

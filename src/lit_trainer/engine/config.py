@@ -7,6 +7,7 @@ pushing weights into it), never the whole tree. This module imports nothing heav
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from lit_sdk.protocol.security import HOW_TO_MAKE, is_loopback_host
@@ -19,6 +20,7 @@ _TRANSPORTS = ("shm", "nccl", "ipc")
 _IN_FLIGHT = ("keep", "wait", "abort")
 _SYNC_MODES = ("full", "lora")
 _PARALLEL_FLAGS = ("--tensor-parallel-size", "-tp")
+LAYOUTS = ("shared", "colocated", "dedicated")
 
 
 def is_loopback(host: str) -> bool:
@@ -36,7 +38,8 @@ class InferenceConfig:
              "dtype": one_of(_DTYPES, "(vLLM's --dtype)"), "max_model_len": at_least(16),
              "cpu_kv_cache_gb": at_least(1, "(GiB)"), "gpu_memory_utilization": between(0, 1, low_open=True),
              "startup_timeout_s": positive("(seconds)"), "shutdown_timeout_s": positive("(seconds)"),
-             "weight_transfer_backend": one_of(("", "nccl", "ipc")), "max_loras": at_least(1)}
+             "weight_transfer_backend": one_of(("", "nccl", "ipc")), "max_loras": at_least(1),
+             "layout": one_of(LAYOUTS)}
 
     model: str = "smollm2-135m"
     """A Hugging Face causal-LM folder, or ``smollm2-135m`` for the embedded default model."""
@@ -49,10 +52,16 @@ class InferenceConfig:
     port)."""
     servers: int = 1
     """How many vLLM servers to run side by side (data parallel), each with the whole model. Every rollout of one
-    task goes to the same server, so that its prefix cache holds the task's prompt; tasks are dealt round-robin.
+    task goes to the same server, so that its prefix cache holds the task's prompt; a task's group goes to the
+    server with the fewest rollouts running when its first rollout is handed out.
     Every weight sync reaches every server. Each binds its own share of the cores on CPU (with ``cpu_threads_bind
     = "all"``) or its own ``tensor_parallel_size`` GPUs on CUDA (``engine/placement.py``). Memory settings
     (``cpu_kv_cache_gb``, ``gpu_memory_utilization``) are per server."""
+    remote: list[str] = field(default_factory=list)
+    """vLLM servers on other hosts that join the run beside the local ``servers``: the endpoint each ``lit serve``
+    prints (``tcp://HOST:7400``). They serve rollouts and take every weight push over the network; one that stops
+    answering is dropped until it answers again. Needs ``[security] keys_dir`` (its keys folder copied to each
+    serving host). ``lit eval`` uses only the local servers."""
     tensor_parallel_size: int = 1
     """GPUs (or, on CPU, groups of cores) each server splits the model over (vLLM's ``--tensor-parallel-size``;
     not in ``extra_args``). Above 1 it has not been run here: no GPU, and 2 cores."""
@@ -91,7 +100,17 @@ class InferenceConfig:
     """CPU cores for vLLM's OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``), e.g. ``0-7``; ``all``: every core
     this process may run on, split between the ``servers``."""
     gpu_memory_utilization: float = 0.5
-    """Fraction of GPU memory vLLM may take (CUDA only); the rest is left to a colocated trainer."""
+    """Fraction of GPU memory vLLM may take (CUDA only); the rest is left to a trainer on the same GPU."""
+    layout: str = "shared"
+    """Where vLLM runs on GPUs (CUDA only; docs/scaling.md, GPU layouts). ``shared``: on the first GPUs, beside the
+    trainer processes there, with ``gpu_memory_utilization`` of each. ``colocated``: the same GPUs, but vLLM sleeps
+    during each update (``--enable-sleep-mode``; its weights go to host memory, its KV cache is freed), so the update
+    may use what it frees; no generation during the update (``rollouts.max_staleness`` = 0). ``dedicated``: vLLM on
+    GPUs of its own, ``gpus``, which the trainer processes do not use."""
+    gpus: list[int] = field(default_factory=list)
+    """With ``layout = "dedicated"``: the GPU of each server (``servers`` x ``tensor_parallel_size`` indexes among
+    the visible GPUs: server i takes the i-th block). The trainer process of local rank k uses GPU k: these must be
+    past them (8 GPUs, 4 trainer processes: ``gpus = [4, 5, 6, 7]``)."""
     weight_sync: bool = True
     """Enable the routes weight sync needs (``VLLM_SERVER_DEV_MODE=1``: ``/pause``, ``/resume``,
     ``/collective_rpc``, ``/reset_prefix_cache``, ``/update_weight_version``)."""
@@ -140,6 +159,21 @@ class InferenceConfig:
                 "[security] keys_dir to that folder (its api_key is then used), or set inference.api_key_file, "
                 "or bind to 127.0.0.1"
             )
+        bad = [e for e in self.remote if not re.fullmatch(r"tcp://[^/\s]+:\d{1,5}", str(e))]
+        if bad:
+            raise ValueError(f"inference.remote takes what `lit serve` prints, tcp://HOST:PORT (got {bad[0]!r})")
+        needed = self.servers * self.tensor_parallel_size
+        if self.layout == "dedicated" and (len(self.gpus) != needed or len(set(self.gpus)) != needed
+                                           or min(self.gpus, default=0) < 0):
+            raise ValueError(f"inference.layout = 'dedicated' needs inference.gpus: {needed} different GPU indexes "
+                             f"(inference.servers = {self.servers} x tensor_parallel_size = "
+                             f"{self.tensor_parallel_size}), got {self.gpus}")
+        if self.gpus and self.layout != "dedicated":
+            raise ValueError(f"inference.gpus = {self.gpus} places vLLM with layout = 'dedicated' only (the layout is "
+                             f"{self.layout!r})")
+        if self.layout != "shared" and self.device == "cpu":
+            raise ValueError(f"inference.layout = {self.layout!r} places vLLM on GPUs; on CPU vLLM and the trainer "
+                             "share the cores (inference.cpu_threads_bind): leave layout = 'shared'")
         if self.cpu_block_size < 0 or self.cpu_block_size % 32:
             raise ValueError(f"inference.cpu_block_size must be 0 (vLLM's default) or a multiple of 32 (vLLM's "
                              f"CPU kernels need one), got {self.cpu_block_size}")

@@ -11,21 +11,28 @@ With several servers (``inference.servers``) each gets its own cores or GPUs (``
 or by whoever saw a request fail (``restart``); ``restarts`` counts the servers started again. With asynchronous
 rollouts a restart may come from another thread while the loop changes the weights: the loop ``hold``s the fleet
 meanwhile, so a server started again never gets weights half updated.
+
+Servers on other hosts (``inference.remote``, each run by ``lit serve``: ``remote.py``) join a fleet that takes
+weights, after the local ones: the current weights reach them when the fleet is ready and at every push. One that
+stops answering is dropped instead of started again (``dropped``, counted in ``restarts``), and each later push
+asks whether it answers again, then takes it back with that push's weights.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lit_trainer.engine.config import InferenceConfig, WeightSyncConfig
-from lit_trainer.engine.launch import server_ports
+from lit_trainer.engine.launch import resolve_api_key, server_ports
 from lit_trainer.engine.logprob_check import LogprobGap, Sample, logprob_gap, sample_from_vllm
+from lit_trainer.engine.remote import RemoteServer, connect_remotes
 from lit_trainer.engine.server import InferenceServer, ServerDiedError
 from lit_trainer.engine.weight_sync import Adapters, SyncReport, WeightSync, WeightSyncError
 
@@ -37,6 +44,9 @@ Weights = Callable[[], "Mapping[str, Any] | Adapters"]
 
 Score = Callable[[Sequence[Sample]], Sequence[torch.Tensor]]
 """The trainer's logprobs of a server's samples' response tokens (``logprob_check.score`` on its model)."""
+
+REJOIN_WAIT_S = 3.0
+"""How long a weight push waits for a dropped remote server's ``lit serve`` to answer before it goes on without it."""
 
 SERVING_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
                   "float16": torch.float16, "half": torch.float16}
@@ -85,12 +95,15 @@ class Fleet:
     and a server started again serves the config's model."""
 
     def __init__(self, inference: InferenceConfig, weight_sync: WeightSyncConfig | None = None,
-                 weights: Weights | None = None) -> None:
+                 weights: Weights | None = None, keys_dir: str = "") -> None:
         if weights is not None and weight_sync is None:
             raise ValueError("a fleet that takes weights needs a WeightSyncConfig")
-        self.inference, self.weight_sync, self.weights = inference, weight_sync, weights
-        self.servers: list[InferenceServer] = []
-        self.syncs: list[WeightSync] = []
+        self.inference, self.weight_sync, self.weights, self.keys_dir = inference, weight_sync, weights, keys_dir
+        self.servers: list[InferenceServer | RemoteServer] = []
+        """The local servers, then the remote ones (``inference.remote``, only when the fleet takes weights)."""
+        self.syncs: list[WeightSync | RemoteServer] = []
+        self.dropped: set[int] = set()
+        """The remote servers left out of the run since they stopped answering, by index."""
         self.restarts = 0
         """Servers started again after they died."""
         self.version = "0"
@@ -120,6 +133,9 @@ class Fleet:
                 server = InferenceServer(replace(self.inference, port=port), index=index)
                 self.servers.append(server)
                 server.launch()
+            if self.weights is not None and self.inference.remote:
+                self.servers += connect_remotes(self.inference.remote, self.keys_dir, resolve_api_key(self.inference),
+                                                self.inference.served_model_name, self.weight_sync.request_timeout_s)
         except BaseException:
             self.stop()
             raise
@@ -131,8 +147,12 @@ class Fleet:
         answers its workers' hellos while vLLM loads)."""
         try:
             for server in self.servers:
-                server.wait_ready(meanwhile)
+                if isinstance(server, InferenceServer):
+                    server.wait_ready(meanwhile)
             self.syncs = [self._open_sync(i) for i in range(len(self.servers))] if self.weights else []
+            for sync in self.syncs:  # a remote server may hold another run's weights: it gets this one's
+                if isinstance(sync, RemoteServer):
+                    _push(sync, self._latest(), self.version)
         except BaseException:
             self.stop()
             raise
@@ -154,14 +174,36 @@ class Fleet:
         return [s.base_url for s in self.servers]
 
     @property
+    def serving(self) -> list[InferenceServer | RemoteServer]:
+        """The servers that take rollouts now: all but the remote ones dropped."""
+        return [s for i, s in enumerate(self.servers) if i not in self.dropped]
+
+    @property
     def pids(self) -> list[int]:
         """The process of every running server (for the memory metrics)."""
         return [s.process.pid for s in self.servers if s.process is not None]
 
     def check(self) -> None:
-        """Raise ``ServerDiedError`` if a server has died."""
-        for server in self.servers:
+        """Raise ``ServerDiedError`` if a server has died (a remote one: stopped answering)."""
+        for server in self.serving:
             server.check_alive()
+
+    @contextlib.contextmanager
+    def asleep(self) -> Iterator[None]:
+        """With ``inference.layout = "colocated"``: every local server sleeps during the block (its weights in host
+        memory, its KV cache freed: the update may use that GPU memory) and wakes after it, also when it raises.
+        Otherwise nothing happens. Remote servers never sleep."""
+        local = [sync for sync in self.syncs if not isinstance(sync, RemoteServer)]
+        if self.inference.layout != "colocated" or not local:
+            yield
+            return
+        for sync in local:
+            sync.sleep()
+        try:
+            yield
+        finally:
+            for sync in local:
+                sync.wake_up()
 
     def hold(self) -> threading.RLock:
         """Held by the loop while it changes the policy's weights and pushes them, so that a server started again
@@ -175,7 +217,11 @@ class Fleet:
         with self._lock:
             reports, died = [], []
             served = state if isinstance(state, Adapters) else for_serving(state, self.inference.dtype)
+            for index in sorted(self.dropped):
+                self._take_back(index)
             for index, sync in enumerate(self.syncs):
+                if index in self.dropped:
+                    continue
                 server = self.servers[index]
                 try:
                     server.check_alive()
@@ -198,15 +244,20 @@ class Fleet:
         with self._lock:
             if restarts_seen is not None and self.restarts != restarts_seen:
                 return
-            dead = [i for i, server in enumerate(self.servers) if server.exited()]
-            for index in dead or range(len(self.servers)):
+            serving = [i for i in range(len(self.servers)) if i not in self.dropped]
+            dead = [i for i in serving if self.servers[i].exited()]
+            for index in dead or [i for i in serving if isinstance(self.servers[i], InferenceServer)]:
                 self.restart_server(index, self.version, when)
 
     def restart_server(self, index: int, version: str, when: str) -> None:
         """Start server ``index`` again after it died ``when``, on its port (the agents' calls name its URL), with
-        its own cores or GPUs, and push the current weights into it as ``version``; the others are left alone."""
+        its own cores or GPUs, and push the current weights into it as ``version``; the others are left alone. A
+        remote server is dropped instead (``dropped``) until a later push finds it answering."""
         with self._lock:
             old = self.servers[index]
+            if isinstance(old, RemoteServer):
+                self._drop(index, when)
+                return
             if self.stopped:
                 raise ServerDiedError(f"vLLM ({old.base_url}) died {when}, while the run was stopping: it is not "
                                       "started again")
@@ -220,31 +271,81 @@ class Fleet:
             self.restarts += 1
             if self.weights is not None:
                 self.syncs[index] = self._open_sync(index)
-                latest = self.weights()
-                _push(self.syncs[index], latest if isinstance(latest, Adapters) else
-                      for_serving(latest, self.inference.dtype), version)
+                _push(self.syncs[index], self._latest(), version)
+
+    def drop_silent_remotes(self, when: str) -> bool:
+        """Drop the remote servers that stopped answering ``when`` (``_drop``); whether there was one."""
+        with self._lock:
+            silent = [i for i, s in enumerate(self.servers)
+                      if i not in self.dropped and isinstance(s, RemoteServer) and s.exited()]
+            for index in silent:
+                self._drop(index, when)
+            return bool(silent)
+
+    def _drop(self, index: int, when: str) -> None:
+        """Leave remote server ``index`` out: no rollouts, no pushes, until ``_take_back`` finds it answering."""
+        server = self.servers[index]
+        print(f"lit: the remote vLLM server at {server.base_url} stopped answering {when}; the run goes on without "
+              "it, and takes it back at a weight push once it answers again", file=sys.stderr, flush=True)
+        server.close()
+        self.dropped.add(index)
+        self.restarts += 1
+
+    def _take_back(self, index: int) -> None:
+        """Remote server ``index`` back into the run if ``lit serve`` answers there (at the same address), for the
+        push under way to give it the weights; still dropped otherwise."""
+        server = self.servers[index]
+        assert isinstance(server, RemoteServer)
+        url = server.base_url
+        try:
+            server.connect(timeout_s=REJOIN_WAIT_S)
+        except ServerDiedError:
+            return
+        if server.base_url != url or not server.is_healthy():
+            print(f"lit: lit serve at {server.endpoint} answers with its vLLM at {server.base_url}, not {url} as "
+                  "before, or not ready: it stays out of the run (start it with the same --port)", file=sys.stderr)
+            server.close()
+            return
+        self.dropped.discard(index)
+        print(f"lit: the remote vLLM server at {url} answers again: taken back with this push",
+              file=sys.stderr, flush=True)
+
+    def _latest(self) -> Adapters | dict[str, Any]:
+        """The policy's current weights as the servers take them (``for_serving``), for a server that joins."""
+        assert self.weights is not None
+        latest = self.weights()
+        return latest if isinstance(latest, Adapters) else for_serving(latest, self.inference.dtype)
 
     def logprob_gaps(self, score: Score, prompts: Sequence[Sequence[int]], tolerance: float,
                      max_tokens: int = 8, model: str | None = None) -> dict[str, LogprobGap]:
         """Each server's logprobs of greedy continuations of ``prompts`` against the trainer's (``score``: its
         logprobs of a server's samples), by base URL: whether the weights pushed last reached every server.
-        ``model``: the served model to ask (an adapter's name; default the base model's)."""
+        ``model``: the served model to ask (an adapter's name; default the base model's). A remote server that
+        stops answering meanwhile is dropped, and not in the result."""
         gaps = {}
         with self._lock:  # no server is being started again meanwhile (asynchronous rollouts)
-            for s in self.servers:
-                s.check_alive()
+            for index, s in enumerate(self.servers):
+                if index in self.dropped:
+                    continue
                 try:
+                    s.check_alive()
                     samples = sample_from_vllm(s.base_url, model or s.model_name, prompts, max_tokens=max_tokens,
                                                api_key=s.api_key)
-                except Exception:
-                    if s.exited(within_s=5.0):  # it died under the request: say so, with its log
-                        s.check_alive()
+                except Exception as exc:
+                    if not s.exited(within_s=5.0):
+                        raise
+                    if isinstance(s, RemoteServer):
+                        self._drop(index, f"during the sync check ({first_line(exc)})")
+                        continue
+                    s.check_alive()  # it died under the request: say so, with its log
                     raise
                 gaps[s.base_url] = logprob_gap(samples, score(samples), tolerance)
         return gaps
 
-    def _open_sync(self, index: int) -> WeightSync:
+    def _open_sync(self, index: int) -> WeightSync | RemoteServer:
         assert self.weight_sync is not None
+        if isinstance(self.servers[index], RemoteServer):  # it takes the weights itself, over the network
+            return self.servers[index]
         config = self.weight_sync
         if index:  # each server's NCCL group meets on a port of its own
             config = replace(config, nccl_master_port=config.nccl_master_port + index)
@@ -252,7 +353,7 @@ class Fleet:
         return WeightSync(server.base_url, config, credentials=server.credentials)
 
 
-def _push(sync: WeightSync, state: Adapters | Mapping[str, Any], version: str) -> SyncReport:
+def _push(sync: WeightSync | RemoteServer, state: Adapters | Mapping[str, Any], version: str) -> SyncReport:
     """Whole weights (in the serving dtype) or adapters into one server."""
     if isinstance(state, Adapters):
         return sync.push_adapters(state, version=version)

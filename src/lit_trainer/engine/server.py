@@ -80,6 +80,15 @@ class ServerDiedError(InferenceError):
     """The server process exited; the message carries the tail of its log."""
 
 
+def answers_health(base_url: str) -> bool:
+    """Whether the vLLM server at ``base_url`` answers ``/health`` with 200 within 2 s."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/health", timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
 class InferenceServer:
     """One supervised vLLM server, server ``index`` of ``config.servers`` (which cores or GPUs it takes:
     ``placement``). Use as a context manager, or call ``start()`` (or ``launch()`` then ``wait_ready()``) and
@@ -208,11 +217,7 @@ class InferenceServer:
             bar.close()
 
     def is_healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as response:
-                return response.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+        return answers_health(self.base_url)
 
     def exited(self, within_s: float = 0.0) -> bool:
         """Whether the server process has exited, waiting up to ``within_s`` seconds for it to: a killed server

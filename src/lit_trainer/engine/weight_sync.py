@@ -263,6 +263,17 @@ class WeightSync:
             with clock("resume"):
                 self.post("/resume")
 
+    def sleep(self) -> None:
+        """Put the server to sleep (``inference.layout = "colocated"``): its weights go to host memory, its KV cache
+        is freed, until ``wake_up``. Needs ``--enable-sleep-mode``."""
+        self.post("/sleep", params={"level": "1", "mode": self.config.in_flight})
+
+    def wake_up(self) -> None:
+        """Wake a sleeping server with the weights it had; WeightSyncError when it does not say it is awake."""
+        answer = self.post("/wake_up")
+        if answer.get("status") != "awake":
+            raise WeightSyncError(f"vLLM did not wake up ({answer}): it cannot serve the next rollouts")
+
     def rpc(self, method: str, **kwargs: str) -> Any:
         """``POST /collective_rpc``: call ``method`` on every vLLM worker (needs the server's dev mode)."""
         return self.post("/collective_rpc", json={"method": method, "kwargs": kwargs})

@@ -24,6 +24,9 @@ class RolloutRequest:
     step: int
     version: int = 0
     """The weight version the engine held when the trainer asked for this rollout."""
+    balanced: bool = False
+    """``llm`` names one of the run's vLLM servers, and the dispatcher calls the one its group was given when it
+    was first handed out (``pick_server``) instead."""
 
 
 @dataclass
@@ -77,6 +80,8 @@ class Attempt:
     """Heartbeats of its worker since its ``Run`` that did not list it."""
     secret: str = field(default_factory=lambda: secrets.token_hex(16))
     """Handed out with its ``Run`` and stored with the rollout: its root span must carry it (intake/admission.py)."""
+    server: str = ""
+    """The base URL of the server its agent calls, once handed out."""
 
     @property
     def rollout_id(self) -> str:
@@ -94,6 +99,20 @@ class Round:
     running: dict[str, Attempt] = field(default_factory=dict)
     outcomes: dict[str, Outcome] = field(default_factory=dict)
     errors: dict[str, list[str]] = field(default_factory=lambda: collections.defaultdict(list))
+    servers: dict[tuple[int, str], str] = field(default_factory=dict)
+    """The server each group of balanced requests was given (``pick_server``)."""
+
+
+def pick_server(group: tuple[int, str], serving: list[str], given: dict[tuple[int, str], str],
+                running: collections.Counter[str]) -> str:
+    """The server of a rollout of ``group``: the one the group was given while it serves (its prompt is in that
+    server's prefix cache), else the serving server with the fewest rollouts ``running`` on it (the first of
+    those in ``serving``'s order), given to the group from now on. A server that answers faster ends its
+    rollouts sooner and gets more groups."""
+    server = given.get(group)
+    if server not in serving:
+        server = given[group] = min(serving, key=lambda url: running[url])
+    return server
 
 
 def group_of(request: RolloutRequest) -> tuple[int, str]:

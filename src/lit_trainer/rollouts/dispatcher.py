@@ -32,6 +32,7 @@ carried over.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -67,6 +68,7 @@ from lit_trainer.rollouts.attempts import (
     WorkerState,
     ended_groups,
     group_of,
+    pick_server,
 )
 from lit_trainer.settings import at_least, between, check
 
@@ -118,20 +120,23 @@ class DispatchConfig:
 class Dispatcher:
     def __init__(self, store: Store, endpoint: str, spans_endpoint: str, llm_base_urls: Sequence[str],
                  config: DispatchConfig | None = None, keys: security.ServerKeys | None = None,
-                 gateway: Gateway | None = None, open_to_local_users: bool = False):
+                 gateway: Gateway | None = None, open_to_local_users: bool = False,
+                 serving: Callable[[], list[str]] | None = None):
         """``keys``: the trainer's CURVE keys (``security.load_server_keys``): only workers holding the client key
         get in, the others are refused at the handshake and counted (``refused_peers``). Without them the
         dispatcher binds to loopback addresses only, and only with ``open_to_local_users=True``: any user of this
         machine may then take its rollouts (``security.check_keyless``). Binding claims its share of the process's
         descriptors (``ConnectionLimit.claim``), so a collector started first keeps its own. ``gateway``: lit's
         gateway in front of the servers; each attempt's agent then calls the model through its own URL there
-        (``Gateway.rollout_url``), where its calls are recorded."""
+        (``Gateway.rollout_url``), where its calls are recorded. ``serving``: the base URLs of the servers that take
+        rollouts now, among which a ``balanced`` request's group gets the least loaded (``pick_server``)."""
         security.check_keyless(keys, open_to_local_users, "Dispatcher", "who says hello gets tasks, rollout ids, "
                                "their secrets and vLLM's API key")
         self.store = store
         self.config = config or DispatchConfig()
         self.spans_endpoint = spans_endpoint
         self.gateway = gateway
+        self.serving = serving
         self.llm_base_urls = list(llm_base_urls) + ([gateway.url] if gateway is not None else [])
         self.workers: dict[bytes, WorkerState] = {}
         self.rejected: dict[str, int] = {}
@@ -348,11 +353,22 @@ class Dispatcher:
             self._round.running[attempt.rollout_id] = attempt
             self.store.set_rollout_status(attempt.rollout_id, RolloutStatus.RUNNING)
             r = attempt.request
-            llm = r.llm.to_dict()
+            attempt.server = self._server_of(r)
+            llm = {**r.llm.to_dict(), "base_url": attempt.server}
             if self.gateway is not None:
-                llm["base_url"] = self.gateway.rollout_url(r.llm.base_url, attempt.rollout_id, attempt.secret)
+                llm["base_url"] = self.gateway.rollout_url(attempt.server, attempt.rollout_id, attempt.secret)
             self._send(worker.identity, Run(attempt.rollout_id, r.task_id, attempt.number, r.task, llm,
                                             self.config.rollout_timeout_s, secret=attempt.secret))
+
+    def _server_of(self, request: RolloutRequest) -> str:
+        """The server a request's agent calls: its own, or for a balanced one its group's (``pick_server``)."""
+        if not request.balanced or self.serving is None:
+            return request.llm.base_url
+        serving = self.serving()
+        if not serving:
+            raise DispatchError("no vLLM server takes rollouts: every one was dropped")
+        running = collections.Counter(a.server for a in self._round.running.values())
+        return pick_server(group_of(request), serving, self._round.servers, running)
 
     def _drain(self, timeout_ms: int) -> None:
         """Read and handle every waiting message, in order (waiting up to ``timeout_ms`` for the first). A bad

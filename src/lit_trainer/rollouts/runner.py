@@ -2,7 +2,8 @@
 validation asks of the rollouts.
 
 ``RolloutRunner.run`` hands ``group`` rollouts of each task to the workers (``Dispatcher``), every rollout of one
-task to the same vLLM server, whose prefix cache then holds the task's prompt for the whole group (``server_of``);
+task to the same vLLM server, whose prefix cache then holds the task's prompt for the whole group, the least loaded
+when the group's first rollout is handed out (``attempts.pick_server``);
 it shows a progress bar, checks meanwhile that the collector and every server still run, and returns a
 ``RolloutBatch``: the episodes of the rollouts that succeeded, the rollout metrics, and the weight version the
 engine held when the oldest of them was handed out. A failed rollout gives no episode, never a reward of 0, and
@@ -105,13 +106,6 @@ class RolloutBatch:
         return f"none of the {requested} rollouts gave an episode to train on: {'; '.join(causes)}"
 
 
-def server_of(k: int, tasks: int, step: int, servers: int) -> int:
-    """The vLLM server of the ``k``-th of a step's ``tasks`` tasks: the tasks are dealt round-robin, each step
-    going on from where the previous one stopped, so every server gets a step's tasks within one of each other,
-    also when a step has fewer tasks than there are servers."""
-    return (step * tasks + k) % servers
-
-
 class RunStopping(RuntimeError):
     """Rollouts given up because the run is stopping (``RolloutRunner.stopping``)."""
 
@@ -156,25 +150,31 @@ class RolloutRunner:
         returns them (``rollouts/carried_groups``: groups of an earlier step returned by this call,
         ``rollouts/groups_in_flight``: groups this call left running).
         ``restarts``: how many times a vLLM server that died is started again and the rollouts run again before
-        the error goes up. ``llm``: what every rollout calls instead of the fleet's servers (a teacher)."""
-        for restart in range(restarts + 1):
+        the error goes up; a remote server that stopped answering is dropped instead, and they run again on the
+        others, however often. ``llm``: what every rollout calls instead of the fleet's servers (a teacher)."""
+        tries = restarted = 0
+        while True:
             seen = self.fleet.restarts
             try:
-                attempt = f"{label}-restart{restart}" if restart else label
+                attempt = f"{label}-restart{tries}" if tries else label
                 return self._run(tasks, group, temperature, step, attempt, version, enough, llm)
             except ServerDiedError as exc:
-                if restart == restarts:
+                when = f"during the rollouts of step {step + 1} ({first_line(exc)}); the step's rollouts run again"
+                tries += 1
+                if self.fleet.drop_silent_remotes(when):
+                    continue
+                if restarted == restarts:
                     raise
-                self.fleet.restart(f"during the rollouts of step {step + 1} ({first_line(exc)}); the step's "
-                                   "rollouts run again", seen)
-        raise AssertionError("unreachable")
+                restarted += 1
+                self.fleet.restart(when, seen)
 
     def _run(self, tasks: list[dict], group: int, temperature: float, step: int, label: str, version: int,
              enough: Callable[[int], bool] | None, llm: LLM | None = None) -> RolloutBatch:
-        llms = [llm] if llm is not None else [s.llm(temperature, self.agent.max_tokens) for s in self.fleet.servers]
-        requests = [RolloutRequest(f"{self.session}-{label}-t{t['id']}-g{g}", str(t["id"]), t,
-                                   llms[server_of(k, len(tasks), step, len(llms))], step, version)
-                    for k, t in enumerate(tasks) for g in range(group)]
+        # each group goes to the least loaded server when its first rollout is handed out (pick_server)
+        balanced = llm is None
+        llm = llm or self.fleet.serving[0].llm(temperature, self.agent.max_tokens)
+        requests = [RolloutRequest(f"{self.session}-{label}-t{t['id']}-g{g}", str(t["id"]), t, llm, step, version,
+                                   balanced) for t in tasks for g in range(group)]
         carried = len(self.dispatcher.carried)
         bar = progress_bar(total=len(requests) + carried, desc=f"{label} rollouts", unit="rollout", leave=False)
         failed = 0

@@ -194,7 +194,8 @@ def _train(cfg: TrainConfig, ready: Ready, state: ckpt.TrainState, trainers: Tra
                        _step(cfg, step, feed.take(state.step), trainers, svc, ready, encode, demos))
             minutes = state.minutes + (time.perf_counter() - t0) / 60
             state = ckpt.TrainState(step, minutes, str(step), curriculum.state() if curriculum else None, phase)
-            metrics.update({"engine/restarts": float(svc.fleet.restarts - restarts), "minutes": minutes,
+            metrics.update({"engine/restarts": float(svc.fleet.restarts - restarts),
+                            "engine/serving": float(len(svc.fleet.serving)), "minutes": minutes,
                             **memory_gb(svc.fleet.pids)})
             log.log(step, metrics, kind="sft" if phase == "sft" else "train")
             print(step_line(step, train.steps, metrics), flush=True)
@@ -233,12 +234,9 @@ def _sft_step(cfg: TrainConfig, step: int, demos: list[Transition], trainers: Tr
     """One SFT step: an optimizer step on a batch of demonstrations, the push into vLLM and the sync check when
     due; its metrics."""
     chosen = step_batch(demos, cfg.sft.batch_size, step, cfg.train.seed)
-    with svc.fleet.hold():
-        job = pipeline.UpdateJob([], _pad_id(trainers.policy), seed=cfg.train.seed * 100_003 + step,
-                                 learning_rate=cfg.sft.learning_rate or cfg.policy.learning_rate, demos=chosen,
-                                 sft=True)
-        metrics = trainers.update(job, cfg, svc.store)
-        metrics.update(pipeline.push(svc.fleet, trainers.gather(), step))
+    job = pipeline.UpdateJob([], _pad_id(trainers.policy), seed=cfg.train.seed * 100_003 + step,
+                             learning_rate=cfg.sft.learning_rate or cfg.policy.learning_rate, demos=chosen, sft=True)
+    metrics = update_and_push(job, cfg, step, trainers, svc)
     pairs = [(t, 0.0) for t in chosen]
     return {**metrics, **pipeline.check(svc.fleet, trainers.policy, pairs, cfg, step, trainers.score)}
 
@@ -264,14 +262,23 @@ def _step(cfg: TrainConfig, step: int, batch: RolloutBatch, trainers: Trainers, 
     metrics = {**batch.metrics, **guided, **work.metrics}
     sft = step_batch(demos, cfg.sft.batch_size, step, cfg.train.seed) if cfg.sft.weight else []
     if work.trains or sft:
-        with svc.fleet.hold():  # no server is started again with weights half updated (async rollouts)
-            job = pipeline.UpdateJob(work.pairs, _pad_id(trainers.policy), seed=cfg.train.seed * 100_003 + step,
-                                     learning_rate=pipeline.learning_rate(cfg, step), demos=sft,
-                                     sft_weight=cfg.sft.weight)
-            metrics.update(trainers.update(job, cfg, svc.store))
-            metrics.update(pipeline.push(svc.fleet, trainers.gather(), step))
+        job = pipeline.UpdateJob(work.pairs, _pad_id(trainers.policy), seed=cfg.train.seed * 100_003 + step,
+                                 learning_rate=pipeline.learning_rate(cfg, step), demos=sft, sft_weight=cfg.sft.weight)
+        metrics.update(update_and_push(job, cfg, step, trainers, svc))
         pairs = work.pairs or [(t, 0.0) for t in sft]
         metrics.update(pipeline.check(svc.fleet, trainers.policy, pairs, cfg, step, trainers.score))
+    return metrics
+
+
+def update_and_push(job: pipeline.UpdateJob, cfg: TrainConfig, step: int, trainers: Trainers, svc: Services
+                    ) -> dict[str, float]:
+    """The update, then its weights pushed into every server; the fleet held meanwhile (no server is started again
+    with weights half updated: asynchronous rollouts), its local servers asleep during the update with
+    ``inference.layout = "colocated"`` (``Fleet.asleep``)."""
+    with svc.fleet.hold():
+        with svc.fleet.asleep():
+            metrics = trainers.update(job, cfg, svc.store)
+        metrics.update(pipeline.push(svc.fleet, trainers.gather(), step))
     return metrics
 
 

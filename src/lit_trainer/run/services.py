@@ -121,16 +121,17 @@ def services(cfg: TrainConfig, store_path: Path, spool_dir: Path, keys_dir: Path
             print(f"lit: {stale} rollout attempt(s) a stopped run left queued or running are marked failed",
                   file=sys.stderr)
         collector = stack.enter_context(Collector(store, cfg.collector.endpoint, keys=keys))
-        fleet = Fleet(cfg.inference, cfg.weight_sync, weights)
+        fleet = Fleet(cfg.inference, cfg.weight_sync, weights, keys_dir=cfg.security.keys_dir)
         stack.callback(fleet.stop)
-        fleet.launch()  # vLLM loads while the workers start: their URLs are known now
+        fleet.launch()  # vLLM loads while the workers start: their URLs are known now (the remote ones' too)
         servers = [s.openai_url for s in fleet.servers]
         roles = cfg.role_table()
         gateway = stack.enter_context(Gateway(store, servers, cfg.inference.host, teachers=teachers,
                                               routes=roles.routes() if roles else None,
                                               base_model=cfg.inference.served_model_name))
         dispatcher = stack.enter_context(Dispatcher(store, cfg.dispatch_endpoint.endpoint, collector.endpoint,
-                                                    servers, cfg.dispatch, keys=keys, gateway=gateway))
+                                                    servers, cfg.dispatch, keys=keys, gateway=gateway,
+                                                    serving=lambda: [s.openai_url for s in fleet.serving]))
         env = {**os.environ, "LIT_SPOOL_DIR": str(spool_dir), security.KEYS_ENV: str(folder)}
         workers: list = []
         stack.callback(stop_workers, dispatcher, workers)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from lit_trainer.engine import fleet as fleet_module
+from lit_trainer.engine import remote as remote_module
 from lit_trainer.engine.config import InferenceConfig, WeightSyncConfig
 from lit_trainer.engine.fleet import Fleet
 from lit_trainer.engine.logprob_check import Sample
@@ -77,6 +78,12 @@ class RecordingSync:
     def push_adapters(self, adapters, version):
         self.pushed.append((version, sorted(adapters.by_name)))
         return SyncReport(version, {"load_adapter": 0.1})
+
+    def sleep(self) -> None:
+        Server.events.append(f"sleep {self.base_url}")
+
+    def wake_up(self) -> None:
+        Server.events.append(f"wake {self.base_url}")
 
     def close(self) -> None:
         self.closed = True
@@ -329,3 +336,102 @@ def test_weights_travel_in_the_servers_dtype():
     fleet.servers[0].dead = True
     fleet.restart("during a test")
     assert fleet.syncs[0].pushed[0][1].dtype == torch.bfloat16  # a server started again gets the same dtype
+
+
+class Remote(fleet_module.RemoteServer):
+    """A stand-in for a server of ``lit serve`` on another host: answers (``up``) or not, records the pushes."""
+
+    def __init__(self, endpoint: str):
+        self.endpoint, self.host, self.port, self.model_name, self.api_key = endpoint, "10.0.0.2", 8000, "policy", "k"
+        self.up, self.pushed, self.closed = True, [], 0
+
+    def connect(self, timeout_s=None):
+        if not self.up:
+            raise ServerDiedError(f"lit serve at {self.endpoint} did not answer hello within {timeout_s:.0f} s")
+        return self
+
+    def is_healthy(self) -> bool:
+        return self.up
+
+    check_alive = fleet_module.RemoteServer.check_alive
+    _healthy_at = 0.0
+
+    def push_weights(self, state, version):
+        if not self.up:
+            raise ServerDiedError(f"the vLLM server at {self.base_url} stopped answering")
+        self.pushed.append((version, state["w"]))
+        return SyncReport(version, {"remote_reload": 0.5, "send": 1.0})
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def test_a_remote_server_takes_every_push_is_dropped_when_it_stops_answering_and_taken_back(monkeypatch, capsys):
+    remote = Remote("tcp://10.0.0.2:7400")
+    monkeypatch.setattr(remote_module, "HEALTH_EVERY_S", 0.0)  # every check asks
+    asked = []
+    monkeypatch.setattr(fleet_module, "connect_remotes", lambda *args: asked.append(args) or [remote])
+    monkeypatch.setattr(fleet_module.RemoteServer, "exited", lambda self, within_s=0.0: not self.up)
+    weights = {"w": "step 0"}
+    fleet = Fleet(InferenceConfig(port=8000, remote=["tcp://10.0.0.2:7400"], api_key="k"), WeightSyncConfig(),
+                  weights=lambda: dict(weights), keys_dir="/keys").start()
+    assert asked == [(["tcp://10.0.0.2:7400"], "/keys", "k", "policy", 300.0)]
+    assert fleet.servers[1] is remote and fleet.syncs[1] is remote and fleet.pids == [1000]
+    assert remote.pushed == [("0", "step 0")]  # it may hold another run's weights: it gets this one's at once
+    fleet.push_weights({"w": "step 1"}, version="1")
+    assert remote.pushed[-1] == ("1", "step 1") and RecordingSync.made[0].pushed == [("1", "step 1")]
+
+    remote.up = False  # lit serve's host went away during the rollouts of step 2
+    with pytest.raises(ServerDiedError, match="stopped answering"):
+        fleet.check()
+    assert fleet.drop_silent_remotes("during the rollouts of step 2")  # what the rollouts do when one dies
+    assert not fleet.drop_silent_remotes("again")
+    assert fleet.dropped == {1} and fleet.serving == [fleet.servers[0]] and fleet.restarts == 1
+    assert len(Server.made) == 1  # the local server was left alone, the remote one is not started here
+    assert "stopped answering during the rollouts of step 2; the run goes on without it" in capsys.readouterr().err
+    fleet.check()  # the dropped server is no longer checked
+    weights["w"] = "step 2"
+    assert fleet.push_weights({"w": "step 2"}, version="2").version == "2"  # it does not answer: still out
+    assert fleet.dropped == {1} and remote.pushed[-1][0] == "1"
+
+    remote.up = True  # lit serve started again there
+    fleet.push_weights({"w": "step 3"}, version="3")
+    assert fleet.dropped == set() and remote.pushed[-1] == ("3", "step 3") and len(remote.pushed) == 3
+    assert "answers again: taken back with this push" in capsys.readouterr().err
+
+
+def test_a_remote_server_that_dies_during_a_push_is_dropped_and_the_others_get_theirs(monkeypatch):
+    remote = Remote("tcp://10.0.0.2:7400")
+    monkeypatch.setattr(fleet_module, "connect_remotes", lambda *args: [remote])
+    monkeypatch.setattr(fleet_module.RemoteServer, "exited", lambda self, within_s=0.0: not self.up)
+    fleet = Fleet(InferenceConfig(port=8000, remote=["tcp://10.0.0.2:7400"], api_key="k"), WeightSyncConfig(),
+                  weights=lambda: {"w": "now"}, keys_dir="/keys").start()
+    remote.up = False
+    assert fleet.push_weights({"w": "step 1"}, version="1") is None  # a server was dropped: no report
+    assert fleet.dropped == {1} and RecordingSync.made[0].pushed[-1] == ("1", "step 1")
+    assert fleet.restarts == 1 and len(Server.made) == 1
+
+
+def test_a_fleet_that_only_serves_leaves_the_remote_servers_out(monkeypatch):
+    monkeypatch.setattr(fleet_module, "connect_remotes", lambda *args: pytest.fail("lit eval asked a remote"))
+    fleet = Fleet(InferenceConfig(port=8000, remote=["tcp://10.0.0.2:7400"], api_key="k")).start()
+    assert len(fleet.servers) == 1  # lit eval: its checkpoint's weights are only in the local servers
+
+
+def test_colocated_servers_sleep_through_the_block_and_wake_even_when_it_fails(monkeypatch):
+    remote = Remote("tcp://10.0.0.2:7400")
+    monkeypatch.setattr(fleet_module, "connect_remotes", lambda *args: [remote])
+    fleet = Fleet(InferenceConfig(port=8000, servers=2, device="cuda", layout="colocated", remote=["tcp://x:1"],
+                                  api_key="k"), WeightSyncConfig(), weights=lambda: {"w": "now"},
+                  keys_dir="/keys").start()
+    Server.events.clear()
+    with pytest.raises(RuntimeError, match="out of memory"), fleet.asleep():
+        Server.events.append("update")
+        raise RuntimeError("CUDA out of memory")
+    assert Server.events == ["sleep http://127.0.0.1:8000", "sleep http://127.0.0.1:8001", "update",
+                             "wake http://127.0.0.1:8000", "wake http://127.0.0.1:8001"]  # the remote one serves on
+    shared = started()
+    Server.events.clear()
+    with shared.asleep():
+        Server.events.append("update")
+    assert Server.events == ["update"]  # layout "shared": vLLM keeps its memory

@@ -162,3 +162,48 @@ def test_inference_config_refuses_bad_parallel_settings(kwargs: dict, message: s
 def test_good_parallel_settings_are_accepted():
     assert InferenceConfig(servers=4, tensor_parallel_size=2, extra_args=["--max-num-seqs", "8"]).servers == 4
     assert InferenceConfig(device="cuda", servers=2, cpu_threads_bind="0-1").servers == 2  # CPU binding unused
+
+
+def test_a_dedicated_layout_puts_each_server_on_its_own_gpus_past_the_trainers():
+    # 1 node x 8 GPUs: 4 trainer processes on GPUs 0-3, two vLLM servers of 2 GPUs each on 4-7
+    config = InferenceConfig(device="cuda", layout="dedicated", servers=2, tensor_parallel_size=2, gpus=[4, 5, 6, 7])
+    env = {"LOCAL_WORLD_SIZE": "4"}
+    assert [placement_env(config, i, "cuda", env, {0}, lambda: 8) for i in (0, 1)] == [
+        {"CUDA_VISIBLE_DEVICES": "4,5"}, {"CUDA_VISIBLE_DEVICES": "6,7"}]
+    # indexes among the visible GPUs; one server is placed too (not left to vLLM's choice of the first)
+    one = InferenceConfig(device="cuda", layout="dedicated", gpus=[1])
+    assert placement_env(one, 0, "cuda", {"CUDA_VISIBLE_DEVICES": "3,5"}, {0}, no_gpu_count) == {
+        "CUDA_VISIBLE_DEVICES": "5"}
+    with pytest.raises(PlacementError, match=r"inference.gpus \[4, 5\] are also trainer GPUs \(6 trainer processes "
+                                             r"on this node use GPUs 0-5\)"):
+        placement_env(config, 0, "cuda", {"LOCAL_WORLD_SIZE": "6"}, {0}, lambda: 8)
+    with pytest.raises(PlacementError, match=r"inference.gpus \[6, 7\] are not among the 6 visible GPUs"):
+        placement_env(config, 0, "cuda", env, {0}, lambda: 6)
+
+
+def test_a_colocated_server_sleeps_through_updates_and_gpu_layouts_are_refused_on_cpu(tmp_path: Path,
+                                                                                       monkeypatch):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    assert "--enable-sleep-mode" in build_command(InferenceConfig(device="cuda", layout="colocated"), model, 1, "py")
+    assert "--enable-sleep-mode" not in build_command(InferenceConfig(device="cuda"), model, 1, "py")
+    monkeypatch.setattr(launch, "has_vllm_cpu", lambda python: True)  # device "auto" that turns out to be the CPU
+    with pytest.raises(launch.InferenceError, match="layout = 'dedicated' places vLLM on GPUs, and vLLM here runs "
+                                                    "on the CPU"):
+        build_command(InferenceConfig(layout="dedicated", gpus=[1]), model, 1, "py")
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"layout": "dedicated", "servers": 2, "gpus": [4, 5, 6]},
+     r"needs inference.gpus: 2 different GPU indexes \(inference.servers = 2 x tensor_parallel_size = 1\), "
+     r"got \[4, 5, 6\]"),
+    ({"layout": "dedicated", "servers": 2, "gpus": [4, 4]}, "2 different GPU indexes"),
+    ({"layout": "dedicated", "gpus": [-1]}, "1 different GPU indexes"),
+    ({"gpus": [3]}, r"inference.gpus = \[3\] places vLLM with layout = 'dedicated' only"),
+    ({"layout": "colocated", "device": "cpu"}, "places vLLM on GPUs; on CPU vLLM and the trainer share the cores"),
+    ({"layout": "nearby"}, "inference.layout must be one of"),
+])
+def test_a_layout_whose_gpus_do_not_add_up_is_refused(kwargs: dict, message: str):
+    with pytest.raises(ValueError, match=message):
+        InferenceConfig(**kwargs)

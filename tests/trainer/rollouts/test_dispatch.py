@@ -80,6 +80,26 @@ def test_rollouts_spread_over_workers_and_their_spans_are_stored_first(rig):
                                    "the engine not called))"}
 
 
+def test_each_group_goes_to_the_least_loaded_server_when_it_is_handed_out(rig):
+    """Balanced requests: a group's rollouts all call one server, and a server that ends its rollouts sooner gets
+    more groups (round-robin would give each 6); a server that stops serving gets no new group."""
+    slow, fast = "http://slow:8000/v1", "http://fast:8000/v1"
+    serving = [slow, fast]
+    store, dispatcher, _ = rig("slower_on_a_slow_server", concurrency=4)
+    dispatcher.serving = lambda: serving
+    asked = [RolloutRequest(f"r{t}-{g}", f"t{t}", {}, LLM(fast, "policy"), 0, balanced=True)
+             for t in range(12) for g in range(2)]
+    outcomes = dispatcher.run(asked)
+    on_slow = {o.request.task_id: o.reward for o in outcomes}
+    assert all(on_slow[o.request.task_id] == o.reward for o in outcomes)  # a group stays on its server
+    groups_on_slow = sum(on_slow.values())
+    assert 1 <= groups_on_slow <= 3, on_slow  # the first group took the slow one (listed first, both idle)
+    serving.remove(slow)
+    outcomes = dispatcher.run([RolloutRequest(f"s{t}", f"u{t}", {}, LLM(fast, "policy"), 1, balanced=True)
+                               for t in range(4)])
+    assert [o.reward for o in outcomes] == [0.0] * 4
+
+
 def test_an_ended_attempts_url_is_refused_at_the_gateway(rig):
     """The dispatcher tells lit's gateway when an attempt ends: the URL its agent used while it ran is refused
     afterwards (410), though the gateway admitted it before and would not ask the store again."""

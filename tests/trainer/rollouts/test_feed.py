@@ -116,6 +116,7 @@ class UnusedFleet:
                                llm=lambda temperature, max_tokens: LLM("http://127.0.0.1:9/v1", "none",
                                                                        temperature=temperature,
                                                                        max_tokens=max_tokens))]
+    serving = servers
     restarts = 0
 
     def check(self) -> None:

@@ -1,5 +1,5 @@
-"""``RolloutRunner``: every rollout of one task goes to one vLLM server and the tasks are dealt round-robin
-(``server_of``), every server and the collector are checked while rollouts run, a server's death during the
+"""``RolloutRunner``: every rollout of one task goes to one vLLM server, a new group to the least loaded
+(``pick_server``), every server and the collector are checked while rollouts run, a server's death during the
 rollouts restarts it and runs them again at most ``restarts`` times, and the batch says the weight version its
 oldest rollouts were handed out with. The fleet, the collector and the dispatcher are stand-ins that record what
 they are asked (real servers and workers: the ``lora_kl`` run of tests/e2e/test_train_options.py, which checks in
@@ -17,17 +17,21 @@ from lit_sdk.resources import LLM
 from lit_trainer.engine.server import ServerDiedError
 from lit_trainer.intake.episodes import Episode
 from lit_trainer.intake.rows import RolloutStatus
-from lit_trainer.rollouts.attempts import Outcome, RolloutRequest
-from lit_trainer.rollouts.runner import AgentConfig, RolloutRunner, server_of
+from lit_trainer.rollouts.attempts import Outcome, RolloutRequest, pick_server
+from lit_trainer.rollouts.runner import AgentConfig, RolloutRunner
 
 
-def test_tasks_are_dealt_round_robin_going_on_from_the_previous_step():
-    assert [server_of(k, 2, 0, 2) for k in range(2)] == [0, 1]
-    assert [server_of(k, 3, 0, 2) for k in range(3)] == [0, 1, 0]
-    assert [server_of(k, 3, 1, 2) for k in range(3)] == [1, 0, 1]  # step 1 starts where step 0 stopped
-    assert [server_of(0, 1, step, 2) for step in range(4)] == [0, 1, 0, 1]  # one task a step: both servers serve
-    assert [server_of(k, 5, 2, 3) for k in range(5)] == [1, 2, 0, 1, 2]  # (2 * 5 + k) % 3
-    assert {server_of(k, 7, 3, 1) for k in range(7)} == {0}
+def test_a_group_keeps_its_server_and_a_new_group_takes_the_least_loaded():
+    a, b, c = "http://a/v1", "http://b/v1", "http://c/v1"
+    given: dict = {}
+    running = collections.Counter({a: 3, b: 1, c: 1})
+    assert pick_server((0, "t1"), [a, b, c], given, running) == b  # fewest running; b before c in order
+    running[b] += 5
+    assert pick_server((0, "t1"), [a, b, c], given, running) == b  # kept while b serves (its prefix cache)
+    assert pick_server((0, "t2"), [a, b, c], given, running) == c
+    assert pick_server((0, "t1"), [a, c], given, running) == c  # b dropped: t1 moves to the least loaded
+    assert given == {(0, "t1"): c, (0, "t2"): c}
+    assert pick_server((1, "t1"), [a], given, running) == a  # another step's group of the same task: its own
 
 
 class Server:
@@ -47,10 +51,17 @@ class Fleet:
         self.servers = [Server(8000 + i) for i in range(servers)]
         self.restarts, self.restarted = 0, []
 
+    @property
+    def serving(self) -> list[Server]:
+        return self.servers
+
     def check(self) -> None:
         for server in self.servers:
             if server.dead:
                 raise ServerDiedError(f"vLLM on port {server.port} exited with code -9")
+
+    def drop_silent_remotes(self, when: str) -> bool:
+        return False  # no remote server here
 
     def restart(self, when: str, restarts_seen: int | None = None) -> None:
         self.restarted.append((when, restarts_seen))
@@ -81,21 +92,19 @@ def runner(servers: int = 1, dispatcher: Dispatcher | None = None) -> RolloutRun
                          AgentConfig(max_tokens=16), success_reward=1.0, session="sess")
 
 
-def test_every_rollout_of_a_task_goes_to_one_server_and_the_tasks_are_spread():
+def test_every_rollout_asks_for_a_server_of_the_fleet_chosen_when_it_is_handed_out():
     run = runner(servers=2)
     tasks = [{"id": i} for i in range(5)]
     batch = run.run(tasks, group=4, temperature=0.7, step=3, label="s3", version=3)
     assert batch.metrics["rollouts/requested"] == 20 and batch.metrics["rollouts/failed"] == 20
     assert batch.episodes == [] and batch.dispatched_version == 3
-    urls_of = collections.defaultdict(set)
-    for request in run.dispatcher.requests:
-        urls_of[request.task_id].add(request.llm.base_url)
+    for request in run.dispatcher.requests:  # the dispatcher picks each group's server (pick_server)
+        assert request.balanced and request.llm.base_url == "http://127.0.0.1:8000/v1"
         assert request.llm.temperature == 0.7 and request.llm.max_tokens == 16 and request.llm.api_key == "EMPTY"
         assert request.step == 3 and request.version == 3 and request.key.startswith("sess-s3-t")
-    # (3 * 5 + k) % 2 for tasks k = 0..4: servers 1, 0, 1, 0, 1
-    assert urls_of == {"0": {"http://127.0.0.1:8001/v1"}, "1": {"http://127.0.0.1:8000/v1"},
-                       "2": {"http://127.0.0.1:8001/v1"}, "3": {"http://127.0.0.1:8000/v1"},
-                       "4": {"http://127.0.0.1:8001/v1"}}
+    teacher = LLM("http://teacher/v1", "big")
+    run.run(tasks[:1], group=2, temperature=0.7, step=4, label="s4", version=3, llm=teacher)
+    assert [(r.llm, r.balanced) for r in run.dispatcher.requests[-2:]] == [(teacher, False)] * 2
 
 
 def test_a_dead_server_among_several_stops_the_rollouts():
