@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 
+OVERLAP_FILES = ("tests/e2e/test_readme_api.py", "tests/test_notebooks.py")
+"""Files that start a vLLM of their own (not the session's server) and run outside the vLLM unit, each a unit of its
+own queued last: the worker done with the quick files runs them beside the vLLM unit's tail (below)."""
 VLLM_FILES_ENV = "LIT_TEST_VLLM_FILES"
 """Where the workers write the test files that start vLLM (marker ``vllm``), for the scheduler in the main process,
 which collects nothing itself."""
@@ -38,7 +41,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # must be the same), so that it starts after the long runs of the vLLM unit and does not hold its memory
         # during them.
         session = {_file_of(item.nodeid) for item in items if "vllm_server" in getattr(item, "fixturenames", ())}
-        items.sort(key=lambda item: _file_of(item.nodeid) in session)
+        items.sort(key=lambda item: (_file_of(item.nodeid) in OVERLAP_FILES, _file_of(item.nodeid) in session))
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own choice of scheduler
@@ -55,7 +58,11 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     the README snippet's and the notebooks' files (their own vLLM each, no session server) as units queued last, so
     that the worker done with the quick files ran them beside the vLLM unit's tail (which it had run alone for 1,081
     s of a 2,216 s run), the suite took no less (2026-11-29, fresh clone: both sides of the overlap ran 1.6-1.8x
-    slower, the vLLM tests keep both cores busy) and 17.6 GB were in use at once instead of 11.8."""
+    slower, the vLLM tests keep both cores busy) and 17.6 GB were in use at once instead of 11.8. That was with
+    OpenMP threads spinning while they wait; since they sleep (``run.sh test``, OMP_WAIT_POLICY), an e2e test keeps
+    1.2 of the 2 cores busy on average (the README snippet's: 95 s user + 25 s system in 98 s), so those files
+    (``OVERLAP_FILES``) are units of their own, queued last again: CI was 30:30 with them in the vLLM unit
+    (2026-12-06)."""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -71,7 +78,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
                 for p in [Path(path), *written]:
                     p.unlink(missing_ok=True)
             file = _file_of(nodeid)
-            return "vllm" if file in self.vllm_files else file
+            return "vllm" if file in self.vllm_files and file not in OVERLAP_FILES else file
 
     config.option.loadscopereorder = False  # collection order: tests/e2e (vLLM) first
     return VLLMFilesTogether(config, log)

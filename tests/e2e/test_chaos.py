@@ -2,7 +2,7 @@
 processes, real ZeroMQ, real SQLite, the real policy update and weight sync. The agent
 (rollout_agents.reply_length_parity) makes real LLM calls and gets a reward that varies within each group.
 
-One run of 4 steps is killed three times, each time at the second step (after the first checkpoint): during its
+One run of 3 steps is killed three times, each time at the second step (after the first checkpoint): during its
 rollouts, during its policy update, and during its weight sync (vLLM paused, new weights half way). Each kill is a
 SIGKILL of the trainer process from inside (a patched function, in a small harness that then
 runs the real CLI), so it lands exactly there; vLLM and the local workers die with the trainer. The fourth run has
@@ -49,8 +49,8 @@ tasks = "rollout_agents:parity_tasks"
 train_size = 20
 val_size = 4
 [train]
-steps = 4
-val_every = 4
+steps = 3
+val_every = 3
 checkpoint_every = 1
 check_sync_every = 1
 output_dir = "{out}"
@@ -156,24 +156,24 @@ def test_sigkill_in_rollouts_update_and_sync_then_resume_loses_and_repeats_nothi
         result = run(point, config, out, resume=i > 0, temp=short_temp)
         log = result.stdout + result.stderr
         assert result.returncode == -9 and f"chaos: SIGKILL during {point}" in log, log[-3000:]
-        assert "step 1/4" in log if i == 0 else "(step 1)" in log, log[-3000:]
-        assert "step 2/4" not in log, log[-3000:]
+        assert "step 1/3" in log if i == 0 else "(step 1)" in log, log[-3000:]
+        assert "step 2/3" not in log, log[-3000:]
     final = run("vllm", config, out, resume=True, temp=short_temp)
     log = final.stdout + final.stderr
     assert final.returncode == 0, log[-3000:]
-    final_checkpoint = out / "checkpoints" / "step-000004"
+    final_checkpoint = out / "checkpoints" / "step-000003"
     assert (final_checkpoint / "DONE").exists() and (out / "curve.png").stat().st_size > 0
 
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
-    assert [r["step"] for r in train] == [1, 2, 3, 4]  # each step trained once: killed steps never logged
+    assert [r["step"] for r in train] == [1, 2, 3]  # each step trained once: killed steps never logged
     assert all(r["rollouts/failed"] == 0 and r["rollouts/unusable"] == 0 for r in train), train
     # every step updated, and vLLM served exactly the weights the trainer had after each sync
     assert all(r["sync/logprob_gap_max"] < 0.02 for r in train), train
-    assert [r["step"] for r in records if r["kind"] == "validation"][-1] == 4
+    assert [r["step"] for r in records if r["kind"] == "validation"][-1] == 3
     state = torch.load(final_checkpoint / "trainer_state.pt", weights_only=False)
     saved = FileSystemReader(final_checkpoint / "optimizer").read_metadata().state_dict_metadata  # by name
-    assert state["step"] == 4 and any(key.endswith(".exp_avg_sq") for key in saved), "optimizer state missing"
+    assert state["step"] == 3 and any(key.endswith(".exp_avg_sq") for key in saved), "optimizer state missing"
     trained = load_file(final_checkpoint / "model" / "model.safetensors")
     base = load_file(prepared_model / "model.safetensors")
     changed = [k for k in base if k in trained and not torch.equal(base[k], trained[k])]
@@ -182,7 +182,7 @@ def test_sigkill_in_rollouts_update_and_sync_then_resume_loses_and_repeats_nothi
     # by the weight sync after its update; either way started again, once
     assert "chaos: SIGKILL to vLLM" in log and ("vLLM died during the rollouts of step 3" in log or
                                                 "vLLM died before the weights of step 3 reached it" in log), log[-3000:]
-    assert [r["engine/restarts"] for r in train] == [0, 0, 1, 0]  # restarted once, and step 3 ran again
+    assert [r["engine/restarts"] for r in train] == [0, 0, 1]  # restarted once, and step 3 ran again
     # no shared memory left behind: a CPU server is one process and makes none (launch.ONE_PROCESS); what a killed
     # multi-process vLLM leaves, the trainer frees when it starts it again (test_server.py, free_orphan_segments)
     assert free_orphan_segments(began) == [], "vLLM's shared memory left in /dev/shm"
