@@ -142,13 +142,14 @@ def test_a_remote_server_trains_is_dropped_when_killed_taken_back_and_resumed_wi
         config.write_text(CONFIG.format(model=prepared_model, out=out, keys=keys, remote=network.other_host))
         first_log, second_log = tmp_path / "serve-1.log", tmp_path / "serve-2.log"
         remote = start_lit_serve(network, config, keys, first_log, wait=False)  # the trainer waits for it
+        train_log, train = tmp_path / "train.log", None
         try:
             env = {**os.environ, "PYTHONPATH": str(TESTS), "CI": "true", "TMPDIR": str(short_temp)}
-            train = subprocess.Popen([sys.executable, "-c", HARNESS, str(out), "train", str(config),
-                                      "inference.cpu_threads_bind='0'"],
-                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            with train_log.open("w") as sink:  # a process of its own group, stopped below whatever happens
+                train = start_child([sys.executable, "-c", HARNESS, str(out), "train", str(config),
+                                     "inference.cpu_threads_bind='0'"], env=env, stdout=sink, stderr=subprocess.STDOUT)
             while not (out / "kill-remote").exists():
-                assert train.poll() is None, train.stdout.read()[-3000:]
+                assert train.poll() is None, train_log.read_text()[-3000:]
                 time.sleep(0.2)
             os.killpg(remote.pid, signal.SIGKILL)
             remote.wait(30)
@@ -157,7 +158,8 @@ def test_a_remote_server_trains_is_dropped_when_killed_taken_back_and_resumed_wi
             (out / "remote-killed").touch()
             remote = start_lit_serve(network, config, keys, second_log)
             (out / "remote-back").touch()
-            log, _ = train.communicate(timeout=900)
+            train.wait(900)
+            log = train_log.read_text()
             assert train.returncode == 0, log[-4000:]
 
             resumed = subprocess.run([sys.executable, "-m", "lit_trainer.cli", "train", str(config), "--resume",
@@ -165,6 +167,8 @@ def test_a_remote_server_trains_is_dropped_when_killed_taken_back_and_resumed_wi
                                      env=env, capture_output=True, text=True, timeout=900)
             assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
         finally:
+            if train is not None:
+                stop_child(train, 30, name="lit train")  # at once when it ended; its vLLM and worker with it
             stop_child(remote, 30, name="lit serve")
         assert remote.returncode in (0, -signal.SIGTERM), second_log.read_text()[-2000:]
 
