@@ -8,6 +8,7 @@ trusts nothing in it: every dtype is one of ``DTYPES``, every frame holds exactl
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -55,10 +56,7 @@ def unpack(frames: Sequence[bytes]) -> tuple[dict[str, Any], dict[str, torch.Ten
                 and isinstance(entry[2], list) and all(isinstance(n, int) and n >= 0 for n in entry[2])):
             raise WireError(f"a bad tensor entry: {str(entry)[:200]}")
         name, dtype, shape = entry[0], DTYPES[entry[1]], entry[2]
-        numel = 1
-        for n in shape:
-            numel *= n
-        size = numel * torch.empty((), dtype=dtype).element_size()
+        size = math.prod(shape) * dtype.itemsize
         if len(frame) != size:
             raise WireError(f"{name}: {len(frame)} bytes for a {entry[1]} tensor of shape {shape} ({size} bytes)")
         with warnings.catch_warnings():  # read, never written: copied into the server's weights file

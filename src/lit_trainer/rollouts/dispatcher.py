@@ -341,6 +341,7 @@ class Dispatcher:
     def _assign(self) -> None:
         """Hand queued attempts to workers with free slots, least busy first."""
         queue = self._round.queue
+        load: tuple[list[str], collections.Counter[str]] | None = None  # once per call, kept up to date below
         while queue:
             free = [w for w in self.workers.values() if w.busy < w.slots]
             if not free:
@@ -353,22 +354,24 @@ class Dispatcher:
             self._round.running[attempt.rollout_id] = attempt
             self.store.set_rollout_status(attempt.rollout_id, RolloutStatus.RUNNING)
             r = attempt.request
-            attempt.server = self._server_of(r)
+            attempt.server = r.llm.base_url
+            if r.balanced and self.serving is not None:  # its group's server (pick_server)
+                serving, running = load = load or self._load()
+                attempt.server = pick_server(group_of(r), serving, self._round.servers, running)
+                running[attempt.server] += 1
             llm = {**r.llm.to_dict(), "base_url": attempt.server}
             if self.gateway is not None:
                 llm["base_url"] = self.gateway.rollout_url(attempt.server, attempt.rollout_id, attempt.secret)
             self._send(worker.identity, Run(attempt.rollout_id, r.task_id, attempt.number, r.task, llm,
                                             self.config.rollout_timeout_s, secret=attempt.secret))
 
-    def _server_of(self, request: RolloutRequest) -> str:
-        """The server a request's agent calls: its own, or for a balanced one its group's (``pick_server``)."""
-        if not request.balanced or self.serving is None:
-            return request.llm.base_url
+    def _load(self) -> tuple[list[str], collections.Counter[str]]:
+        """The servers that take rollouts now (``serving``) and how many attempts run on each."""
+        assert self.serving is not None
         serving = self.serving()
         if not serving:
             raise DispatchError("no vLLM server takes rollouts: every one was dropped")
-        running = collections.Counter(a.server for a in self._round.running.values())
-        return pick_server(group_of(request), serving, self._round.servers, running)
+        return serving, collections.Counter(a.server for a in self._round.running.values())
 
     def _drain(self, timeout_ms: int) -> None:
         """Read and handle every waiting message, in order (waiting up to ``timeout_ms`` for the first). A bad
