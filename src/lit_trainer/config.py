@@ -202,8 +202,11 @@ class TrainConfig:
             self._take_roles()
 
     def role_table(self) -> Roles | None:
-        """The ``[roles]`` table, checked; None without one."""
-        return Roles(self.roles, self.inference.served_model_name) if self.roles else None
+        """The ``[roles]`` table, checked (its fixed adapters' folders too) once per config; None without one."""
+        if "_role_table" not in self.__dict__:  # not a field: frozen, built on first use, never compared or saved
+            roles = Roles(self.roles, self.inference.served_model_name) if self.roles else None
+            object.__setattr__(self, "_role_table", roles)
+        return self.__dict__["_role_table"]
 
     def _take_roles(self) -> None:
         """Check the role table against the other sections, and set what it implies: the trained agents and vLLM's
