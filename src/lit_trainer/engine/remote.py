@@ -135,10 +135,17 @@ class RemoteServer:
         if self._sock is None:
             self._sock = zmq.Context.instance().socket(zmq.DEALER)
             self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.IMMEDIATE, 1)  # a send waits for a link the server let in (below)
             security.guard_client(self._sock, self.endpoint, self.keys, f"lit serve at {self.endpoint}")
             self._sock.connect(self.endpoint)
-        self._sock.send_multipart(frames, copy=False)
-        if not self._sock.poll(int(timeout_s * 1000)):
+        deadline = time.monotonic() + timeout_s
+        self._sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))  # no link (keys refused, no server): Again
+        try:
+            self._sock.send_multipart(frames, copy=False)
+            answered = self._sock.poll(max(0, int((deadline - time.monotonic()) * 1000)))
+        except zmq.Again:
+            answered = False
+        if not answered:
             self.close()
             raise ServerDiedError(f"lit serve at {self.endpoint} did not answer {what} within {timeout_s:.0f} s: is "
                                   "it running there, with the keys of this run's [security] keys_dir, and is its "
