@@ -246,13 +246,14 @@ def secure_server(sock: zmq.Socket, keys: ServerKeys, watch: Watch | None = None
     return HandshakeMonitor(sock, "refused peers", _SERVER_HINTS, watch)
 
 
-def secure_client(sock: zmq.Socket, keys: ClientKeys) -> HandshakeMonitor:
+def secure_client(sock: zmq.Socket, keys: ClientKeys, refused: str = _CLIENT_HINT) -> HandshakeMonitor:
     """Give ``sock`` (before it connects) the client keypair and the trainer's public key; count failed
-    handshakes (the trainer does not know this key, or ``server.key`` is not the trainer's)."""
+    handshakes (the trainer does not know this key, or ``server.key`` is not the trainer's), logged as ``refused``
+    says (``{kind}``: the kind of failure)."""
     sock.curve_secretkey = keys.secret
     sock.curve_publickey = keys.public
     sock.curve_serverkey = keys.server_public
-    return HandshakeMonitor(sock, "cannot connect", None)
+    return HandshakeMonitor(sock, "cannot connect", refused)
 
 
 def guard_server(sock: zmq.Socket, endpoint: str, keys: ServerKeys | None, what: str, setting: str,
@@ -266,11 +267,12 @@ def guard_server(sock: zmq.Socket, endpoint: str, keys: ServerKeys | None, what:
     return HandshakeMonitor(sock, "refused peers", _SERVER_HINTS, watch) if watch is not None else None
 
 
-def guard_client(sock: zmq.Socket, endpoint: str, keys: ClientKeys | None, what: str) -> HandshakeMonitor | None:
+def guard_client(sock: zmq.Socket, endpoint: str, keys: ClientKeys | None, what: str,
+                 refused: str = _CLIENT_HINT) -> HandshakeMonitor | None:
     """Before ``sock.connect(endpoint)``: refuse a trainer on another machine without keys (``check_connect``),
     and with keys make ``sock`` a CURVE client (``secure_client``). The monitor, or None without keys."""
     check_connect(endpoint, keys, what)
-    return secure_client(sock, keys) if keys is not None else None
+    return secure_client(sock, keys, refused) if keys is not None else None
 
 
 def client_keys(folder: str | os.PathLike[str] | None = None) -> ClientKeys | None:
@@ -287,13 +289,14 @@ WATCHED_EVENTS = (zmq.EVENT_ACCEPTED, zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED)
 
 class HandshakeMonitor:
     """Counts a socket's failed handshakes by kind (``no_key``, ``bad_key``, ``unknown_key``, ``protocol``,
-    ``handshake``) from its ZeroMQ monitor events, and logs each kind once; with ``watch``, also calls it for each
+    ``handshake``) from its ZeroMQ monitor events, and logs each kind once, with its line of ``hints`` (one for
+    every kind, ``{kind}`` standing for the kind); with ``watch``, also calls it for each
     of ``WATCHED_EVENTS`` (in the monitor's thread, in the order ZeroMQ reports them). One daemon thread, which
     ends when the socket is closed."""
 
     _ids = itertools.count()
 
-    def __init__(self, sock: zmq.Socket, label: str, hints: dict[str, str] | None, watch: Watch | None = None
+    def __init__(self, sock: zmq.Socket, label: str, hints: dict[str, str] | str, watch: Watch | None = None
                  ) -> None:
         self.label = label
         self._hints = hints
@@ -353,7 +356,7 @@ class HandshakeMonitor:
             first = kind not in self._counts
             self._counts[kind] = self._counts.get(kind, 0) + 1
         if first:
-            hint = self._hints[kind] if self._hints else _CLIENT_HINT.format(kind=kind)
+            hint = self._hints[kind] if isinstance(self._hints, dict) else self._hints.format(kind=kind)
             log.warning("lit: %s: %s (counted, logged once per kind)", self.label, hint)
 
 

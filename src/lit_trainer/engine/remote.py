@@ -136,7 +136,9 @@ class RemoteServer:
             self._sock = zmq.Context.instance().socket(zmq.DEALER)
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.setsockopt(zmq.IMMEDIATE, 1)  # a send waits for a link the server let in (below)
-            security.guard_client(self._sock, self.endpoint, self.keys, f"lit serve at {self.endpoint}")
+            security.guard_client(self._sock, self.endpoint, self.keys, f"lit serve at {self.endpoint}",
+                                  refused=f"lit serve at {self.endpoint} refused this trainer's keys ({{kind}}): start "
+                                  "it with --keys naming a copy of this run's [security] keys_dir")
             self._sock.connect(self.endpoint)
         deadline = time.monotonic() + timeout_s
         self._sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))  # no link (keys refused, no server): Again

@@ -119,10 +119,11 @@ def test_a_push_the_server_cannot_load_is_refused_and_changes_nothing(link):
     remote.close()
 
 
-def test_a_workers_keys_do_not_open_the_link_and_a_silent_server_is_named(link, tmp_path):
+def test_a_workers_keys_do_not_open_the_link_and_a_silent_server_is_named(link, tmp_path, caplog):
     keys, endpoint, host = link
     worker = RemoteServer(endpoint, security.load_client_keys(keys), None, timeout_s=2)
     with pytest.raises(ServerDiedError, match=f"lit serve at {endpoint} did not answer hello within 2 s"):
         worker.connect()
     worker.close()
     assert host.sync.loaded == []
+    assert f"lit serve at {endpoint} refused this trainer's keys (unknown_key): start it with --keys" in caplog.text
