@@ -187,6 +187,7 @@ def test_a_remote_server_trains_is_dropped_when_killed_taken_back_and_resumed_wi
     first, second = first_log.read_text(), second_log.read_text()
     assert "weights of version 0 loaded" in first and "weights of version 1 loaded" in first, first[-2000:]
     assert "weights of version 2 loaded" not in first
-    # taken back with step 2's push; the resumed run gives it the checkpoint's weights (as it joins, then in the
-    # resume's push), then step 3's
+    # taken back with step 2's push; the resumed run gives it the checkpoint's weights once, as it joins (the
+    # resume's push skips it), then step 3's
     assert second.count("weights of version 2 loaded") == 2 and "weights of version 3 loaded" in second, second
+    assert "weights of version 0 loaded" not in second, second

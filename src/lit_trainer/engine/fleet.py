@@ -95,7 +95,7 @@ class Fleet:
     and a server started again serves the config's model."""
 
     def __init__(self, inference: InferenceConfig, weight_sync: WeightSyncConfig | None = None,
-                 weights: Weights | None = None, keys_dir: str = "") -> None:
+                 weights: Weights | None = None, keys_dir: str = "", version: str = "0") -> None:
         if weights is not None and weight_sync is None:
             raise ValueError("a fleet that takes weights needs a WeightSyncConfig")
         self.inference, self.weight_sync, self.weights, self.keys_dir = inference, weight_sync, weights, keys_dir
@@ -106,8 +106,11 @@ class Fleet:
         """The remote servers left out of the run since they stopped answering, by index."""
         self.restarts = 0
         """Servers started again after they died."""
-        self.version = "0"
-        """The weight version the servers hold: the last one pushed (the base model's is 0)."""
+        self.version = version
+        """The weight version the servers hold: the last one pushed; at first, that of ``weights`` (a resumed
+        run's step; the base model's is 0), which a remote server gets when it joins."""
+        self._pushed: dict[int, str] = {}
+        """The version this fleet pushed into each server last, by index: a push of it again skips that server."""
         self._lock = threading.RLock()
         self.stopped = False
         """``stop`` was called: no server is started again."""
@@ -150,9 +153,9 @@ class Fleet:
                 if isinstance(server, InferenceServer):
                     server.wait_ready(meanwhile)
             self.syncs = [self._open_sync(i) for i in range(len(self.servers))] if self.weights else []
-            for sync in self.syncs:  # a remote server may hold another run's weights: it gets this one's
+            for index, sync in enumerate(self.syncs):  # a remote server may hold another run's weights
                 if isinstance(sync, RemoteServer):
-                    _push(sync, self._latest(), self.version)
+                    self._push(index, self._latest(), self.version)
         except BaseException:
             self.stop()
             raise
@@ -219,13 +222,13 @@ class Fleet:
             served = state if isinstance(state, Adapters) else for_serving(state, self.inference.dtype)
             for index in sorted(self.dropped):
                 self._take_back(index)
-            for index, sync in enumerate(self.syncs):
-                if index in self.dropped:
+            for index in range(len(self.syncs)):
+                if index in self.dropped or self._pushed.get(index) == version:
                     continue
                 server = self.servers[index]
                 try:
                     server.check_alive()
-                    reports.append(_push(sync, served, version))
+                    reports.append(self._push(index, served, version))
                 except (ServerDiedError, WeightSyncError) as exc:
                     if not server.exited(within_s=5.0):  # an error of a live server is no death: it stops the run
                         raise
@@ -271,7 +274,7 @@ class Fleet:
             self.restarts += 1
             if self.weights is not None:
                 self.syncs[index] = self._open_sync(index)
-                _push(self.syncs[index], self._latest(), version)
+                self._push(index, self._latest(), version)
 
     def drop_silent_remotes(self, when: str) -> bool:
         """Drop the remote servers that stopped answering ``when`` (``_drop``); whether there was one."""
@@ -289,6 +292,7 @@ class Fleet:
               "it, and takes it back at a weight push once it answers again", file=sys.stderr, flush=True)
         server.close()
         self.dropped.add(index)
+        self._pushed.pop(index, None)  # what it holds when it answers again is not known
         self.restarts += 1
 
     def _take_back(self, index: int) -> None:
@@ -315,6 +319,15 @@ class Fleet:
         assert self.weights is not None
         latest = self.weights()
         return latest if isinstance(latest, Adapters) else for_serving(latest, self.inference.dtype)
+
+    def _push(self, index: int, state: Adapters | Mapping[str, Any], version: str) -> SyncReport:
+        """Whole weights (in the serving dtype) or adapters into server ``index``."""
+        sync = self.syncs[index]
+        self._pushed.pop(index, None)
+        report = (sync.push_adapters(state, version=version) if isinstance(state, Adapters)
+                  else sync.push_weights(state, version=version))
+        self._pushed[index] = version
+        return report
 
     def logprob_gaps(self, score: Score, prompts: Sequence[Sequence[int]], tolerance: float,
                      max_tokens: int = 8, model: str | None = None) -> dict[str, LogprobGap]:
@@ -351,13 +364,6 @@ class Fleet:
             config = replace(config, nccl_master_port=config.nccl_master_port + index)
         server = self.servers[index]
         return WeightSync(server.base_url, config, credentials=server.credentials)
-
-
-def _push(sync: WeightSync | RemoteServer, state: Adapters | Mapping[str, Any], version: str) -> SyncReport:
-    """Whole weights (in the serving dtype) or adapters into one server."""
-    if isinstance(state, Adapters):
-        return sync.push_adapters(state, version=version)
-    return sync.push_weights(state, version=version)
 
 
 def first_line(exc: BaseException) -> str:

@@ -135,8 +135,10 @@ def _run(cfg: TrainConfig, resume: bool, out: RunFolder) -> dict[str, Any]:
               f"{changed}", file=sys.stderr)
     out.save_config(settings)
     teachers = [cfg.sft.teacher.upstream] if cfg.sft.teacher else []
-    with services(cfg, out.store, out.spool, out.keys, weights=trainers.latest, teachers=teachers) as svc:
-        if ready.start or roles:  # the roles' adapters are vLLM's to load, the first time too
+    with services(cfg, out.store, out.spool, out.keys, weights=trainers.latest, teachers=teachers,
+                  version=state.weight_version) as svc:
+        if ready.start or roles:  # the roles' adapters are vLLM's to load, the first time too (remote servers have
+            # them: they got them when they joined)
             svc.fleet.push_weights(trainers.latest(), version=state.weight_version)
         if ready.start:
             print(f"lit: resumed from {ready.start.path} (step {state.step})", file=sys.stderr)

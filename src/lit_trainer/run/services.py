@@ -105,13 +105,14 @@ def with_keys(cfg: TrainConfig, run_keys: Path) -> tuple[Path, TrainConfig]:
 
 @contextlib.contextmanager
 def services(cfg: TrainConfig, store_path: Path, spool_dir: Path, keys_dir: Path, weights: Weights | None = None,
-             teachers: Sequence[tuple[str, str]] = ()) -> Iterator[Services]:
+             teachers: Sequence[tuple[str, str]] = (), version: str = "0") -> Iterator[Services]:
     """Start everything rollouts need, and stop it all (workers, dispatcher, vLLM, collector, store) on the way
-    out. ``weights``: what gives the policy's current weights when the fleet takes them (training); None:
-    the fleet only serves (``lit eval``). Local workers spool undelivered spans into ``spool_dir``. The
-    channels' keys: ``[security] keys_dir``, or the run's own in ``keys_dir`` (``with_keys``). The caller has
-    checked the agent (``check_agent``: ``preflight``, ``evaluate``). ``teachers``: the endpoints lit's gateway
-    also serves rollouts from (``rollouts.teacher.Teacher.upstream``), for ``rollouts.teacher.collect``."""
+    out. ``weights``: what gives the policy's current weights when the fleet takes them (training), ``version``
+    theirs (a resumed run's step); None: the fleet only serves (``lit eval``). Local workers spool undelivered
+    spans into ``spool_dir``. The channels' keys: ``[security] keys_dir``, or the run's own in ``keys_dir``
+    (``with_keys``). The caller has checked the agent (``check_agent``: ``preflight``, ``evaluate``).
+    ``teachers``: the endpoints lit's gateway also serves rollouts from (``rollouts.teacher.Teacher.upstream``),
+    for ``rollouts.teacher.collect``."""
     folder, cfg = with_keys(cfg, keys_dir)
     keys = security.load_server_keys(folder)
     with contextlib.ExitStack() as stack:
@@ -121,7 +122,7 @@ def services(cfg: TrainConfig, store_path: Path, spool_dir: Path, keys_dir: Path
             print(f"lit: {stale} rollout attempt(s) a stopped run left queued or running are marked failed",
                   file=sys.stderr)
         collector = stack.enter_context(Collector(store, cfg.collector.endpoint, keys=keys))
-        fleet = Fleet(cfg.inference, cfg.weight_sync, weights, keys_dir=cfg.security.keys_dir)
+        fleet = Fleet(cfg.inference, cfg.weight_sync, weights, keys_dir=cfg.security.keys_dir, version=version)
         stack.callback(fleet.stop)
         fleet.launch()  # vLLM loads while the workers start: their URLs are known now (the remote ones' too)
         servers = [s.openai_url for s in fleet.servers]

@@ -412,6 +412,19 @@ def test_a_remote_server_that_dies_during_a_push_is_dropped_and_the_others_get_t
     assert fleet.restarts == 1 and len(Server.made) == 1
 
 
+def test_a_resumed_runs_remote_server_gets_its_weights_once_with_their_version(monkeypatch):
+    remote = Remote("tcp://10.0.0.2:7400")
+    monkeypatch.setattr(fleet_module, "connect_remotes", lambda *args: [remote])
+    fleet = Fleet(InferenceConfig(port=8000, remote=["tcp://10.0.0.2:7400"], api_key="k"), WeightSyncConfig(),
+                  weights=lambda: {"w": "step 4"}, keys_dir="/keys", version="4").start()
+    assert remote.pushed == [("4", "step 4")]  # when it joined
+    report = fleet.push_weights({"w": "step 4"}, version="4")  # the loop's push of the resumed weights
+    assert remote.pushed == [("4", "step 4")] and RecordingSync.made[0].pushed == [("4", "step 4")]
+    assert [r.version for r in report.reports] == ["4"]  # the local server's only
+    fleet.push_weights({"w": "step 5"}, version="5")
+    assert remote.pushed[-1] == ("5", "step 5") and RecordingSync.made[0].pushed[-1] == ("5", "step 5")
+
+
 def test_a_fleet_that_only_serves_leaves_the_remote_servers_out(monkeypatch):
     monkeypatch.setattr(fleet_module, "connect_remotes", lambda *args: pytest.fail("lit eval asked a remote"))
     fleet = Fleet(InferenceConfig(port=8000, remote=["tcp://10.0.0.2:7400"], api_key="k")).start()
