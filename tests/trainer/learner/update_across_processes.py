@@ -1,7 +1,8 @@
-"""One training step's update on a fixed batch, run as one process (``python THIS``) or several (``torchrun
---nproc_per_node 2 THIS``), each holding the whole model or (``--shard``) its shard of the decoder layers: the main
-process saves every optimizer step's gradient, the metrics, the trainer's logprobs, the final weights and the bytes
-of parameters and optimizer state it held to ``--out`` (torch.save), for test_distributed.py to compare.
+"""One training step's update on a fixed batch with the SFT term on a few demonstrations, then an SFT step on them
+(``[sft]``), run as one process (``python THIS``) or several (``torchrun --nproc_per_node 2 THIS``), each holding
+the whole model or (``--shard``) its shard of the decoder layers: the main process saves every optimizer step's
+gradient, the metrics, the trainer's logprobs, the final weights and the bytes of parameters and optimizer state it
+held to ``--out`` (torch.save), for test_distributed.py to compare.
 
 ``--save DIR``: then write the checkpoint of step 1 into the run folder DIR (learner/checkpoint.py; every process
 when sharded). ``--resume DIR``: start from DIR's checkpoint instead (its weights and optimizer state, written by
@@ -20,7 +21,7 @@ from lit_trainer.intake.episodes import Transition
 from lit_trainer.learner import checkpoint, distributed, logprobs, sharding
 from lit_trainer.learner.batching import BatchingConfig
 from lit_trainer.learner.policy import Policy, PolicyConfig
-from lit_trainer.learner.schedule import UpdateConfig, run_update
+from lit_trainer.learner.schedule import UpdateConfig, run_sft, run_update
 from lit_trainer.results.runs import RunFolder
 
 
@@ -37,6 +38,15 @@ def batch(vocab: int, n: int = 12) -> list[tuple[Transition, float]]:
                        finish_reason="stop")
         pairs.append((t, rng.choice([-1.5, -0.5, 0.5, 1.0])))
     return pairs
+
+
+def demonstrations(vocab: int, n: int = 3) -> list[Transition]:
+    """``n`` demonstrations (a reference's tokens: no behaviour logprobs) of varied lengths."""
+    rng = random.Random(11)
+    return [Transition(prompt_ids=[rng.randrange(1, vocab) for _ in range(rng.randrange(4, 10))],
+                       response_ids=[rng.randrange(1, vocab) for _ in range(rng.randrange(3, 8))], logprobs=None,
+                       reward=None, agent="a", rollout_id=f"d{i}", task_id=f"d{i}", index=0, span_id="s",
+                       finish_reason="stop") for i in range(n)]
 
 
 def main() -> None:
@@ -63,11 +73,11 @@ def main() -> None:
 
     policy.optimizer.step = capture
     trained_logprobs: dict[int, list[float]] = {}
-    metrics = run_update(policy, batch(policy.unwrapped().config.vocab_size),
-                         UpdateConfig(ppo_epochs=2, mini_batches=2, recompute_old_logprobs=True),
-                         LossConfig(kl_beta=0.05, is_correction="truncate"),
-                         BatchingConfig(max_tokens_per_micro_batch=48), pad_id=0, seed=3,
-                         trainer_logprobs=trained_logprobs)
+    vocab, batching = policy.unwrapped().config.vocab_size, BatchingConfig(max_tokens_per_micro_batch=48)
+    metrics = run_update(policy, batch(vocab), UpdateConfig(ppo_epochs=2, mini_batches=2, recompute_old_logprobs=True),
+                         LossConfig(kl_beta=0.05, is_correction="truncate"), batching, pad_id=0, seed=3,
+                         trainer_logprobs=trained_logprobs, demos=demonstrations(vocab), sft_weight=0.5)
+    metrics |= {f"sft_step/{k}": v for k, v in run_sft(policy, demonstrations(vocab), batching, pad_id=0).items()}
     weights = {k: v.clone() for k, v in policy.state_dict().items()}  # sharded: a collective
     served = policy.state_dict(torch.bfloat16)  # sharded: cast as gathered (vLLM's serving dtype)
     if args.save and (policy.sharded or policy.accelerator.is_main_process):  # as lit train calls it (loop.py)
