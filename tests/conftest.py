@@ -12,6 +12,10 @@ OVERLAP_FILES = ("tests/e2e/test_readme_api.py", "tests/e2e/test_teacher_demonst
                  "tests/test_notebooks.py")
 """Files that start a vLLM of their own (not the session's server) and run outside the vLLM unit, each a unit of its
 own queued last: the worker done with the quick files runs them beside the vLLM unit's tail (below)."""
+HEAVY_FILES = ("tests/e2e/test_train_options.py", "tests/e2e/test_remote_server.py", "tests/e2e/test_chaos.py")
+"""The vLLM unit's files that hold the most memory (two vLLM servers, or two trainer processes), run first: beside
+the quick files, not beside ``OVERLAP_FILES``. In the other order, the two-process run of test_train_options.py
+beside the quickstart notebook had 22.6 of 23 GB in use (2026-12-06, fresh clone)."""
 VLLM_FILES_ENV = "LIT_TEST_VLLM_FILES"
 """Where the workers write the test files that start vLLM (marker ``vllm``), for the scheduler in the main process,
 which collects nothing itself."""
@@ -38,11 +42,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if path and hasattr(config, "workerinput"):
         files = sorted({_file_of(item.nodeid) for item in items if item.get_closest_marker("vllm")})
         Path(f"{path}.{config.workerinput['workerid']}").write_text("".join(f"{f}\n" for f in files))
-        # The files that use the session's server after the others (both workers reorder alike: their collections
-        # must be the same), so that it starts after the long runs of the vLLM unit and does not hold its memory
-        # during them.
+        # The heavy files first and the files that use the session's server after the others (both workers reorder
+        # alike: their collections must be the same), so that it starts after the long runs of the vLLM unit and
+        # does not hold its memory during them.
         session = {_file_of(item.nodeid) for item in items if "vllm_server" in getattr(item, "fixturenames", ())}
-        items.sort(key=lambda item: (_file_of(item.nodeid) in OVERLAP_FILES, _file_of(item.nodeid) in session))
+        items.sort(key=lambda item: _rank(_file_of(item.nodeid), session))
+
+
+def _rank(file: str, session: set[str]) -> tuple[bool, bool, int]:
+    """Where a test file's tests go in a worker's collection: ``OVERLAP_FILES`` last, then the files that use the
+    session's server, and ``HEAVY_FILES`` first, in their order."""
+    heavy = HEAVY_FILES.index(file) if file in HEAVY_FILES else len(HEAVY_FILES)
+    return file in OVERLAP_FILES, file in session, heavy
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own choice of scheduler
