@@ -36,6 +36,9 @@ HELLO, WEIGHTS, ADAPTERS = b"hello", b"weights", b"adapters"
 """The requests ``lit serve`` answers (the first frame of each)."""
 ADAPTER_SEPARATOR = "::"
 """An adapter's tensors travel as ``<served name>::<peft name>``."""
+KEYS_FIX = "start it with --keys naming a copy of this run's [security] keys_dir"
+REFUSED = frozenset({"no_key", "bad_key", "unknown_key"})
+"""The kinds of failed handshake (``security.HandshakeMonitor``) that say lit serve holds other keys."""
 HEALTH_EVERY_S = 1.0
 """``check_alive`` asks the server's ``/health`` at most this often (the rollouts' wait calls it every 50 ms)."""
 
@@ -58,6 +61,7 @@ class RemoteServer:
         self.version = ""
         """The weight version ``lit serve`` said its server holds, at the last hello or push."""
         self._sock: zmq.Socket | None = None
+        self._monitor: security.HandshakeMonitor | None = None
         self._healthy_at = 0.0
 
     @property
@@ -125,7 +129,7 @@ class RemoteServer:
         """Close the link (the server stays up: it is ``lit serve``'s)."""
         if self._sock is not None:
             self._sock.close(linger=0)
-            self._sock = None
+            self._sock, self._monitor = None, None
 
     stop = close
 
@@ -135,27 +139,45 @@ class RemoteServer:
         if self._sock is None:
             self._sock = zmq.Context.instance().socket(zmq.DEALER)
             self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.setsockopt(zmq.IMMEDIATE, 1)  # a send waits for a link the server let in (below)
-            security.guard_client(self._sock, self.endpoint, self.keys, f"lit serve at {self.endpoint}",
-                                  refused=f"lit serve at {self.endpoint} refused this trainer's keys ({{kind}}): start "
-                                  "it with --keys naming a copy of this run's [security] keys_dir")
+            self._sock.setsockopt(zmq.IMMEDIATE, 1)  # writable once the server let this link in
+            refused = f"lit serve at {self.endpoint} refused this trainer's keys ({{kind}}): {KEYS_FIX}"
+            self._monitor = security.guard_client(self._sock, self.endpoint, self.keys, f"lit serve at {self.endpoint}",
+                                                  refused)
             self._sock.connect(self.endpoint)
         deadline = time.monotonic() + timeout_s
-        self._sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))  # no link (keys refused, no server): Again
+        if self._ready(zmq.POLLOUT, deadline) and self._send(frames):
+            if self._ready(zmq.POLLIN, deadline):
+                answer = msgpack.unpackb(self._sock.recv())
+                if "error" in answer:
+                    raise WeightSyncError(f"lit serve at {self.endpoint} refused {what}: {answer['error']}")
+                return answer
+        self.close()
+        raise ServerDiedError(f"lit serve at {self.endpoint} did not answer {what} within {timeout_s:.0f} s: is it "
+                              "running there, with the keys of this run's [security] keys_dir, and is its port open "
+                              "to this host?")
+
+    def _send(self, frames: list[Any]) -> bool:
+        """Queue ``frames`` on a link ``_ready`` found writable; False when it dropped meanwhile."""
         try:
-            self._sock.send_multipart(frames, copy=False)
-            answered = self._sock.poll(max(0, int((deadline - time.monotonic()) * 1000)))
+            self._sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
         except zmq.Again:
-            answered = False
-        if not answered:
-            self.close()
-            raise ServerDiedError(f"lit serve at {self.endpoint} did not answer {what} within {timeout_s:.0f} s: is "
-                                  "it running there, with the keys of this run's [security] keys_dir, and is its "
-                                  "port open to this host?")
-        answer = msgpack.unpackb(self._sock.recv())
-        if "error" in answer:
-            raise WeightSyncError(f"lit serve at {self.endpoint} refused {what}: {answer['error']}")
-        return answer
+            return False
+        return True
+
+    def _ready(self, event: int, deadline: float) -> bool:
+        """Whether the link is ready for ``event`` (``zmq.POLLOUT``: lit serve let it in; ``POLLIN``: an answer
+        came) before ``deadline``; ``ServerDiedError`` at once when lit serve refuses this trainer's keys."""
+        while True:
+            refused = self._monitor.counts.keys() & REFUSED if self._monitor else set()
+            if refused:
+                self.close()
+                raise ServerDiedError(f"lit serve at {self.endpoint} refused this trainer's keys ({min(refused)}): "
+                                      f"{KEYS_FIX}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if self._sock.poll(int(min(left, 0.2) * 1000) or 1, event):
+                return True
 
 
 def connect_remotes(endpoints: list[str] | tuple[str, ...], keys_dir: str, api_key: str | None, served_name: str,

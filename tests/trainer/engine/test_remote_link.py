@@ -6,7 +6,9 @@ with vLLM, in a network namespace: tests/e2e/test_remote_server.py)."""
 
 from __future__ import annotations
 
+import socket
 import threading
+import time
 from types import SimpleNamespace
 
 import msgpack
@@ -119,11 +121,18 @@ def test_a_push_the_server_cannot_load_is_refused_and_changes_nothing(link):
     remote.close()
 
 
-def test_a_workers_keys_do_not_open_the_link_and_a_silent_server_is_named(link, tmp_path, caplog):
+def test_a_workers_keys_are_refused_at_once_and_a_silent_server_is_named(link, tmp_path):
     keys, endpoint, host = link
-    worker = RemoteServer(endpoint, security.load_client_keys(keys), None, timeout_s=2)
-    with pytest.raises(ServerDiedError, match=f"lit serve at {endpoint} did not answer hello within 2 s"):
+    worker = RemoteServer(endpoint, security.load_client_keys(keys), None, timeout_s=60)
+    t0 = time.monotonic()
+    with pytest.raises(ServerDiedError, match=f"lit serve at {endpoint} refused this trainer's keys "
+                       r"\(unknown_key\): start it with --keys naming a copy of this run's \[security\] keys_dir"):
         worker.connect()
-    worker.close()
+    assert time.monotonic() - t0 < 10  # at the refusal, not at the timeout
     assert host.sync.loaded == []
-    assert f"lit serve at {endpoint} refused this trainer's keys (unknown_key): start it with --keys" in caplog.text
+    with socket.socket() as free:  # a port where nothing listens
+        free.bind(("127.0.0.1", 0))
+        silent = f"tcp://127.0.0.1:{free.getsockname()[1]}"
+    trainer = RemoteServer(silent, security.load_engine_link_keys(keys)[1], None, timeout_s=1)
+    with pytest.raises(ServerDiedError, match=f"lit serve at {silent} did not answer hello within 1 s: is it running"):
+        trainer.connect()
