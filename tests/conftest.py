@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-OVERLAP_FILES = ("tests/e2e/test_readme_api.py", "tests/e2e/test_teacher_demonstrations.py",
-                 "tests/test_notebooks.py")
+OVERLAP_FILES = ("tests/e2e/test_broken_agent.py", "tests/e2e/test_readme_api.py",
+                 "tests/e2e/test_teacher_demonstrations.py", "tests/test_notebooks.py")
 """Files that start a vLLM of their own (not the session's server) and run outside the vLLM unit, each a unit of its
 own queued last: the worker done with the quick files runs them beside the vLLM unit's tail (below)."""
 HEAVY_FILES = ("tests/e2e/test_train_options.py", "tests/e2e/test_remote_server.py", "tests/e2e/test_chaos.py")
