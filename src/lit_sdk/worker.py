@@ -160,7 +160,7 @@ class Worker:
         ctx = zmq.asyncio.Context()  # its own, terminated below: what is queued goes out before the process ends
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 2000)
-        security.guard_client(self.sock, self.connect, security.client_keys(), "lit worker")
+        monitor = security.guard_client(self.sock, self.connect, security.client_keys(), "lit worker")
         self.sock.connect(self.connect)
         self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix=AGENT_THREADS)
         await self._hello()
@@ -172,6 +172,8 @@ class Worker:
             while not self._stop.is_set():
                 if await self.sock.poll(max(0, min(200, (next_beat - time.monotonic()) * 1000))):
                     await self._read_waiting()
+                elif not self.welcomed and monitor and (refused := monitor.keys_refused()):
+                    raise security.SecurityError(security.CLIENT_REFUSED.format(kind=refused))
                 elif not self.welcomed and time.monotonic() - waiting_since >= NO_ANSWER_S * 2 ** said:
                     said += 1
                     log.warning("lit worker: no answer from a trainer at %s for %.0f s; is lit train running, "
@@ -425,6 +427,9 @@ def main(argv: list[str] | None = None) -> int:
         worker = Worker(agent, args.connect, args.concurrency)
         try:
             n = asyncio.run(worker.run())
+        except security.SecurityError as exc:  # the trainer refused its keys: trying on never helps
+            print(f"lit worker: error: {exc}", file=sys.stderr)
+            return 1
         except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C; SIGTERM (Worker._stop_on_sigterm)
             back = (f"; the {worker.handed_back} it was running went back to the trainer, which runs them again"
                     if worker.handed_back else "")

@@ -192,14 +192,19 @@ def test_each_secured_socket_admits_only_its_own_clients(ctx: zmq.Context, tmp_p
     assert monitor_a.counts == {}
 
 
-def test_the_client_side_counts_the_trainer_refusing_it(ctx: zmq.Context, keys_dir: Path):
+@pytest.mark.parametrize("client, kind", [(_other_client, "unknown_key"), (_wrong_server, "handshake")])
+def test_the_client_side_counts_the_trainer_refusing_it(ctx: zmq.Context, keys_dir: Path, client, kind):
+    """A wrong client key is refused by name; a wrong server key only gets its hellos dropped, which the client
+    takes for a refusal after ``HANDSHAKES_BROKEN`` of them (``keys_refused``)."""
     router, _, endpoint = _router(ctx, load_server_keys(keys_dir))
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
-    monitor = secure_client(sock, _other_client(load_client_keys(keys_dir)))
+    monitor = secure_client(sock, client(load_client_keys(keys_dir)))
+    assert monitor.keys_refused() is None
     sock.connect(endpoint)
-    assert _wait_for(lambda: monitor.total >= 1), monitor.counts
+    assert _wait_for(lambda: monitor.keys_refused() == kind), monitor.counts
     router.close()
+    assert monitor.keys_refused(since=monitor.counts) is None  # what was counted before does not count
 
 
 def test_the_monitor_thread_ends_with_its_socket(ctx: zmq.Context, keys_dir: Path):

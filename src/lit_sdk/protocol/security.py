@@ -38,7 +38,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,7 +72,12 @@ _SERVER_HINTS = {
     "protocol": "a peer broke the ZeroMQ handshake (not a lit process?)",
     "handshake": "a peer did not finish its handshake in time (an idle connection?), or broke it",
 }
-_CLIENT_HINT = (f"the trainer refused this process's keys: {{kind}}; copy {CLIENT_SECRET} and {SERVER_PUBLIC} from "
+KEYS_REFUSED = frozenset({"no_key", "bad_key", "unknown_key"})
+"""The kinds of failed handshake that say the two ends hold keys that do not go together."""
+HANDSHAKES_BROKEN = 3
+"""A client whose handshakes were broken off this many times (``handshake``) takes its server for one that holds
+other keys: a wrong ``server.key`` reads so on the client's side (the server cannot decrypt its hello and drops it)."""
+CLIENT_REFUSED = (f"the trainer refused this process's keys: {{kind}}; copy {CLIENT_SECRET} and {SERVER_PUBLIC} from "
                 f"the trainer's keys folder (its [security] keys_dir) into the folder ${KEYS_ENV} names")
 
 
@@ -246,7 +251,7 @@ def secure_server(sock: zmq.Socket, keys: ServerKeys, watch: Watch | None = None
     return HandshakeMonitor(sock, "refused peers", _SERVER_HINTS, watch)
 
 
-def secure_client(sock: zmq.Socket, keys: ClientKeys, refused: str = _CLIENT_HINT) -> HandshakeMonitor:
+def secure_client(sock: zmq.Socket, keys: ClientKeys, refused: str = CLIENT_REFUSED) -> HandshakeMonitor:
     """Give ``sock`` (before it connects) the client keypair and the trainer's public key; count failed
     handshakes (the trainer does not know this key, or ``server.key`` is not the trainer's), logged as ``refused``
     says (``{kind}``: the kind of failure)."""
@@ -268,7 +273,7 @@ def guard_server(sock: zmq.Socket, endpoint: str, keys: ServerKeys | None, what:
 
 
 def guard_client(sock: zmq.Socket, endpoint: str, keys: ClientKeys | None, what: str,
-                 refused: str = _CLIENT_HINT) -> HandshakeMonitor | None:
+                 refused: str = CLIENT_REFUSED) -> HandshakeMonitor | None:
     """Before ``sock.connect(endpoint)``: refuse a trainer on another machine without keys (``check_connect``),
     and with keys make ``sock`` a CURVE client (``secure_client``). The monitor, or None without keys."""
     check_connect(endpoint, keys, what)
@@ -327,6 +332,15 @@ class HandshakeMonitor:
     def total(self) -> int:
         with self._lock:
             return sum(self._counts.values())
+
+    def keys_refused(self, since: Mapping[str, int] | None = None) -> str | None:
+        """The kind of failure that says the other end holds other keys (``KEYS_REFUSED``, or ``handshake``
+        ``HANDSHAKES_BROKEN`` times), once counted (after ``since``: earlier ``counts``); None before."""
+        counts = {kind: n - (since or {}).get(kind, 0) for kind, n in self.counts.items()}
+        refused = {kind for kind, n in counts.items() if n > 0} & KEYS_REFUSED
+        if refused:
+            return min(refused)
+        return "handshake" if counts.get("handshake", 0) >= HANDSHAKES_BROKEN else None
 
     def wait_stopped(self, timeout: float) -> bool:
         """Wait until the monitored socket is closed and the thread has ended."""

@@ -37,8 +37,6 @@ HELLO, WEIGHTS, ADAPTERS = b"hello", b"weights", b"adapters"
 ADAPTER_SEPARATOR = "::"
 """An adapter's tensors travel as ``<served name>::<peft name>``."""
 KEYS_FIX = "start it with --keys naming a copy of this run's [security] keys_dir"
-REFUSED = frozenset({"no_key", "bad_key", "unknown_key"})
-"""The kinds of failed handshake (``security.HandshakeMonitor``) that say lit serve holds other keys."""
 HEALTH_EVERY_S = 1.0
 """``check_alive`` asks the server's ``/health`` at most this often (the rollouts' wait calls it every 50 ms)."""
 
@@ -144,9 +142,9 @@ class RemoteServer:
             self._monitor = security.guard_client(self._sock, self.endpoint, self.keys, f"lit serve at {self.endpoint}",
                                                   refused)
             self._sock.connect(self.endpoint)
-        deadline = time.monotonic() + timeout_s
-        if self._ready(zmq.POLLOUT, deadline) and self._send(frames):
-            if self._ready(zmq.POLLIN, deadline):
+        deadline, since = time.monotonic() + timeout_s, self._monitor.counts if self._monitor else {}
+        if self._ready(zmq.POLLOUT, deadline, since) and self._send(frames):
+            if self._ready(zmq.POLLIN, deadline, since):
                 answer = msgpack.unpackb(self._sock.recv())
                 if "error" in answer:
                     raise WeightSyncError(f"lit serve at {self.endpoint} refused {what}: {answer['error']}")
@@ -164,14 +162,15 @@ class RemoteServer:
             return False
         return True
 
-    def _ready(self, event: int, deadline: float) -> bool:
+    def _ready(self, event: int, deadline: float, since: dict[str, int]) -> bool:
         """Whether the link is ready for ``event`` (``zmq.POLLOUT``: lit serve let it in; ``POLLIN``: an answer
-        came) before ``deadline``; ``ServerDiedError`` at once when lit serve refuses this trainer's keys."""
+        came) before ``deadline``; ``ServerDiedError`` at once when lit serve refuses this trainer's keys (failed
+        handshakes counted ``since`` the request began)."""
         while True:
-            refused = self._monitor.counts.keys() & REFUSED if self._monitor else set()
+            refused = self._monitor.keys_refused(since) if self._monitor else None
             if refused:
                 self.close()
-                raise ServerDiedError(f"lit serve at {self.endpoint} refused this trainer's keys ({min(refused)}): "
+                raise ServerDiedError(f"lit serve at {self.endpoint} refused this trainer's keys ({refused}): "
                                       f"{KEYS_FIX}")
             left = deadline - time.monotonic()
             if left <= 0:

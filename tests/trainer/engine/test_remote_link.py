@@ -121,7 +121,7 @@ def test_a_push_the_server_cannot_load_is_refused_and_changes_nothing(link):
     remote.close()
 
 
-def test_a_workers_keys_are_refused_at_once_and_a_silent_server_is_named(link, tmp_path):
+def test_other_keys_are_refused_at_once_and_a_silent_server_is_named(link, tmp_path):
     keys, endpoint, host = link
     worker = RemoteServer(endpoint, security.load_client_keys(keys), None, timeout_s=60)
     t0 = time.monotonic()
@@ -129,6 +129,11 @@ def test_a_workers_keys_are_refused_at_once_and_a_silent_server_is_named(link, t
                        r"\(unknown_key\): start it with --keys naming a copy of this run's \[security\] keys_dir"):
         worker.connect()
     assert time.monotonic() - t0 < 10  # at the refusal, not at the timeout
+    security.generate_keys(tmp_path / "another-run")  # lit serve started with another run's keys
+    stranger = RemoteServer(endpoint, security.load_engine_link_keys(tmp_path / "another-run")[1], None, timeout_s=60)
+    with pytest.raises(ServerDiedError, match=r"refused this trainer's keys \(handshake\): start it with --keys"):
+        stranger.connect()  # its hello is dropped every time: 3 times say so
+    assert time.monotonic() - t0 < 20
     assert host.sync.loaded == []
     with socket.socket() as free:  # a port where nothing listens
         free.bind(("127.0.0.1", 0))

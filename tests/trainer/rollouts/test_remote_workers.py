@@ -211,6 +211,8 @@ def test_peers_without_the_keys_are_refused_and_store_nothing(network, tmp_path)
                 with pytest.raises(DispatchError, match="0 of 1 workers connected"):
                     dispatcher.wait_for_workers(1, timeout_s=8)
                 said, _ = intruder.communicate(timeout=30)
+                # a worker the trainer refused stops by itself, naming the fix (the keyless one is never let in)
+                exited = {name: workers[name][0].wait(timeout=120) for name in ("wrong-client", "wrong-trainer")}
             finally:
                 intruder.kill()
                 # the dispatcher knows none of them to tell it to stop
@@ -229,6 +231,7 @@ def test_peers_without_the_keys_are_refused_and_store_nothing(network, tmp_path)
         assert store.counts()["spans"] == 0 and store.spans_of_rollout("forged") == []
         assert dispatcher.workers == {} and dispatcher.rejected == {}
     for name in ("wrong-client", "wrong-trainer"):
-        assert "the trainer refused this process's keys" in outputs[name], outputs[name]
+        assert exited[name] == 1, outputs[name]
+        assert "lit worker: error: the trainer refused this process's keys" in outputs[name], outputs[name]
     if not loopback:  # the worker refuses to go on without keys, before it sends anything
         assert codes["no-keys"] == 1 and "without keys" in outputs["no-keys"], outputs["no-keys"]
