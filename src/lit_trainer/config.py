@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import re
 import tomllib
@@ -201,17 +202,15 @@ class TrainConfig:
         if self.roles:
             self._take_roles()
 
+    @functools.cached_property  # not a field: never compared or saved
     def role_table(self) -> Roles | None:
         """The ``[roles]`` table, checked (its fixed adapters' folders too) once per config; None without one."""
-        if "_role_table" not in self.__dict__:  # not a field: frozen, built on first use, never compared or saved
-            roles = Roles(self.roles, self.inference.served_model_name) if self.roles else None
-            object.__setattr__(self, "_role_table", roles)
-        return self.__dict__["_role_table"]
+        return Roles(self.roles, self.inference.served_model_name) if self.roles else None
 
     def _take_roles(self) -> None:
         """Check the role table against the other sections, and set what it implies: the trained agents and vLLM's
         LoRA serving (each time the config is built, so a changed table changes them)."""
-        roles = self.role_table()
+        roles = self.role_table
         assert roles is not None
         if not self.policy.lora_rank:
             raise ValueError("a [roles] table trains one LoRA adapter per role: set policy.lora_rank (e.g. 16), or "

@@ -84,7 +84,7 @@ def evaluate(cfg: TrainConfig, checkpoint: str | Path | None = None, output: Pat
         if not cfg.roles:
             model = str(found.model_dir)
             cfg = replace(cfg, model=model, inference=replace(cfg.inference, model=model))
-    if roles := cfg.role_table():  # the base model with the checkpoint's adapters, served as fixed ones
+    if roles := cfg.role_table:  # the base model with the checkpoint's adapters, served as fixed ones
         served = _frozen_roles(roles, found) if found else roles.on_base()
         cfg = replace(cfg, roles=dict(served.table), agent=replace(cfg.agent, agents=()))
     run = RunFolder(output_dir or eval_folder(found, cfg.train.output_dir))

@@ -120,7 +120,7 @@ def _run(cfg: TrainConfig, resume: bool, out: RunFolder) -> dict[str, Any]:
         done = [r for r in read_metrics(out.metrics) if r["kind"] == "validation"]
         return done[-1] if done else {}
     torch.manual_seed(cfg.train.seed)
-    roles = cfg.role_table()
+    roles = cfg.role_table
     trainers = Trainers(_policy(cfg, ready), SERVING_DTYPES.get(cfg.inference.dtype),
                         "cpu" if cfg.weight_sync.transport == "shm" else None,
                         served={a: roles.adapter_served_name(a) for a in roles.adapters} if roles else None)
@@ -161,7 +161,7 @@ def _policy(cfg: TrainConfig, ready: Ready) -> Policy:
     weights. Before vLLM starts: one checkpoint of it fits on the disk, or it raises."""
     start = ready.start
     policy_cfg = replace(cfg.policy, model=str(start.model_dir)) if start and not cfg.policy.lora_rank else cfg.policy
-    roles = cfg.role_table()
+    roles = cfg.role_table
     policy = Policy(policy_cfg, cfg.train.trackers, project_dir=str(ready.out.dir),
                     reference=str(ready.base_dir) if cfg.loss.kl_beta > 0 else None,
                     adapters=roles.adapter_map() if roles else None)
@@ -287,7 +287,7 @@ def update_and_push(job: pipeline.UpdateJob, cfg: TrainConfig, step: int, traine
 def _silent_roles(cfg: TrainConfig, episodes: list[Any]) -> str:
     """The trained agents of the ``[roles]`` table that no call of the first step's rollouts came from, in words
     ("" when every one called): their adapters would train on nothing."""
-    roles = cfg.role_table()
+    roles = cfg.role_table
     if roles is None:
         return ""
     seen = {t.agent for e in episodes for t in e.transitions}

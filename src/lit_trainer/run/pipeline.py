@@ -96,7 +96,7 @@ def prepare(episodes: Sequence[Episode], cfg: TrainConfig, step: int, dispatched
                           f"{SAMPLING_FIX}")
     advantages, adv_metrics = episode_advantages(kept, cfg.credit, cfg.advantages)
     metrics.update(adv_metrics)
-    roles = cfg.role_table()
+    roles = cfg.role_table
     if roles is not None:  # each adapter's calls are a group of their own: normalised among themselves
         advantages = _role_advantages(kept, roles, cfg, advantages, metrics)
     # rollouts run for nothing: their group gave no call an advantage (all rewards equal, or a group of one)
@@ -209,7 +209,7 @@ def check(fleet: Fleet, policy: Policy, pairs: Pairs, cfg: TrainConfig, step: in
     if not every or not (step == 1 or step % every == 0):
         return {}
     scorer = scorer or functools.partial(score, policy)
-    roles = cfg.role_table()
+    roles = cfg.role_table
     if roles is None:
         return _gap_metrics(fleet.logprob_gaps(scorer, [t.prompt_ids for t, _ in pairs[:2]],
                                                cfg.weight_sync.logprob_tolerance), step, "")

@@ -69,7 +69,7 @@ def preflight(cfg: TrainConfig, resume: bool, out: RunFolder) -> Ready:
         print(f"lit: {out.dir} is already trained to step {start.step} of {cfg.train.steps}; raise train.steps to "
               "go on, or choose another train.output_dir", file=sys.stderr)
         return Ready(out, start, [], [], {}, None)
-    if (roles := cfg.role_table()) is not None and not roles.adapters:
+    if (roles := cfg.role_table) is not None and not roles.adapters:
         raise ConfigError("the [roles] table trains no agent: give at least one agent \"own\" or \"shared\"")
     train_tasks, val_tasks = load_tasks(cfg.data)
     if cfg.rollouts.rest_after and (problem := check_rest_by(train_tasks, cfg.rollouts.rest_by)):

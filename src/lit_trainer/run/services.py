@@ -126,7 +126,7 @@ def services(cfg: TrainConfig, store_path: Path, spool_dir: Path, keys_dir: Path
         stack.callback(fleet.stop)
         fleet.launch()  # vLLM loads while the workers start: their URLs are known now (the remote ones' too)
         servers = [s.openai_url for s in fleet.servers]
-        roles = cfg.role_table()
+        roles = cfg.role_table
         gateway = stack.enter_context(Gateway(store, servers, cfg.inference.host, teachers=teachers,
                                               routes=roles.routes() if roles else None,
                                               base_model=cfg.inference.served_model_name))
